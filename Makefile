@@ -1,0 +1,19 @@
+# The two Quickstart commands of the README: `make demo` and `make test`.
+# Both create .venv on first use (CPU torch pinned: nothing here pulls CUDA wheels).
+VENV ?= .venv
+PIP_FLAGS := -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
+	touch $@
+
+.PHONY: install demo test
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/vericache demo
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q

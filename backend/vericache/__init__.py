@@ -1,0 +1,8 @@
+"""VeriCache: lossless LLM inference from lossy KV caches."""
+
+from vericache.engine.sequence import RequestOutput
+from vericache.llm import LLM
+from vericache.model.loader import resolve_model
+from vericache.sampling import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "resolve_model"]

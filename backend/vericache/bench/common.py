@@ -1,0 +1,40 @@
+"""Shared pieces of the benchmark commands: prompts, recording, plotting."""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+import sys
+from pathlib import Path
+
+from vericache.eval.run_model_eval import heldout_tokens
+
+
+def code_prompt(tokenizer, n_tokens: int) -> list[int]:
+    """``n_tokens`` of real held-out standard-library code (repeated if the split is shorter)."""
+    ids = heldout_tokens(tokenizer)
+    while len(ids) < n_tokens:
+        ids = ids + ids
+    return ids[:n_tokens]
+
+
+def command_line() -> str:
+    return "vericache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def record(path: str | None, title: str, markdown: str) -> None:
+    """Append a section with the exact command, the date and the figures to a markdown file."""
+    if not path:
+        return
+    f = Path(path)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    with f.open("a") as out:
+        out.write(f"\n## {title} ({stamp})\n\nCommand: `{command_line()}`\n\n{markdown}\n")
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""The ``vericache`` command line: generate, train-tiny, eval-model, bench, compressors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="bundled model name or Hugging Face directory (default: tiny)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from vericache import LLM, SamplingParams
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of --prompt or --prompt-file")
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    out = llm.generate(prompt, params)[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
+                          "finish_reason": out.finish_reason, "stats": out.stats}))
+    else:
+        print(out.text)
+        s = out.stats
+        print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
+              f"{s['decode_tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s'] * 1e3:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from vericache.demo import run_demo
+
+    run_demo(args.model, device=args.device, dtype=args.dtype)
+    return 0
+
+
+def _cmd_train_tiny(args: argparse.Namespace) -> int:
+    from vericache.train.trainer import TrainConfig, export_checkpoint, train
+
+    tc = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads)
+    if args.export_to:
+        print(f"exported {export_checkpoint(tc, args.export_to)}")
+        return 0
+    train(tc, log=lambda m: print(m, flush=True))
+    return 0
+
+
+def _cmd_eval_model(args: argparse.Namespace) -> int:
+    from vericache.eval.run_model_eval import run_model_eval
+
+    result = run_model_eval(args.model, n=args.n, device=args.device, dtype=args.dtype)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo", help="the Quickstart demo on the bundled model")
+    _add_model_args(d)
+    d.set_defaults(func=_cmd_demo)
+
+    t = sub.add_parser("train-tiny", help="train the bundled model (resumable)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--minutes", type=float, default=120.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--export-to", default=None, help="only export the run's latest checkpoint to this directory")
+    t.set_defaults(func=_cmd_train_tiny)
+
+    e = sub.add_parser("eval-model", help="held-out loss, retrieval and tool-call exact match of a model")
+    _add_model_args(e)
+    e.add_argument("--n", type=int, default=50, help="tasks per metric")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_eval_model)
+
+    from vericache.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"vericache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"vericache {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

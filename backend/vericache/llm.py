@@ -1,0 +1,41 @@
+"""The user-facing Python API: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import torch
+
+from vericache.engine.engine import Engine
+from vericache.engine.sequence import RequestOutput
+from vericache.model.loader import load_model
+from vericache.model.tokenizer import Tokenizer
+from vericache.sampling import SamplingParams
+
+
+class LLM:
+    """Load a model (a bundled name such as "tiny", or a Hugging Face directory) and generate."""
+
+    def __init__(self, model: str = "tiny", device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None) -> None:
+        self.loaded = load_model(model, device=device, dtype=dtype)
+        self.engine = Engine(self.loaded)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError(f"prompts must be a non-empty string or list of strings, got {prompts!r:.80}")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        seqs = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) or not p:
+                raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
+            seqs.append(self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
+        self._next_id += len(prompts)
+        return self.engine.generate_full(seqs)

@@ -1,0 +1,190 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch.
+
+The forward is *packed*: the tokens of several sequences are concatenated into
+one flat batch ``tokens: [N]``; sequence i contributes ``seq_lens[i]`` tokens
+at the explicit positions ``starts[i] .. starts[i] + seq_lens[i] - 1``.
+Attention is the only place where sequences are kept apart, and it is delegated to each sequence's KV cache
+object (``cache.attend``). That single seam lets one forward serve a prefill
+chunk, a one-token decode step and a k-token verification chunk, over a full
+cache or a compressed one, with no globals and no hooks.
+
+Shapes: N = total tokens, Hq = query heads, Hkv = KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vericache.config import ModelConfig
+
+
+class AttentionCache(Protocol):
+    """What the forward needs from a KV cache: store new K/V, attend over all."""
+
+    def begin(self, start: int, count: int) -> None:
+        """A forward will write positions start..start+count-1; later positions are dropped (rollback)."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [Hq, T, D]; k, v: [Hkv, T, D] (rotated) for the positions given to ``begin``. Returns [Hq, T, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] with linear or llama3 scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif cfg.rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [H, N, D]; cos, sin: [N, D]. Half-split rotation (the Hugging Face layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, b = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=b)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                seq_lens: Sequence[int],
+                caches: Sequence[AttentionCache] | None) -> torch.Tensor:
+        # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if caches is None:
+            out = self._causal_no_cache(q, k, v, seq_lens)
+        else:
+            outs, start = [], 0
+            for cache, t in zip(caches, seq_lens):
+                sl = slice(start, start + t)
+                outs.append(cache.attend(layer, q[:, sl], k[:, sl], v[:, sl]))
+                start += t
+            out = torch.cat(outs, dim=1)
+        # out: [Hq, N, D] -> [N, Hq*D]
+        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+
+    def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seq_lens: Sequence[int]) -> torch.Tensor:
+        """Training / scoring path: each sequence attends causally to itself only."""
+        groups = self.n_heads // self.n_kv
+        if len(set(seq_lens)) == 1:  # equal lengths: one batched kernel call
+            b, t = len(seq_lens), seq_lens[0]
+            qb = q.view(self.n_heads, b, t, -1).transpose(0, 1)   # [B, Hq, T, D]
+            kb = k.view(self.n_kv, b, t, -1).transpose(0, 1).repeat_interleave(groups, dim=1)
+            vb = v.view(self.n_kv, b, t, -1).transpose(0, 1).repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+            return out.transpose(0, 1).reshape(self.n_heads, b * t, -1)
+        outs, start = [], 0
+        for t in seq_lens:
+            sl = slice(start, start + t)
+            kk = k[:, sl].repeat_interleave(groups, dim=0)
+            vv = v[:, sl].repeat_interleave(groups, dim=0)
+            outs.append(F.scaled_dot_product_attention(q[:, sl], kk, vv, is_causal=True))
+            start += t
+        return torch.cat(outs, dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj``) so checkpoints load as-is."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
+                caches: Sequence[AttentionCache] | None = None,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [N] (packed sequences); returns logits [N, V] (or [M, V] with ``logits_index``).
+
+        ``logits_index`` ([M] indices into N) restricts the LM head to the rows
+        that are sampled from (the last prefill token, say), which saves a
+        [N, V] matmul on long prefills.
+        """
+        if sum(seq_lens) != tokens.shape[0]:
+            raise ValueError(f"seq_lens sum to {sum(seq_lens)} but there are {tokens.shape[0]} tokens")
+        if caches is not None:
+            for cache, s, t in zip(caches, starts, seq_lens):
+                cache.begin(s, t)
+        positions = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, seq_lens)]).to(tokens.device)
+        x = self.model.embed_tokens(tokens)                                # [N, hidden]
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)           # [N, D]
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if logits_index is not None:
+            x = x[logits_index]
+        return self.lm_head(self.model.norm(x)).float()

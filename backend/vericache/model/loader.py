@@ -1,0 +1,118 @@
+"""Load a Hugging Face model directory: config, weights, tokenizer, EOS ids."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from vericache.config import ModelConfig, ModelConfigError
+from vericache.model.llama import Transformer
+from vericache.model.tokenizer import Tokenizer
+
+BUNDLED_MODELS = ("tiny",)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """The Hugging Face directory of a model: a bundled name ("tiny") or a path."""
+    if str(name_or_path) in BUNDLED_MODELS:
+        return Path(__file__).resolve().parent.parent / "models" / str(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ModelConfigError(
+            f"model {str(name_or_path)!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
+            f"nor a directory"
+        )
+    return path
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelConfigError(f"corrupt weight index {index}: {exc}") from None
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    raise ModelConfigError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(model_dir):
+        try:
+            state.update(load_file(str(f)))
+        except FileNotFoundError:
+            raise ModelConfigError(f"weight shard missing: {f}") from None
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelConfigError(f"corrupt weight file {f}: {exc}") from None
+    return state
+
+
+def read_eos_ids(model_dir: Path, cfg: ModelConfig) -> list[int]:
+    """EOS ids from generation_config.json when present (it wins, as in transformers), else config.json."""
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"corrupt {gen}: {exc}") from None
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return list(cfg.eos_token_id)
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None) -> LoadedModel:
+    path = resolve_model(name_or_path)
+    dev = torch.device(device) if device is not None else default_device()
+    dt = parse_dtype(dtype, dev)
+    cfg = ModelConfig.from_file(path / "config.json")
+    model = Transformer(cfg)
+    state = load_state_dict(path)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ModelConfigError(
+            f"weights in {path} do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    model = model.to(device=dev, dtype=dt).eval()
+    model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay fp32 whatever the weights are
+    tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt)

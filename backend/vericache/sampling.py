@@ -1,0 +1,96 @@
+"""Sampling parameters, token sampling, and the speculative accept/resample rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise TypeError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self.stop_list = stops
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self) -> torch.Generator:
+        """The request's own RNG: seeded runs are reproducible whatever else is batched with them."""
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        return g
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [T, V] -> probabilities [T, V] after temperature, top-k and top-p (fp32)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs: [V] -> one token id, drawn with the request's generator (on CPU, for reproducibility)."""
+    return int(torch.multinomial(probs.detach().cpu(), 1, generator=generator).item())
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """logits: [V] -> the next token: argmax when greedy, else a draw."""
+    if params.greedy:
+        return int(logits.argmax().item())
+    return sample_token(probs_from_logits(logits[None], params)[0], generator)
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int | None]:
+    """Leviathan et al.: accept a draft token x ~ q with prob min(1, p[x]/q[x]).
+
+    p, q: [V] target and draft probabilities at one position. Returns
+    (accepted, replacement): on rejection the replacement is drawn from
+    normalise(max(p - q, 0)), which makes the output distributed exactly as p.
+    """
+    ratio = (p[token] / q[token].clamp_min(1e-20)).item()
+    u = torch.rand(1, generator=generator).item()
+    if u < min(1.0, ratio):
+        return True, None
+    residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    residual = p if total.item() <= 0 else residual / total
+    return False, sample_token(residual, generator)

@@ -1,0 +1,22 @@
+"""Session-wide fixtures: the bundled model is loaded once, in fp32 on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+import vericache
+
+
+@pytest.fixture(scope="session")
+def llm() -> vericache.LLM:
+    return vericache.LLM("tiny", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def code_prompts(llm) -> dict[str, str]:
+    """A short, a medium and a ~1K-token prompt of real (held-out) standard-library code."""
+    from vericache.bench.common import code_prompt
+
+    ids = code_prompt(llm.tokenizer, 1100)
+    return {"short": "def add(a, b):\n    return", "medium": llm.tokenizer.decode(ids[:200]),
+            "long": llm.tokenizer.decode(ids[:1100])}

@@ -1,0 +1,46 @@
+"""The ``vericache`` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vericache.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_json(llm):
+    r = run("generate", "--prompt", "def add(a, b):", "--max-tokens", "6", "--json", "--device", "cpu",
+            "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "token_ids", "prompt_tokens", "finish_reason", "stats"}
+    api = llm.generate("def add(a, b):", __import__("vericache").SamplingParams(max_tokens=6))[0]
+    assert out["token_ids"] == api.token_ids
+    assert out["prompt_tokens"] == len(api.prompt_token_ids)
+
+
+def test_errors_are_one_line_without_traceback(tmp_path):
+    for args, needle in [
+        (("generate", "--prompt", "x", "--max-tokens", "0"), "max_tokens must be >= 1"),
+        (("generate", "--prompt", "x", "--temperature", "-1"), "temperature must be >= 0"),
+        (("generate", "--prompt", ""), "empty"),
+        (("generate", "--prompt", "x", "--model", str(tmp_path / "nope")), "nope"),
+        (("generate", "--prompt", "x", "--top-p", "2"), "top_p"),
+    ]:
+        r = run(*args)
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr
+        assert needle in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_prompt_file(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("import os\n")
+    r = run("generate", "--prompt-file", str(f), "--max-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] > 0
