@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vericache.engine.engine import Engine
+from vericache.compress.base import Compressor
+from vericache.engine.engine import DEFAULT_COMPRESSOR, Engine
 from vericache.engine.sequence import RequestOutput
 from vericache.model.loader import load_model
 from vericache.model.tokenizer import Tokenizer
@@ -12,12 +13,20 @@ from vericache.sampling import SamplingParams
 
 
 class LLM:
-    """Load a model (a bundled name such as "tiny", or a Hugging Face directory) and generate."""
+    """Load a model (a bundled name such as "tiny", or a Hugging Face directory) and generate.
+
+    mode: "full" (full-KV decoding), "lossy" (decode from the compressed KV: the lossy
+    baselines) or "vericache" (draft from the compressed KV, verify with the full KV: lossless).
+    compressor: a spec string such as "snapkv:ratio=0.25" or "snapkv:ratio=0.25+kivi:bits=4".
+    draft_len: tokens drafted per round, or "auto" (adapts per request).
+    """
 
     def __init__(self, model: str = "tiny", device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None) -> None:
+                 dtype: str | torch.dtype | None = None, mode: str = "full",
+                 compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto") -> None:
+        self.engine = None
         self.loaded = load_model(model, device=device, dtype=dtype)
-        self.engine = Engine(self.loaded)
+        self.engine = Engine(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len)
         self._next_id = 0
 
     @property
@@ -38,4 +47,4 @@ class LLM:
                 raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
             seqs.append(self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
         self._next_id += len(prompts)
-        return self.engine.generate_full(seqs)
+        return self.engine.generate(seqs)

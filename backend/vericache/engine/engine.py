@@ -11,19 +11,47 @@ from typing import Sequence as Seq
 
 import torch
 
+from vericache.compress.base import Compressor
+from vericache.compress.registry import parse_compressor
 from vericache.engine.sequence import RequestOutput, Sequence
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams, choose_token
+from vericache.spec.adaptive import DraftLengthPolicy
+from vericache.spec.decoding import SpecDecoder
+
+
+MODES = ("full", "lossy", "vericache")
+DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, prefill_chunk: int = 2048) -> None:
+    def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
+                 draft_len: int | str = "auto", prefill_chunk: int = 2048) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.prefill_chunk = prefill_chunk
+        self.mode = mode
+        self.compressor = parse_compressor(compressor)
+        self.policy = DraftLengthPolicy.from_arg(draft_len)
+
+    def generate(self, seqs: list[Sequence], mode: str | None = None) -> list[RequestOutput]:
+        """Run requests to completion in ``mode`` (default: the engine's)."""
+        mode = mode or self.mode
+        if mode == "full":
+            return self.generate_full(seqs)
+        decoder = SpecDecoder(self, self.compressor, self.policy)
+        if mode == "lossy":
+            decoder.generate_lossy(seqs)
+        elif mode == "vericache":
+            decoder.generate_vericache(seqs)
+        else:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        return [s.to_output() for s in seqs]
 
     # ------------------------------------------------------------------ limits
     @property

@@ -52,10 +52,12 @@ class FullKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    def nbytes_per_position(self) -> int:
+        return 2 * self.cfg.num_hidden_layers * self.cfg.num_key_value_heads * self.cfg.head_dim * self.k.element_size()
+
     def nbytes(self) -> int:
         """Bytes held for valid positions (what a transfer of this KV would move)."""
-        per_pos = 2 * self.cfg.num_hidden_layers * self.cfg.num_key_value_heads * self.cfg.head_dim
-        return self.length * per_pos * self.k.element_size()
+        return self.length * self.nbytes_per_position()
 
     def _grow(self, needed: int) -> None:
         new_cap = max(needed, 2 * self.capacity)

@@ -1,0 +1,146 @@
+"""The compressor interface.
+
+A compressor is a small dataclass. It never touches the model: the compressed
+cache (``vericache.kv.compressed``) calls it when a batch of committed tokens
+leaves the full-precision recent window (the KIVI residual idea), so it works
+during decoding, not only at prefill.
+
+- Eviction methods rank tokens: they write only ``score`` (higher = keep);
+  the cache keeps the top ``ratio`` of all tokens seen, per KV head.
+- Quantization methods write ``encode``: K/V of a batch of tokens -> stored
+  rows (the codes and their scales, whose bytes are what we report) and the
+  dequantised K/V the draft attention reads.
+- ``a+b`` composes one eviction and one quantization method (``Composed``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class ScoreInputs:
+    """What an eviction scorer sees for one layer.
+
+    keys: [Hkv, S, D] candidate keys (dequantised), positions: [Hkv, S];
+    queries: [Hq, W, D] the most recent observed queries (rotated);
+    state: a per-layer dict the scorer may keep across compression events
+    (rows are gathered alongside the kept tokens when the key is in ``row_state``).
+    """
+    layer: int
+    keys: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor
+    state: dict[str, Any]
+    prompt_len: int
+
+
+def observed_attention(inp: ScoreInputs) -> torch.Tensor:
+    """Attention probabilities of the observed queries over the candidates, summed per KV head: [Hkv, W, S]."""
+    hq, w, d = inp.queries.shape
+    hkv, s, _ = inp.keys.shape
+    q = inp.queries.view(hkv, hq // hkv, w, d).float()              # [Hkv, G, W, D]
+    logits = torch.einsum("hgwd,hsd->hgws", q, inp.keys.float()) / math.sqrt(d)
+    return torch.softmax(logits, dim=-1).sum(dim=1)                  # [Hkv, W, S]
+
+
+@dataclass
+class Compressor:
+    """Base of every method. ``window`` recent tokens always stay in full precision."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # "eviction" or "quantization"
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"{self.name}: window must be an integer >= 1, got {self.window!r}")
+
+    # -- eviction ---------------------------------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        return self.kind == "eviction"
+
+    @property
+    def quantizes(self) -> bool:
+        return self.kind == "quantization"
+
+    def keep_budget(self, total_tokens: int) -> int | None:
+        """How many tokens (per KV head) to keep of ``total_tokens``; None = keep all."""
+        return None
+
+    def score(self, inp: ScoreInputs) -> torch.Tensor:
+        """[Hkv, S] importance of each candidate; higher is kept."""
+        raise NotImplementedError
+
+    def on_prefill(self, model, full_cache, prompt_ids: list[int], tokenizer) -> dict[int, torch.Tensor] | None:
+        """Optional extra prefill work (KVzip); returns per-layer [Hkv, P] prompt scores."""
+        return None
+
+    # -- quantization -----------------------------------------------------------------------
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """k, v: [Hkv, n, D] -> (rows {name: [Hkv, n, ...]}, k_hat, v_hat); identity by default."""
+        return {"k": k, "v": v}, k, v
+
+    def spec(self) -> str:
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.init)
+        return f"{self.name}:{params}" if params else self.name
+
+
+@dataclass
+class EvictionCompressor(Compressor):
+    """Keeps ``ratio`` of the tokens seen so far (at least the recent window)."""
+
+    kind: ClassVar[str] = "eviction"
+    ratio: float = 0.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise ValueError(f"{self.name}: ratio must be in (0, 1], got {self.ratio!r}")
+
+    def keep_budget(self, total_tokens: int) -> int:
+        return max(math.ceil(self.ratio * total_tokens), 1)
+
+
+@dataclass
+class QuantCompressor(Compressor):
+    kind: ClassVar[str] = "quantization"
+
+
+@dataclass
+class Composed(Compressor):
+    """Eviction then quantization: ``snapkv:ratio=0.25+kivi:bits=4``."""
+
+    evictor: EvictionCompressor = field(default=None)  # type: ignore[assignment]
+    quantizer: QuantCompressor = field(default=None)  # type: ignore[assignment]
+    name: ClassVar[str] = "composed"
+    kind: ClassVar[str] = "composed"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.evictor, EvictionCompressor) or not isinstance(self.quantizer, QuantCompressor):
+            raise ValueError("a composition is one eviction method followed by one quantization method, "
+                             f"got {type(self.evictor).__name__} + {type(self.quantizer).__name__}")
+        self.window = max(self.evictor.window, self.quantizer.window)
+
+    evicts = property(lambda self: True)
+    quantizes = property(lambda self: True)
+
+    def keep_budget(self, total_tokens: int) -> int:
+        return self.evictor.keep_budget(total_tokens)
+
+    def score(self, inp: ScoreInputs) -> torch.Tensor:
+        return self.evictor.score(inp)
+
+    def on_prefill(self, model, full_cache, prompt_ids, tokenizer):
+        return self.evictor.on_prefill(model, full_cache, prompt_ids, tokenizer)
+
+    def encode(self, k, v):
+        return self.quantizer.encode(k, v)
+
+    def spec(self) -> str:
+        return f"{self.evictor.spec()}+{self.quantizer.spec()}"
