@@ -14,6 +14,37 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
 
 
+def _add_mode_args(p: argparse.ArgumentParser) -> None:
+    from vericache.engine.engine import DEFAULT_COMPRESSOR, MODES
+
+    p.add_argument("--mode", default="full", choices=MODES)
+    p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
+    p.add_argument("--draft-len", default="auto", type=_draft_len, help="tokens per draft round, or auto")
+
+
+def _draft_len(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-len must be an integer or 'auto', got {text!r}") from None
+
+
+def _cmd_compressors(args: argparse.Namespace) -> int:
+    from vericache.compress.registry import describe_methods
+
+    rows = describe_methods()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        params = ", ".join(f"{k}={v}" for k, v in r["parameters"].items())
+        print(f"{r['name']:<10} {r['kind']:<13} {params:<40} {r['summary']}")
+    print("compose eviction then quantization with '+', e.g. snapkv:ratio=0.25+kivi:bits=4")
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from vericache import LLM, SamplingParams
 
@@ -22,7 +53,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, mode=args.mode, compressor=args.compressor,
+              draft_len=args.draft_len)
     out = llm.generate(prompt, params)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
@@ -67,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     _add_model_args(g)
+    _add_mode_args(g)
     g.add_argument("--prompt")
     g.add_argument("--prompt-file")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -77,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("compressors", help="list KV compression methods, their parameters and defaults")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=_cmd_compressors)
 
     d = sub.add_parser("demo", help="the Quickstart demo on the bundled model")
     _add_model_args(d)

@@ -124,12 +124,16 @@ class IntQuant(QuantCompressor):
 
 @dataclass
 class Int4(IntQuant):
+    """INT4: per-token asymmetric 4-bit codes in channel groups of ``group``, fp16 scale and zero."""
+
     name: ClassVar[str] = "int4"
     bits: int = 4
 
 
 @dataclass
 class Int8(IntQuant):
+    """INT8: per-token asymmetric 8-bit codes in channel groups of ``group``, fp16 scale and zero."""
+
     name: ClassVar[str] = "int8"
     bits: int = 8
 

@@ -1,0 +1,129 @@
+"""The compressor interface: spec strings, each method's storage, budgets and byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache.compress.base import Composed
+from vericache.compress.quant import pack_bits, unpack_bits
+from vericache.compress.registry import METHODS, describe_methods, parse_compressor
+from vericache.kv.compressed import CompressedKVCache
+
+EVICTION = ["streaming", "snapkv", "h2o", "kvzip"]
+QUANT = ["kivi", "int4", "int8", "fp8"]
+
+
+def test_registry_lists_every_method():
+    assert set(METHODS) == set(EVICTION + QUANT)
+    rows = {r["name"]: r for r in describe_methods()}
+    assert rows["kivi"]["parameters"]["bits"] == 2 and rows["snapkv"]["parameters"]["ratio"] == 0.25
+
+
+def test_spec_strings():
+    c = parse_compressor("snapkv:ratio=0.125,window=16")
+    assert (c.ratio, c.window) == (0.125, 16)
+    comp = parse_compressor("snapkv:ratio=0.25+kivi:bits=4")
+    assert isinstance(comp, Composed) and comp.quantizer.bits == 4 and comp.evictor.ratio == 0.25
+    assert parse_compressor(comp.spec()).spec() == comp.spec()
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("zip", "unknown compressor 'zip'; available: streaming, snapkv"),
+    ("snapkv:rate=0.5", "unknown parameter 'rate'; parameters: window, ratio"),
+    ("snapkv:ratio=2", "ratio must be in (0, 1], got 2.0"),
+    ("snapkv:ratio=abc", "ratio='abc' is not a valid float"),
+    ("kivi:bits=3", "bits must be one of (2, 4), got 3"),
+    ("kivi+snapkv", "eviction+quantization"),
+    ("snapkv:ratio", "expected key=value"),
+    ("", "non-empty"),
+])
+def test_bad_specs_name_what_exists(spec, needle):
+    with pytest.raises(ValueError) as e:
+        parse_compressor(spec)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bit_packing_roundtrip(bits):
+    codes = torch.randint(0, 2**bits, (2, 5, 64), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(unpack_bits(packed, bits), codes)
+
+
+def _filled_cache(llm, spec: str, n: int, seed: int = 0) -> CompressedKVCache:
+    model = llm.loaded.model
+    cache = CompressedKVCache(parse_compressor(spec), model.config, "cpu", torch.float32)
+    ids = torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(ids, [0], [n], [cache])
+    cache.commit(n)
+    return cache
+
+
+@pytest.mark.parametrize("method", EVICTION)
+def test_eviction_budget_tracks_ratio_while_growing(llm, method):
+    cache = _filled_cache(llm, f"{method}:ratio=0.2", 400)
+    assert abs(cache.kept_tokens() - 0.2 * 400) <= 1
+    model = llm.loaded.model
+    with torch.no_grad():  # decode 200 more tokens, committing as lossy mode does
+        for pos in range(400, 600):
+            model(torch.tensor([7]), [pos], [1], [cache])
+            cache.commit(pos + 1)
+    # re-scored every `window` tokens: the kept set follows 20% of the grown sequence
+    assert 0.2 * 600 - 1 <= cache.kept_tokens() <= 0.2 * 600 + cache.window
+    assert cache.nbytes() / cache.full_nbytes() < 0.3
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("kivi:bits=2", (2 * 64 * 2 / 8 + 2 * 2 * 2 + 2 * 64 * 2 / 32) / (2 * 64 * 4)),  # codes + v scales + shared k scales
+    ("int4", (2 * 64 * 4 / 8 + 2 * 2 * 2 * 2) / (2 * 64 * 4)),
+    ("int8", (2 * 64 + 2 * 2 * 2 * 2) / (2 * 64 * 4)),
+    ("fp8", (2 * 64 + 2 * 2) / (2 * 64 * 4)),
+])
+def test_quantized_bytes_are_measured(llm, spec, expected):
+    """Per token and head, bytes held in the store match the format (fp32 model: 4-byte baseline)."""
+    cache = _filled_cache(llm, spec, 1024 + 32)
+    store_tokens = cache.res_start
+    store_bytes = cache.nbytes() - cache.residual.nbytes()
+    full_store = store_tokens * cache.residual.nbytes_per_position()
+    assert store_bytes / full_store == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("method, max_rel_err", [("kivi", 0.5), ("int4", 0.2), ("int8", 0.02), ("fp8", 0.1)])
+def test_quantization_error_is_small_but_nonzero(llm, method, max_rel_err):
+    from vericache.kv.full import FullKVCache
+
+    cache = _filled_cache(llm, method, 300, seed=3)
+    model = llm.loaded.model
+    exact = FullKVCache(model.config, "cpu", torch.float32)
+    with torch.no_grad():
+        model(torch.randint(0, 4000, (300,), generator=torch.Generator().manual_seed(3)), [0], [300], [exact])
+    n = cache.res_start
+    ref = exact.v[0, :, :n]
+    rel = ((cache.store_v[0] - ref).norm() / ref.norm()).item()
+    assert 0 < rel < max_rel_err  # live, and a quantizer rather than noise
+    assert torch.equal(cache.residual.k[0, :, : cache.residual.length], exact.k[0, :, n:300])  # residual exact
+
+
+def test_rollback_cannot_reach_compressed_positions(llm):
+    cache = _filled_cache(llm, "snapkv:ratio=0.5", 300)
+    with pytest.raises(ValueError, match="compressed"):
+        cache.begin(10, 1)
+
+
+@pytest.mark.parametrize("spec", EVICTION + QUANT)
+def test_lossy_logits_differ_from_full(llm, spec):
+    """Decoding one token over the compressed cache gives different logits than over the full cache."""
+    from vericache.kv.full import FullKVCache
+
+    model = llm.loaded.model
+    ids = torch.randint(0, 4000, (400,), generator=torch.Generator().manual_seed(5))
+    cache = _filled_cache(llm, spec, 400, seed=5)
+    exact = FullKVCache(model.config, "cpu", torch.float32)
+    with torch.no_grad():
+        model(ids, [0], [400], [exact])
+        a = model(torch.tensor([9]), [400], [1], [cache])
+        b = model(torch.tensor([9]), [400], [1], [exact])
+    assert (a - b).abs().max().item() > 1e-4
