@@ -93,6 +93,23 @@ def _cmd_eval_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from vericache.bench.common import markdown_table, record
+    from vericache.eval.functional import plot_functional, run_functional_eval
+
+    configs = args.compressors.split(";") if args.compressors else None
+    rows = run_functional_eval(args.model, configs, n=args.n, context_tokens=args.context,
+                               max_tokens=args.max_tokens, log=(lambda m: None) if args.json else print)
+    cols = ["config", "compression_ratio", "code_parse_rate", "code_exact_match_with_full", "toolcall_argument_em"]
+    table = markdown_table(rows, cols)
+    print(json.dumps({"rows": rows}) if args.json else table)
+    if args.plot:
+        plot_functional(rows, args.plot)
+    record(args.record, "Functional quality: full vs lossy vs VeriCache",
+           table + (f"\n\n![quality]({Path(args.plot).name})" if args.plot else ""), args.argv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_eval_model)
 
+    q = sub.add_parser("eval", help="code and tool-call quality: full vs lossy vs vericache per compressor")
+    q.add_argument("--model", default="tiny")
+    q.add_argument("--compressors", default=None, help="';'-separated specs (default: every method at 1/2, 1/4, "
+                                                        "1/8 and 4/2 bits)")
+    q.add_argument("--n", type=int, default=8, help="tasks per workload")
+    q.add_argument("--context", type=int, default=1536)
+    q.add_argument("--max-tokens", type=int, default=48)
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--plot", default=None)
+    q.add_argument("--record", default=None)
+    q.set_defaults(func=_cmd_eval)
+
     from vericache.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -141,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with benchmark figures
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

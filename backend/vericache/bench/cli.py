@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def _ints(text: str) -> list[int]:
@@ -13,31 +14,43 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _cmd_baseline(args: argparse.Namespace) -> int:
+def _cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache.bench.decode import baseline_markdown, run_decode_baseline
     from vericache.bench.common import record
+    from vericache.bench.decode import decode_markdown, plot_decode, run_decode_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run_decode_baseline(args.model, args.context, args.max_tokens)
-    if args.json:
-        print(json.dumps({"rows": rows}))
-    else:
-        print(baseline_markdown(rows))
-    record(args.record, "Full-KV decode vs Hugging Face transformers (CPU, fp32)", baseline_markdown(rows))
+    modes = [m for m in args.modes.split(",") if m]
+    rows = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
+                            with_transformers=not args.no_transformers,
+                            log=(lambda m: None) if args.json else print)
+    if args.plot:
+        plot_decode(rows, args.plot)
+    print(json.dumps({"rows": rows}) if args.json else decode_markdown(rows))
+    title = f"Decode: {', '.join(modes)} (CPU, fp32, batch 1, {torch.get_num_threads()} threads)"
+    plot_md = f"\n\n![decode]({Path(args.plot).name})" if args.plot else ""
+    record(args.record, title, decode_markdown(rows) + plot_md, args.argv)
     return 0
 
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    b = bsub.add_parser("decode", help="decode tokens/s: our full-KV decode vs transformers generate")
+    from vericache.cli import _draft_len
+    from vericache.engine.engine import DEFAULT_COMPRESSOR
+
+    b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
     b.add_argument("--model", default="tiny")
+    b.add_argument("--modes", default="full", help="comma-separated: full,lossy,vericache")
+    b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
+    b.add_argument("--draft-len", default="auto", type=_draft_len)
     b.add_argument("--context", type=_ints, default=[1024, 4096, 16384])
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--json", action="store_true")
+    b.add_argument("--plot", default=None, help="write a PNG bar chart here")
     b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
-    b.set_defaults(func=_cmd_baseline)
+    b.set_defaults(func=_cmd_decode)

@@ -18,11 +18,11 @@ def code_prompt(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def command_line() -> str:
-    return "vericache " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def command_line(argv: list[str] | None = None) -> str:
+    return "vericache " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
-def record(path: str | None, title: str, markdown: str) -> None:
+def record(path: str | None, title: str, markdown: str, argv: list[str] | None = None) -> None:
     """Append a section with the exact command, the date and the figures to a markdown file."""
     if not path:
         return
@@ -30,7 +30,7 @@ def record(path: str | None, title: str, markdown: str) -> None:
     f.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with f.open("a") as out:
-        out.write(f"\n## {title} ({stamp})\n\nCommand: `{command_line()}`\n\n{markdown}\n")
+        out.write(f"\n## {title} ({stamp})\n\nCommand: `{command_line(argv)}`\n\n{markdown}\n")
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:

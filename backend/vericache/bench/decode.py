@@ -34,25 +34,67 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
-def run_decode_baseline(model: str, contexts: list[int], max_tokens: int, log=print) -> list[dict]:
-    llm = LLM(model, device="cpu", dtype="float32")
+def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
+                     draft_len: int | str = "auto", with_transformers: bool = True, log=print) -> list[dict]:
+    """Decode tokens/s of each mode on the same prompt, side by side, one context at a time."""
+    llm = LLM(model, device="cpu", dtype="float32", compressor=compressor, draft_len=draft_len)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     rows = []
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        llm.engine.generate_full([llm.engine.new_sequence(0, prompt[:64], params)])  # warm-up
-        ours = llm.engine.generate_full([llm.engine.new_sequence(0, prompt, params)])[0]
-        ours_tps = ours.stats["decode_tokens_per_s"]
-        hf_tps = hf_decode_tokens_per_s(str(llm.loaded.path), prompt, max_tokens, torch.float32)
-        row = {"context": ctx, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
-               "vericache_full_tok_s": round(ours_tps, 1), "transformers_tok_s": round(hf_tps, 1),
-               "ratio": round(ours_tps / hf_tps, 2)}
-        log(f"context {ctx}: ours {row['vericache_full_tok_s']} tok/s, transformers {row['transformers_tok_s']} "
-            f"tok/s, ratio {row['ratio']}x")
-        rows.append(row)
+        results = {m: eng.generate([eng.new_sequence(0, prompt, params)], m)[0] for m in modes}
+        ref = results.get("full")
+        for mode, out in results.items():
+            st = out.stats
+            row = {"context": ctx, "mode": mode, "tokens_per_s": round(st["decode_tokens_per_s"], 1),
+                   "compressor": "" if mode == "full" else st["compressor"],
+                   "compression_ratio": st.get("compression_ratio", 1.0),
+                   "mean_acceptance_length": st.get("mean_acceptance_length", ""),
+                   "acceptance_rate": st.get("acceptance_rate", "")}
+            if ref is not None:
+                row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
+                row["identical_to_full"] = out.token_ids == ref.token_ids
+            rows.append(row)
+            log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
+                + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
+                + (f", mean acceptance length {row['mean_acceptance_length']}" if mode == "vericache" else ""))
+        if with_transformers:
+            hf = hf_decode_tokens_per_s(str(llm.loaded.path), prompt, max_tokens, torch.float32)
+            row = {"context": ctx, "mode": "transformers-generate (full KV)", "tokens_per_s": round(hf, 1)}
+            if ref is not None:
+                row["ratio_to_full"] = round(hf / ref.stats["decode_tokens_per_s"], 2)
+            rows.append(row)
+            log(f"context {ctx} transformers generate: {row['tokens_per_s']} tok/s")
     return rows
 
 
-def baseline_markdown(rows: list[dict]) -> str:
-    return markdown_table(rows, ["context", "max_tokens", "threads", "vericache_full_tok_s",
-                                 "transformers_tok_s", "ratio"])
+COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "ratio_to_full", "identical_to_full",
+           "mean_acceptance_length", "acceptance_rate", "compression_ratio"]
+
+
+def decode_markdown(rows: list[dict]) -> str:
+    return markdown_table(rows, COLUMNS)
+
+
+def plot_decode(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        vals = [next((r["tokens_per_s"] for r in rows if r["context"] == c and r["mode"] == mode), 0) for c in contexts]
+        ax.bar([j + i * width for j in range(len(contexts))], vals, width, label=mode)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"{c:,}" for c in contexts])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s (CPU, batch 1)")
+    ax.set_title("Decode speed by mode (bundled model, fp32)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

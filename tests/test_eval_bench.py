@@ -1,0 +1,38 @@
+"""The eval and bench commands run end to end (small sizes: figures come from the real commands)."""
+
+from __future__ import annotations
+
+import json
+
+from vericache.cli import main
+from vericache.eval.functional import function_parses
+
+
+def test_function_parses_judges_the_function_only():
+    head = "def f(x):\n    y = x + 1\n"
+    assert function_parses(head, "    return y\n\ndef g(:\n")
+    assert not function_parses(head, "    return (y\n\n")
+    assert function_parses(head, "    return y\n    if x")  # an unfinished last line is not judged
+
+
+def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
+    rc = main(["eval", "--compressors", "snapkv:ratio=0.125", "--n", "2", "--context", "512", "--max-tokens", "16",
+               "--json", "--plot", str(tmp_path / "q.png"), "--record", str(tmp_path / "B.md")])
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    veri = rows["vericache snapkv:ratio=0.125"]
+    assert veri["code_exact_match_with_full"] == 1.0
+    assert veri["toolcall_argument_em"] == rows["full"]["toolcall_argument_em"]
+    assert rows["lossy snapkv:ratio=0.125"]["compression_ratio"] < 0.5
+    assert (tmp_path / "q.png").stat().st_size > 1000
+    assert "Command: `vericache eval" in (tmp_path / "B.md").read_text()
+
+
+def test_bench_decode_command(tmp_path, capsys):
+    rc = main(["bench", "decode", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
+               "--context", "600", "--max-tokens", "12", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png")])
+    assert rc == 0
+    rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) == {"full", "lossy", "vericache"}
+    assert rows["vericache"]["identical_to_full"] is True and rows["full"]["ratio_to_full"] == 1.0
+    assert rows["vericache"]["tokens_per_s"] > 0 and (tmp_path / "d.png").exists()
