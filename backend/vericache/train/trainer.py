@@ -44,11 +44,11 @@ class TrainConfig:
     minutes: float = 120.0
     seed: int = 0
     max_len: int = 2048
-    tokens_per_batch: int = 8192
+    tokens_per_batch: int = 4096
     lr: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    checkpoint_minutes: float = 4.0
+    checkpoint_minutes: float = 5.0
     bf16: bool = False
     threads: int = 0
     hidden_size: int = 256
