@@ -163,8 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_cmd_eval)
 
     from vericache.bench.cli import add_bench_parser
+    from vericache.sim.cli import add_sim_parser
 
     add_bench_parser(sub)
+    add_sim_parser(sub)
     return parser
 
 

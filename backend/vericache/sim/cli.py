@@ -1,0 +1,88 @@
+"""``vericache sim``: the cost model's table and plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vericache.sim.cost_model import (GPUS, MODELS, PCIE, SimConfig, explain, gpus_needed, simulate,
+                                      tensor_parallel)
+
+
+def sim_config(gpu: str, link: str, model: str, context: int, n_gpus: int = 0, **kw) -> SimConfig:
+    n = n_gpus or gpus_needed(GPUS[gpu], MODELS[model])
+    return SimConfig(tensor_parallel(GPUS[gpu], n), MODELS[model], PCIE[link] * n, context, **kw)
+
+
+def run_sim(gpu: str, link: str, models: list[str], contexts: list[int], ratio: float, acceptance: float,
+            draft_len: int, n_gpus: int = 0) -> list[dict]:
+    rows = []
+    for m in models:
+        for ctx in contexts:
+            cfg = sim_config(gpu, link, m, ctx, n_gpus, ratio=ratio, acceptance_length=acceptance, draft_len=draft_len)
+            for mode, r in simulate(cfg).items():
+                rows.append({"gpus": cfg.gpu.name, "link": link, "model": m, "context": ctx, "mode": mode, **r})
+    return rows
+
+
+def plot_sim(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            pts = [(r["context"], r["tokens_per_s"]) for r in rows if r["model"] == m and r["mode"] == mode]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(m)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("modelled tokens/s (max batch)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_sim_parser(sub) -> None:
+    from vericache.bench.cli import _ints
+
+    p = sub.add_parser("sim", help="cost model: full / lossy / vericache-naive / -staggered on a GPU with PCIe")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    p.add_argument("--link", default="gen5", choices=sorted(PCIE))
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    p.add_argument("--context", type=_ints, default=[8192, 32768, 131072])
+    p.add_argument("--ratio", type=float, default=0.125, help="compressed / full KV bytes")
+    p.add_argument("--acceptance-length", type=float, default=24.0, help="tokens per verification round")
+    p.add_argument("--draft-len", type=int, default=32)
+    p.add_argument("--gpus", type=int, default=0, help="tensor-parallel GPUs (0: fewest that hold the weights)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=_cmd_sim)
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from vericache.bench.common import markdown_table
+
+    models = [m for m in args.models.split(",") if m]
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        raise ValueError(f"unknown model shapes {bad}; available: {', '.join(MODELS)}")
+    if not 0 < args.ratio <= 1:
+        raise ValueError(f"--ratio must be in (0, 1], got {args.ratio}")
+    rows = run_sim(args.gpu, args.link, models, args.context, args.ratio, args.acceptance_length, args.draft_len,
+                   args.gpus)
+    if args.plot:
+        plot_sim(rows, args.plot)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    print(markdown_table(rows, ["model", "gpus", "context", "mode", "batch", "tokens_per_s", "x_full",
+                                "link_utilization"]))
+    cfg = sim_config(args.gpu, args.link, models[0], args.context[-1], args.gpus, ratio=args.ratio,
+                     acceptance_length=args.acceptance_length, draft_len=args.draft_len)
+    print("\n" + explain(cfg))
+    return 0
