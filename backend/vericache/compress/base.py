@@ -77,6 +77,18 @@ class Compressor:
         """[Hkv, S] importance of each candidate; higher is kept."""
         raise NotImplementedError
 
+    def nominal_ratio(self, elem_bytes: int) -> float:
+        """Expected compressed/full bytes, for admission control (the real ratio is measured)."""
+        bits = getattr(self, "bits", None)
+        if self.quantizes and bits:
+            return min(1.0, bits / (8 * elem_bytes) * 1.25)  # codes plus ~25% for scales
+        return getattr(self, "ratio", 0.5)
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """True when scoring needs the whole prompt before anything is compressed (KVzip)."""
+        return False
+
     def on_prefill(self, model, full_cache, prompt_ids: list[int], tokenizer) -> dict[int, torch.Tensor] | None:
         """Optional extra prefill work (KVzip); returns per-layer [Hkv, P] prompt scores."""
         return None
@@ -133,8 +145,15 @@ class Composed(Compressor):
     def keep_budget(self, total_tokens: int) -> int:
         return self.evictor.keep_budget(total_tokens)
 
+    def nominal_ratio(self, elem_bytes: int) -> float:
+        return self.evictor.nominal_ratio(elem_bytes) * self.quantizer.nominal_ratio(elem_bytes)
+
     def score(self, inp: ScoreInputs) -> torch.Tensor:
         return self.evictor.score(inp)
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        return self.evictor.needs_whole_prompt
 
     def on_prefill(self, model, full_cache, prompt_ids, tokenizer):
         return self.evictor.on_prefill(model, full_cache, prompt_ids, tokenizer)

@@ -73,6 +73,10 @@ class KVzip(EvictionCompressor):
     name: ClassVar[str] = "kvzip"
     repeat_prompt: ClassVar[str] = "\n\nRepeat the previous context exactly.\n"
 
+    @property
+    def needs_whole_prompt(self) -> bool:
+        return True
+
     def on_prefill(self, model, full_cache, prompt_ids: list[int], tokenizer) -> dict[int, torch.Tensor]:
         from vericache.compress.kvzip_scoring import reconstruction_scores
 

@@ -144,6 +144,7 @@ class FP8(QuantCompressor):
 
     name: ClassVar[str] = "fp8"
     E4M3_MAX: ClassVar[float] = 448.0
+    bits: ClassVar[int] = 8
 
     def _one(self, x: torch.Tensor, prefix: str) -> tuple[Rows, torch.Tensor]:
         h, n, _ = x.shape

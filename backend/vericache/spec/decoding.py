@@ -45,6 +45,36 @@ class SpecRequest:
         return len(self.seq.all_ids) - 1
 
 
+def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q: list[torch.Tensor]) -> int:
+    """Append accepted draft tokens and the verifier's token; returns m, the accepted draft count.
+
+    target_logits: [k+1, V], the verifier's logits at the last token and at each draft token.
+    """
+    params = seq.params
+    for i, d in enumerate(draft):
+        if params.greedy:
+            t = int(target_logits[i].argmax())
+            ok, replacement = t == d, t
+        else:
+            p = probs_from_logits(target_logits[i][None], params)[0]
+            ok, replacement = speculative_accept(p, q[i], d, seq.generator)
+        if not ok:
+            seq.append(replacement)
+            return i
+        if seq.append(d):
+            return i + 1
+    seq.append(choose_token(target_logits[len(draft)], params, seq.generator))  # the bonus token
+    return len(draft)
+
+
+def draft_token(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """The drafter's choice from logits [V]: argmax when greedy, else a draw (with its distribution q)."""
+    if seq.params.greedy:
+        return int(logits.argmax()), None
+    q = probs_from_logits(logits[None], seq.params)[0]
+    return sample_token(q, seq.generator), q
+
+
 class SpecDecoder:
     def __init__(self, engine, compressor: Compressor, policy: DraftLengthPolicy) -> None:
         self.engine = engine
@@ -107,12 +137,9 @@ class SpecDecoder:
             logits = self.engine.decode_step(tokens, [r.position + step for r in rows], [r.draft for r in rows])
             for row, r in zip(logits, rows):
                 r.draft_bytes_read += r.draft.nbytes()
-                if r.seq.params.greedy:
-                    drafts[id(r)].append(int(row.argmax()))
-                else:
-                    q = probs_from_logits(row[None], r.seq.params)[0]
-                    probs[id(r)].append(q)
-                    drafts[id(r)].append(sample_token(q, r.seq.generator))
+                token, q = draft_token(r.seq, row)
+                drafts[id(r)].append(token)
+                probs[id(r)].append(q)
         return drafts, probs
 
     @torch.inference_mode()
@@ -126,7 +153,7 @@ class SpecDecoder:
         for r, chunk in zip(active, chunks):
             r.verify_bytes_read += r.full.nbytes()
             start = r.position
-            m = self._accept(r, logits[offset : offset + len(chunk)], drafts[id(r)], draft_probs[id(r)])
+            m = accept_draft(r.seq, logits[offset : offset + len(chunk)], drafts[id(r)], draft_probs[id(r)])
             offset += len(chunk)
             r.full.truncate(start + 1 + m)
             r.draft.commit(start + 1 + m, source=r.full)
@@ -139,24 +166,6 @@ class SpecDecoder:
             for i in range(m):
                 r.accepted_per_pos[i] += 1
             self.policy.update(r.policy_state, k, m)
-
-    def _accept(self, r: SpecRequest, target_logits: torch.Tensor, draft: list[int], q: list[torch.Tensor]) -> int:
-        """Append accepted draft tokens and the verifier's token; returns m, the accepted draft count."""
-        seq, params = r.seq, r.seq.params
-        for i, d in enumerate(draft):
-            if params.greedy:
-                t = int(target_logits[i].argmax())
-                ok, replacement = t == d, t
-            else:
-                p = probs_from_logits(target_logits[i][None], params)[0]
-                ok, replacement = speculative_accept(p, q[i], d, seq.generator)
-            if not ok:
-                seq.append(replacement)
-                return i
-            if seq.append(d):
-                return i + 1
-        seq.append(choose_token(target_logits[len(draft)], params, seq.generator))  # the bonus token
-        return len(draft)
 
     # ------------------------------------------------------------------ stats
     def _finish(self, reqs: list[SpecRequest], mode: str, prefill_s: float, decode_s: float) -> None:

@@ -1,0 +1,378 @@
+"""Continuous batching over tiered KV memory, with the naive or staggered (P1) VeriCache schedule.
+
+Each ``step()`` has three phases: schedule (admit waiting requests into the device budget, pick
+prefill chunks, start link transfers), run (one batched forward per kind of work: prefill chunks,
+a draft/decode step, a verification), postprocess (accept, finish, free, account).
+
+Memory tiers (``kv.blocks``): the *device* tier holds what the accelerator must hold: compressed KV
+(vericache, lossy) or full KV (full mode), plus a transient buffer while a request's full KV is
+brought in for verification. The *host* tier holds every vericache request's full KV.
+
+Request states and their transitions (``ALLOWED``), each exercised by the tests:
+  waiting -> prefill -> decoding (full, lossy) | drafting (vericache)
+  drafting -> transferring -> drafting          (a verification round; the link moves the full KV)
+  any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
+  any state -> finished | aborted               (KV freed at once)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.engine.sequence import Sequence
+from vericache.kv.blocks import BlockPool
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache
+from vericache.kv.link import EmulatedLink, StreamedKV, Transfer
+from vericache.kv.tee import TeeCache
+from vericache.sampling import SamplingParams, choose_token
+from vericache.spec.decoding import accept_draft, draft_token
+
+WAITING, PREFILL, DECODING, DRAFTING, TRANSFERRING, FINISHED, ABORTED = (
+    "waiting", "prefill", "decoding", "drafting", "transferring", "finished", "aborted")
+ALLOWED = {
+    WAITING: {PREFILL, ABORTED},
+    PREFILL: {DECODING, DRAFTING, WAITING, FINISHED, ABORTED},
+    DECODING: {WAITING, FINISHED, ABORTED},
+    DRAFTING: {TRANSFERRING, WAITING, FINISHED, ABORTED},
+    TRANSFERRING: {DRAFTING, WAITING, FINISHED, ABORTED},
+}
+
+
+@dataclass
+class Request:
+    id: int
+    seq: Sequence
+    state: str = WAITING
+    full: FullKVCache | None = None            # device tier (full mode) or host tier (vericache)
+    draft: CompressedKVCache | None = None     # device tier
+    done_ids: int = 0                          # tokens already in the caches (prefill progress)
+    k: int = 0
+    drafts: list[int] = field(default_factory=list)
+    qs: list = field(default_factory=list)
+    transfer: Transfer | None = None
+    policy_state: object = None
+    emitted: int = 0          # output tokens already returned by step()
+    reported: bool = False    # the final StepOutput has been returned
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.seq.all_ids) - 1
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Activity:
+    """Busy intervals of the compute (forwards) for utilisation and timelines."""
+    intervals: list[tuple[float, float, str]] = field(default_factory=list)
+
+    def busy_s(self) -> float:
+        return sum(e - s for s, e, _ in self.intervals)
+
+
+class ServingEngine:
+    def __init__(self, engine, device_budget: int, host_budget: int | None = None, scheduler: str = "staggered",
+                 link=None, prefill_chunk: int = 512, max_running: int = 64) -> None:
+        if scheduler not in ("naive", "staggered"):
+            raise ValueError(f"scheduler must be 'naive' or 'staggered', got {scheduler!r}")
+        self.eng, self.mode, self.scheduler = engine, engine.mode, scheduler
+        self.device = BlockPool("device", device_budget)
+        self.host = BlockPool("host", host_budget or 1 << 62)
+        self.link = link if link is not None else (EmulatedLink(gbps=32) if self.mode == "vericache" else None)
+        self.prefill_chunk, self.max_running = prefill_chunk, max_running
+        self.requests: dict[int, Request] = {}
+        self.activity = Activity()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        rid = next(self._ids)
+        seq = self.eng.new_sequence(rid, prompt_ids, params)
+        need = self._device_bytes_needed(seq) + self._verify_buffer_bytes(seq)
+        if self.device.blocks_for(need) > self.device.total_blocks:
+            raise ValueError(f"request needs {need} bytes of device KV (prompt {len(prompt_ids)} + max_tokens "
+                             f"{params.max_tokens}) but the whole device budget is {self.device.capacity_bytes} bytes")
+        self.requests[rid] = Request(rid, seq, policy_state=self.eng.policy.new_state())
+        return rid
+
+    def abort(self, rid: int) -> None:
+        req = self.requests.get(rid)
+        if req is not None and req.state not in (FINISHED, ABORTED):
+            self._release(req, ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return any(r.state not in (FINISHED, ABORTED) for r in self.requests.values())
+
+    def step(self) -> list[StepOutput]:
+        self._schedule()
+        self._run()
+        return self._postprocess()
+
+    # ------------------------------------------------------------------ schedule
+    def _device_bytes_needed(self, seq: Sequence) -> int:
+        """Device bytes a request will need at its longest (admission control)."""
+        n = len(seq.prompt_ids) + seq.params.max_tokens
+        per_pos = 2 * self.eng.cfg.num_hidden_layers * self.eng.cfg.num_key_value_heads * self.eng.cfg.head_dim
+        full = n * per_pos * self.eng.loaded.dtype.itemsize
+        if self.mode == "full":
+            return full
+        window = 2 * self.eng.compressor.window * per_pos * self.eng.loaded.dtype.itemsize
+        chunk = self.prefill_chunk * per_pos * self.eng.loaded.dtype.itemsize
+        return int(full * self.eng.compressor.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk
+
+    def _verify_buffer_bytes(self, seq: Sequence) -> int:
+        """Device bytes of the transient full-KV buffer a verification of ``seq`` needs (vericache)."""
+        if self.mode != "vericache":
+            return 0
+        per_pos = 2 * self.eng.cfg.num_hidden_layers * self.eng.cfg.num_key_value_heads * self.eng.cfg.head_dim
+        return (len(seq.prompt_ids) + seq.params.max_tokens + 1) * per_pos * self.eng.loaded.dtype.itemsize
+
+    def _schedule(self) -> None:
+        running = [r for r in self.requests.values() if r.state not in (WAITING, FINISHED, ABORTED)]
+        reserved = sum(self._device_bytes_needed(r.seq) for r in running)
+        buffer = max((self._verify_buffer_bytes(r.seq) for r in running), default=0)
+        for req in [r for r in self.requests.values() if r.state == WAITING]:
+            need = self._device_bytes_needed(req.seq)
+            buf = max(buffer, self._verify_buffer_bytes(req.seq))  # room for one verification at a time
+            fits = reserved + need + buf <= self.device.capacity_bytes or not running  # alone it always fits
+            if len(running) >= self.max_running or not fits:
+                break  # FIFO: later requests wait behind the first that does not fit
+            self._set(req, PREFILL)
+            running.append(req)
+            reserved, buffer = reserved + need, buf
+
+    # ------------------------------------------------------------------ run
+    def _run(self) -> None:
+        budget = self.prefill_chunk
+        for req in [r for r in self.requests.values() if r.state == PREFILL]:
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(req, budget)
+        if self.mode == "vericache":
+            self._vericache_phase()
+        else:
+            self._decode_phase()
+
+    def _timed(self, kind: str, fn):
+        start = time.perf_counter()
+        out = fn()
+        self.activity.intervals.append((start, time.perf_counter(), kind))
+        return out
+
+    @torch.inference_mode()
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        eng, seq = self.eng, req.seq
+        ids = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids  # re-admitted: recompute its tokens too
+        if req.done_ids == 0:
+            self._allocate(req, len(seq.prompt_ids) + seq.params.max_tokens + 1)
+        whole = eng.compressor.needs_whole_prompt
+        n = len(ids) - req.done_ids if whole else min(budget, len(ids) - req.done_ids)
+        chunk = ids[req.done_ids : req.done_ids + n]
+        cache = {"full": req.full, "lossy": req.draft}.get(self.mode) or TeeCache(req.full, req.draft)
+        dev = eng.loaded.device
+        logits = self._timed("prefill", lambda: eng.model(torch.tensor(chunk, device=dev), [req.done_ids], [n],
+                                                          [cache], logits_index=torch.tensor([n - 1], device=dev)))
+        req.done_ids += n
+        if req.draft is not None:
+            if req.done_ids == len(ids) and whole:
+                scores = eng.compressor.on_prefill(eng.model, req.full or req.draft.residual, ids, eng.tokenizer)
+                req.draft.set_prefill_scores(scores, len(ids))
+            if req.done_ids == len(ids) or not whole:
+                req.draft.commit(req.done_ids)
+        self._account(req)
+        if req.done_ids == len(ids):
+            if not seq.output_ids:
+                seq.append(choose_token(logits[0], seq.params, seq.generator))
+            self._set(req, DRAFTING if self.mode == "vericache" else DECODING)
+            if seq.finished:
+                self._release(req, FINISHED)
+        return n
+
+    @torch.inference_mode()
+    def _decode_phase(self) -> None:
+        rows = [r for r in self.requests.values() if r.state == DECODING]
+        if not rows:
+            return
+        caches = [r.full if self.mode == "full" else r.draft for r in rows]
+        logits = self._timed("decode", lambda: self.eng.decode_step([r.seq.all_ids[-1] for r in rows],
+                                                                   [r.position for r in rows], caches))
+        for row, r in zip(logits, rows):
+            if r.state != DECODING:
+                continue  # preempted by a batch-mate's growth in this very loop
+            if r.draft is not None:
+                r.draft.commit(r.position + 1)
+            r.seq.append(choose_token(row, r.seq.params, r.seq.generator))
+            self._account(r)
+
+    def _vericache_phase(self) -> None:
+        ready = [r for r in self.requests.values() if r.state == TRANSFERRING and r.transfer.ready()]
+        if ready:
+            self._verify(ready)
+        drafting = [r for r in self.requests.values() if r.state == DRAFTING]
+        for r in drafting:
+            if r.k == 0 and not r.drafts:
+                r.k = self.eng.policy.next_len(r.policy_state, r.seq.params.max_tokens - len(r.seq.output_ids))
+        rows = [r for r in drafting if len(r.drafts) < r.k]
+        if rows:
+            self._draft_step(rows)
+        complete = [r for r in drafting if len(r.drafts) >= r.k]
+        self._make_room_for_a_verification(complete)
+        if self.scheduler == "naive":
+            # all draft, then all verify, each verification waiting for its transfer
+            if complete and len(complete) == len(drafting) and not any(
+                    r.state == TRANSFERRING for r in self.requests.values()):
+                for r in complete:
+                    if self._start_transfer(r):
+                        r.transfer.wait_all()
+                        self._verify([r])
+        else:
+            for r in complete:  # staggered: the link works while the others keep drafting
+                self._start_transfer(r)
+        in_flight = [r for r in self.requests.values() if r.state == TRANSFERRING]
+        if in_flight and not ready and not rows:
+            in_flight[0].transfer.wait_all()  # nothing to compute until a transfer lands: block, don't spin
+
+    @torch.inference_mode()
+    def _draft_step(self, rows: list[Request]) -> None:
+        tokens = [r.drafts[-1] if r.drafts else r.seq.all_ids[-1] for r in rows]
+        starts = [r.position + len(r.drafts) for r in rows]
+        logits = self._timed("draft", lambda: self.eng.decode_step(tokens, starts, [r.draft for r in rows]))
+        for row, r in zip(logits, rows):
+            token, q = draft_token(r.seq, row)
+            r.drafts.append(token)
+            r.qs.append(q)
+
+    def _make_room_for_a_verification(self, complete: list[Request]) -> None:
+        """If no verification is in flight and none can start, preempt the newest other request."""
+        if not complete or any(r.state == TRANSFERRING for r in self.requests.values()):
+            return
+        first = min(complete, key=lambda r: r.id)
+        while not self.device.can_fit(self._transfer_bytes(first), ("verify", first.id)):
+            victims = [r for r in self.requests.values() if r.state in (DRAFTING, PREFILL) and r is not first]
+            if not victims:
+                return
+            self._preempt(max(victims, key=lambda r: r.id))
+
+    def _transfer_bytes(self, req: Request) -> int:
+        return req.full.nbytes() + (req.k + 1) * req.full.nbytes_per_position()
+
+    def _start_transfer(self, req: Request) -> bool:
+        """Reserve a device buffer for the request's full KV and queue it on the link."""
+        nbytes = self._transfer_bytes(req)
+        key = ("verify", req.id)
+        if not self.device.can_fit(nbytes, key):
+            return False  # no room for the buffer now; retry next step
+        self.device.resize(key, nbytes)
+        buf = FullKVCache(self.eng.cfg, self.eng.loaded.device, self.eng.loaded.dtype,
+                          capacity=req.full.length + req.k + 1)
+        req.transfer = self.link.submit(req.full, req.full.length, buf)
+        self._set(req, TRANSFERRING)
+        return True
+
+    @torch.inference_mode()
+    def _verify(self, reqs: list[Request]) -> None:
+        chunks = [[r.seq.all_ids[-1]] + r.drafts for r in reqs]
+        dev = self.eng.loaded.device
+        tokens = torch.tensor([t for c in chunks for t in c], device=dev)
+        views = [StreamedKV(r.transfer) for r in reqs]
+        logits = self._timed("verify", lambda: self.eng.model(tokens, [r.position for r in reqs],
+                                                              [len(c) for c in chunks], views))
+        offset = 0
+        for r, chunk, view in zip(reqs, chunks, views):
+            if r.state != TRANSFERRING:
+                offset += len(chunk)
+                continue  # preempted while this batch was being verified
+            start = r.position
+            m = accept_draft(r.seq, logits[offset : offset + len(chunk)], r.drafts, r.qs)
+            offset += len(chunk)
+            keep = start + 1 + m
+            # write the verified positions back to the host tier, then commit them to the drafter
+            r.full.begin(start, keep - start)
+            r.full.k[:, :, start:keep] = view.buf.k[:, :, start:keep]
+            r.full.v[:, :, start:keep] = view.buf.v[:, :, start:keep]
+            r.draft.commit(keep, source=r.full)
+            self.device.free(("verify", r.id))
+            r.rounds, r.drafted, r.accepted = r.rounds + 1, r.drafted + len(r.drafts), r.accepted + m
+            self.eng.policy.update(r.policy_state, len(r.drafts), m)
+            r.transfer, r.drafts, r.qs, r.k = None, [], [], 0
+            self._set(r, DRAFTING)
+            self._account(r)
+
+    # ------------------------------------------------------------------ memory
+    def _allocate(self, req: Request, capacity: int) -> None:
+        eng = self.eng
+        dev, dt = eng.loaded.device, eng.loaded.dtype
+        if self.mode in ("full", "vericache"):
+            req.full = FullKVCache(eng.cfg, dev if self.mode == "full" else "cpu", dt, capacity=capacity)
+            if self.mode == "vericache" and dev.type == "cuda":
+                req.full.k, req.full.v = req.full.k.pin_memory(), req.full.v.pin_memory()
+        if self.mode in ("lossy", "vericache"):
+            req.draft = CompressedKVCache(eng.compressor, eng.cfg, dev, dt, capacity=capacity)
+
+    def _account(self, req: Request) -> None:
+        """Charge the tiers for what the request holds now; preempt the newest request if the device is full."""
+        dev_bytes = req.full.nbytes() if self.mode == "full" else req.draft.nbytes()
+        if self.mode == "vericache":
+            self.host.resize(("full", req.id), req.full.nbytes())
+        while not self.device.can_fit(dev_bytes, ("kv", req.id)):
+            victims = [r for r in self.requests.values() if r.state in (DECODING, DRAFTING) and r is not req]
+            if not victims:
+                break
+            self._preempt(max(victims, key=lambda r: r.id))
+        if self.device.can_fit(dev_bytes, ("kv", req.id)):
+            self.device.resize(("kv", req.id), dev_bytes)
+
+    def _preempt(self, req: Request) -> None:
+        if req.state == PREFILL and req.done_ids == 0:
+            self._set(req, WAITING)  # admitted but holds nothing yet
+            return
+        self._free(req)
+        req.done_ids, req.drafts, req.qs, req.k = 0, [], [], 0
+        self._set(req, WAITING)
+
+    def _free(self, req: Request) -> None:
+        for pool, key in ((self.device, ("kv", req.id)), (self.device, ("verify", req.id)),
+                          (self.host, ("full", req.id))):
+            pool.free(key)
+        if req.transfer is not None and req.transfer.cuda_events is None:
+            req.transfer.done.wait()  # the copier may still be writing into the buffer
+        req.full = req.draft = req.transfer = None
+
+    def _release(self, req: Request, state: str) -> None:
+        self._free(req)
+        self._set(req, state)
+
+    def _set(self, req: Request, state: str) -> None:
+        if state not in ALLOWED.get(req.state, set()):
+            raise RuntimeError(f"request {req.id}: illegal transition {req.state} -> {state}")
+        req.state = state
+
+    # ------------------------------------------------------------------ postprocess
+    def _postprocess(self) -> list[StepOutput]:
+        outs = []
+        for req in self.requests.values():
+            if req.seq.finished and req.state not in (FINISHED, ABORTED):
+                self._release(req, FINISHED)
+            if req.reported:
+                continue
+            new = req.seq.output_ids[req.emitted :]
+            done = req.state in (FINISHED, ABORTED)
+            if new or done:
+                reason = req.seq.finish_reason if req.state == FINISHED else ("abort" if done else None)
+                outs.append(StepOutput(req.id, list(new), done, reason))
+                req.emitted, req.reported = len(req.seq.output_ids), done
+        return outs

@@ -1,0 +1,151 @@
+"""Bringing a request's full KV from the host tier to the device tier, layer by layer.
+
+``Transfer`` exposes one event per layer, so verification of layer i can start while layer
+i+1 is still in flight (``StreamedKV`` waits per layer). Two links:
+- ``EmulatedLink`` (CPU, here and in CI): a copier thread moves the real bytes and paces itself
+  to a configured bandwidth and latency, so overlap is real and measurable. Figures obtained
+  with it are *emulated*.
+- ``CudaLink``: pinned host memory, a copy stream and one CUDA event per layer.
+Both count bytes moved and busy seconds (for utilisation and metrics).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.kv.full import FullKVCache
+
+
+@dataclass
+class Transfer:
+    src: FullKVCache
+    length: int                      # positions to move
+    dst: FullKVCache                 # the device-side buffer
+    layer_ready: list[threading.Event] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    cuda_events: list | None = None
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    def wait_layer(self, layer: int) -> None:
+        if self.cuda_events is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_events[layer])
+        else:
+            self.layer_ready[layer].wait()
+
+    def wait_all(self) -> None:
+        if self.cuda_events is not None:
+            self.cuda_events[-1].synchronize()
+        else:
+            self.done.wait()
+
+    def ready(self) -> bool:
+        if self.cuda_events is not None:
+            return self.cuda_events[-1].query()
+        return self.done.is_set()
+
+
+class LinkStats:
+    def __init__(self) -> None:
+        self.bytes_moved = 0
+        self.busy_s = 0.0
+        self.intervals: list[tuple[float, float]] = []  # (start, end) of busy periods, for timelines
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, start: float, end: float) -> None:
+        with self._lock:
+            self.bytes_moved += nbytes
+            self.busy_s += end - start
+            self.intervals.append((start, end))
+
+
+class EmulatedLink:
+    """A copier thread at ``gbps`` Gbit/s with ``latency_s`` per transfer."""
+
+    kind = "emulated"
+
+    def __init__(self, gbps: float, latency_s: float = 20e-6) -> None:
+        if gbps <= 0:
+            raise ValueError(f"link bandwidth must be > 0 Gbit/s, got {gbps}")
+        self.bytes_per_s = gbps * 1e9 / 8
+        self.latency_s = latency_s
+        self.stats = LinkStats()
+        self._queue: queue.Queue[Transfer | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="vericache-link", daemon=True)
+        self._thread.start()
+
+    def submit(self, src: FullKVCache, length: int, dst: FullKVCache) -> Transfer:
+        n_layers = src.k.shape[0]
+        t = Transfer(src, length, dst, [threading.Event() for _ in range(n_layers)])
+        self._queue.put(t)
+        return t
+
+    def _run(self) -> None:
+        while (t := self._queue.get()) is not None:
+            t.started_at = time.perf_counter()
+            deadline = t.started_at + self.latency_s
+            for layer in range(t.src.k.shape[0]):
+                start = time.perf_counter()
+                t.dst.k[layer, :, : t.length] = t.src.k[layer, :, : t.length]  # the real bytes move
+                t.dst.v[layer, :, : t.length] = t.src.v[layer, :, : t.length]
+                nbytes = 2 * t.src.k[layer, :, : t.length].numel() * t.src.k.element_size()
+                deadline += nbytes / self.bytes_per_s
+                if (pause := deadline - time.perf_counter()) > 0:
+                    time.sleep(pause)
+                self.stats.add(nbytes, start, time.perf_counter())
+                t.layer_ready[layer].set()
+            t.finished_at = time.perf_counter()
+            t.done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+class CudaLink:
+    """Host-to-device copies on a dedicated stream, one event per layer (needs pinned host memory)."""
+
+    kind = "pcie"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.stats = LinkStats()
+
+    def submit(self, src: FullKVCache, length: int, dst: FullKVCache) -> Transfer:
+        t = Transfer(src, length, dst, cuda_events=[])
+        t.started_at = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            for layer in range(src.k.shape[0]):
+                dst.k[layer, :, :length].copy_(src.k[layer, :, :length], non_blocking=True)
+                dst.v[layer, :, :length].copy_(src.v[layer, :, :length], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                t.cuda_events.append(ev)
+        nbytes = 2 * src.k[:, :, :length].numel() * src.k.element_size()
+        self.stats.add(nbytes, t.started_at, t.started_at)  # busy time is read from events by the caller
+        return t
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+class StreamedKV:
+    """A verification cache over a device buffer that is still arriving: waits per layer."""
+
+    def __init__(self, transfer: Transfer) -> None:
+        self.t = transfer
+        self.buf = transfer.dst
+
+    def begin(self, start: int, count: int) -> None:
+        self.buf.length = self.t.length  # the arriving positions count as written
+        self.buf.begin(start, count)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.t.wait_layer(layer)
+        return self.buf.attend(layer, q, k, v)

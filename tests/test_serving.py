@@ -1,0 +1,161 @@
+"""Continuous batching over tiered KV memory: identity under batching and a tight budget,
+state transitions, exact block accounting on finish, abort and preemption, the link."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache import SamplingParams
+from vericache.engine import serving as S
+from vericache.engine.engine import Engine
+from vericache.kv.blocks import BlockPool, OutOfBlocks
+from vericache.kv.full import FullKVCache
+from vericache.kv.link import EmulatedLink
+
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="session")
+def serving_prompts(llm):
+    from vericache.bench.common import code_prompt
+
+    ids = code_prompt(llm.tokenizer, 3000)
+    return [ids[:700], ids[700:1000], ids[1000:1900], ids[1900:2100], ids[2100:2900]]
+
+
+@pytest.fixture(scope="session")
+def serving_reference(llm, serving_prompts):
+    eng = llm.engine
+    p = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [eng.generate([eng.new_sequence(i, ids, p)], "full")[0].token_ids for i, ids in enumerate(serving_prompts)]
+
+
+def _full_kv_bytes(llm, n_tokens: int) -> int:
+    return n_tokens * FullKVCache(llm.loaded.config, "cpu", torch.float32, 1).nbytes_per_position()
+
+
+def _serve(llm, mode, prompts, budget, scheduler="staggered", spec="snapkv:ratio=0.125", link=None, steps=None):
+    srv = S.ServingEngine(Engine(llm.loaded, mode=mode, compressor=spec), device_budget=budget,
+                          scheduler=scheduler, link=link, prefill_chunk=256)
+    ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts]
+    seen_states, n = set(), 0
+    while srv.has_unfinished():
+        srv.step()
+        seen_states |= {r.state for r in srv.requests.values()}
+        n += 1
+        assert n < 5000, "engine did not finish"
+    return srv, [srv.requests[i].seq.output_ids for i in ids], seen_states
+
+
+@pytest.mark.parametrize("mode, scheduler", [("full", "staggered"), ("lossy", "staggered"),
+                                             ("vericache", "naive"), ("vericache", "staggered")])
+def test_tight_budget_batching(llm, serving_prompts, serving_reference, mode, scheduler):
+    total_full = sum(_full_kv_bytes(llm, len(p) + MAX_TOKENS + 1) for p in serving_prompts)
+    srv, outs, states = _serve(llm, mode, serving_prompts, total_full // 2, scheduler,
+                               link=EmulatedLink(gbps=8) if mode == "vericache" else None)
+    if mode != "lossy":
+        assert outs == serving_reference  # lossless under batching and a quarter-ish budget
+    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0  # every block came back
+    assert all(r.state == S.FINISHED for r in srv.requests.values())
+    if mode == "vericache":
+        assert {S.PREFILL, S.DRAFTING, S.FINISHED} <= states
+        assert srv.link.stats.bytes_moved > 0 and all(r.rounds > 0 for r in srv.requests.values())
+        if scheduler == "staggered":  # transfers outlive a step while others draft (naive waits inside it)
+            assert S.TRANSFERRING in states
+    if mode == "full":  # the budget holds only some requests' full KV: the rest waited
+        assert S.WAITING in states
+
+
+def test_abort_frees_at_once_and_outputs_stream(llm, serving_prompts):
+    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="h2o:ratio=0.2"),
+                          device_budget=1 << 30, link=EmulatedLink(gbps=8))
+    a = srv.add_request(serving_prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    b = srv.add_request(serving_prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    streamed = {a: [], b: []}
+    finals = {}
+    for _ in range(6):
+        for o in srv.step():
+            streamed[o.request_id] += o.new_token_ids
+    srv.abort(a)
+    assert srv.requests[a].state == S.ABORTED
+    assert ("kv", a) not in srv.device.owners() and ("full", a) not in srv.host.owners()
+    while srv.has_unfinished():
+        for o in srv.step():
+            streamed[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = o.finish_reason
+    for o in srv.step():  # the abort is reported once
+        finals.setdefault(o.request_id, o.finish_reason)
+    assert streamed[b] == srv.requests[b].seq.output_ids and finals[b] == "length"
+    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+
+
+def test_preemption_returns_blocks_and_keeps_identity(llm, serving_prompts, serving_reference):
+    """A budget that the compressed caches outgrow forces preemption and recomputation."""
+    srv = S.ServingEngine(Engine(llm.loaded, mode="lossy", compressor="streaming:ratio=1.0"),
+                          device_budget=_full_kv_bytes(llm, 1200), prefill_chunk=256)
+    srv._device_bytes_needed = lambda seq: 1  # admit everything: growth must be handled by preemption
+    ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
+    states = set()
+    for _ in range(3000):
+        if not srv.has_unfinished():
+            break
+        srv.step()
+        states |= {r.state for r in srv.requests.values()}
+        assert 0 <= srv.device.used_blocks <= srv.device.total_blocks
+    # streaming at ratio 1.0 keeps everything: lossy == full, so recomputation must be exact
+    assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
+    assert S.WAITING in states and srv.device.used_blocks == 0
+
+
+def test_request_larger_than_budget_is_refused(llm, serving_prompts):
+    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), device_budget=_full_kv_bytes(llm, 100))
+    with pytest.raises(ValueError, match="whole device budget"):
+        srv.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
+    assert not srv.requests
+
+
+def test_illegal_transitions_are_refused(llm):
+    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), device_budget=1 << 30)
+    rid = srv.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="waiting -> drafting"):
+        srv._set(srv.requests[rid], S.DRAFTING)
+    for src, dsts in S.ALLOWED.items():
+        assert S.ABORTED in dsts and src not in (S.FINISHED, S.ABORTED)
+
+
+def test_block_pool_accounting():
+    pool = BlockPool("device", 10 * 1024, block_bytes=1024)
+    pool.resize("a", 2500)
+    assert pool.used_blocks == 3
+    pool.resize("a", 100)
+    assert pool.used_blocks == 1
+    with pytest.raises(OutOfBlocks):
+        pool.resize("b", 20 * 1024)
+    assert pool.used_blocks == 1  # a refused request changes nothing
+    pool.free("a")
+    pool.free("a")
+    assert pool.used_blocks == 0 and pool.free_blocks == 10
+    with pytest.raises(ValueError, match="smaller than one block"):
+        BlockPool("x", 10, block_bytes=1024)
+
+
+def test_emulated_link_moves_real_bytes_layer_by_layer(llm):
+    cfg = llm.loaded.config
+    src = FullKVCache(cfg, "cpu", torch.float32, 300)
+    src.begin(0, 300)
+    src.k.normal_()
+    src.v.normal_()
+    dst = FullKVCache(cfg, "cpu", torch.float32, 300)
+    link = EmulatedLink(gbps=1.0)
+    t = link.submit(src, 300, dst)
+    t.wait_layer(0)
+    t.wait_all()
+    assert torch.equal(dst.k[:, :, :300], src.k[:, :, :300]) and torch.equal(dst.v[:, :, :300], src.v[:, :, :300])
+    assert link.stats.bytes_moved == src.nbytes()
+    assert len(link.stats.intervals) == cfg.num_hidden_layers
+    assert all(e >= s for s, e in link.stats.intervals)
+    link.close()
+    with pytest.raises(ValueError, match="bandwidth"):
+        EmulatedLink(gbps=0)
