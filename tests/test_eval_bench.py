@@ -36,3 +36,15 @@ def test_bench_decode_command(tmp_path, capsys):
     assert set(rows) == {"full", "lossy", "vericache"}
     assert rows["vericache"]["identical_to_full"] is True and rows["full"]["ratio_to_full"] == 1.0
     assert rows["vericache"]["tokens_per_s"] > 0 and (tmp_path / "d.png").exists()
+
+
+def test_bench_throughput_command(tmp_path, capsys):
+    rc = main(["bench", "throughput", "--requests", "4", "--context", "300", "--max-tokens", "10",
+               "--device-budget", "0.6", "--link-gbps", "8", "--json", "--plot", str(tmp_path / "t.png")])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in out["rows"]}
+    assert set(rows) == {"full", "lossy", "vericache-naive", "vericache-staggered"} and out["link"] == "emulated"
+    assert rows["vericache-naive"]["identical_to_full"] and rows["vericache-staggered"]["identical_to_full"]
+    assert rows["vericache-staggered"]["link_utilization"] > 0 and rows["full"]["link_utilization"] == 0
+    assert 0 < rows["full"]["compute_utilization"] <= 1 and (tmp_path / "t.png").stat().st_size > 1000

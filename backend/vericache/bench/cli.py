@@ -35,6 +35,28 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from vericache.bench.common import markdown_table, record
+    from vericache.bench.throughput import plot_timeline, run_throughput
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run_throughput(args.model, args.requests, args.context, args.max_tokens, args.device_budget,
+                         args.link_gbps, args.compressor, device=args.device,
+                         log=(lambda m: None) if args.json else print)
+    if args.plot:
+        plot_timeline(res["timelines"], args.plot, res["link"])
+    cols = ["mode", "tokens_per_s", "x_full", "identical_to_full", "link_utilization", "compute_utilization",
+            "mean_acceptance_length", "wall_s"]
+    table = markdown_table(res["rows"], cols)
+    print(json.dumps({"rows": res["rows"], "link": res["link"]}) if args.json else table)
+    plot_md = f"\n\n![timeline]({Path(args.plot).name})" if args.plot else ""
+    record(args.record, f"Throughput under a device budget (link: {res['link']})", table + plot_md, args.argv)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -54,3 +76,19 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
     b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
     b.set_defaults(func=_cmd_decode)
+
+    t = bsub.add_parser("throughput", help="full under a budget vs lossy vs vericache naive/staggered")
+    t.add_argument("--model", default="tiny")
+    t.add_argument("--requests", type=int, default=12)
+    t.add_argument("--context", type=int, default=4096)
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--device-budget", type=float, default=0.25,
+                   help="device KV budget: a fraction (<= 1) of all requests' full KV, or bytes")
+    t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
+    t.add_argument("--compressor", default="snapkv:ratio=0.125")
+    t.add_argument("--device", default=None)
+    t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--plot", default=None, help="timeline PNG of link and compute per mode")
+    t.add_argument("--record", default=None)
+    t.set_defaults(func=_cmd_throughput)
