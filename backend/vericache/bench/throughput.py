@@ -42,7 +42,12 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
             link = CudaLink(llm.loaded.device) if llm.loaded.device.type == "cuda" else EmulatedLink(link_gbps)
         srv = ServingEngine(Engine(llm.loaded, mode=engine_mode, compressor=compressor), device_budget=budget,
                             scheduler=scheduler, link=link)
-        rids = [srv.add_request(p, params) for p in prompts]
+        try:
+            rids = [srv.add_request(p, params) for p in prompts]
+        except ValueError as exc:  # e.g. one request's verification buffer exceeds the budget
+            rows.append({"mode": mode, "tokens_per_s": 0.0, "error": str(exc)})
+            log(f"{mode}: cannot run: {exc}")
+            continue
         t0 = time.perf_counter()
         last_log = t0
         while srv.has_unfinished():

@@ -131,7 +131,7 @@ class ServingEngine:
         if self.mode == "full":
             return full
         window = 2 * self.eng.compressor.window * per_pos * self.eng.loaded.dtype.itemsize
-        chunk = self.prefill_chunk * per_pos * self.eng.loaded.dtype.itemsize
+        chunk = min(self.prefill_chunk, len(seq.prompt_ids)) * per_pos * self.eng.loaded.dtype.itemsize
         return int(full * self.eng.compressor.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk
 
     def _verify_buffer_bytes(self, seq: Sequence) -> int:
