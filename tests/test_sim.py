@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from vericache.cli import main
 from vericache.sim.cost_model import GPUS, MODELS, PCIE, SimConfig, simulate
 
@@ -43,3 +46,29 @@ def test_sim_command(capsys, tmp_path):
     assert {r["mode"] for r in rows} == {"full", "lossy", "vericache-naive", "vericache-staggered"}
     assert {r["model"] for r in rows} == set(MODELS) and (tmp_path / "s.png").exists()
     assert main(["sim", "--models", "gpt-9"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script measures instead")
+def test_gpu_check_says_no_device_on_cpu(capsys):
+    from vericache.bench.gpu_check import main as gpu_main
+
+    assert gpu_main(["--out", "/tmp/vericache-gpu-check"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_link_copies_layer_by_layer():
+    from vericache.config import ModelConfig
+    from vericache.kv.full import FullKVCache
+    from vericache.kv.link import CudaLink
+
+    cfg = ModelConfig(num_hidden_layers=3)
+    src = FullKVCache(cfg, "cpu", torch.float32, 64)
+    src.begin(0, 64)
+    src.k.normal_()
+    src.k, src.v = src.k.pin_memory(), src.v.pin_memory()
+    dst = FullKVCache(cfg, "cuda", torch.float32, 64)
+    t = CudaLink(torch.device("cuda")).submit(src, 64, dst)
+    t.wait_all()
+    assert torch.equal(dst.k.cpu(), src.k)
