@@ -110,6 +110,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from vericache_gateway.server import serve
+    except ImportError as exc:
+        raise ValueError(f"the gateway needs the 'serve' extra (pip install 'vericache[serve]'): {exc}") from None
+    if args.backend != "embedded":
+        raise ValueError("only --backend embedded is available in this version (the Triton backend is not built yet)")
+    serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, mode=args.mode,
+          compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
+          device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, default=50, help="tasks per metric")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_eval_model)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway over the engine")
+    _add_model_args(sv)
+    _add_mode_args(sv)
+    sv.set_defaults(mode="vericache", compressor="snapkv:ratio=0.125")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--backend", default="embedded", choices=["embedded", "triton"])
+    sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
+    sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
+    sv.add_argument("--max-queue", type=int, default=64)
+    sv.set_defaults(func=_cmd_serve)
 
     q = sub.add_parser("eval", help="code and tool-call quality: full vs lossy vs vericache per compressor")
     q.add_argument("--model", default="tiny")

@@ -96,6 +96,7 @@ class ServingEngine:
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
         self.requests: dict[int, Request] = {}
         self.activity = Activity()
+        self.round_log: list[tuple[int, int]] = []  # (drafted, accepted) per verification; drained by the service
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ public API
@@ -307,6 +308,7 @@ class ServingEngine:
             r.draft.commit(keep, source=r.full)
             self.device.free(("verify", r.id))
             r.rounds, r.drafted, r.accepted = r.rounds + 1, r.drafted + len(r.drafts), r.accepted + m
+            self.round_log.append((len(r.drafts), m))
             self.eng.policy.update(r.policy_state, len(r.drafts), m)
             r.transfer, r.drafts, r.qs, r.k = None, [], [], 0
             self._set(r, DRAFTING)
@@ -362,6 +364,10 @@ class ServingEngine:
         req.state = state
 
     # ------------------------------------------------------------------ postprocess
+    def collect_outputs(self) -> list[StepOutput]:
+        """Outputs not yet reported (an abort between steps, say)."""
+        return self._postprocess()
+
     def _postprocess(self) -> list[StepOutput]:
         outs = []
         for req in self.requests.values():

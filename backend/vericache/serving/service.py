@@ -1,0 +1,183 @@
+"""The engine as a service: a background step loop, a bounded queue, per-request delta streams.
+
+No Triton or HTTP imports: the gateway's embedded backend and the Triton model both drive this.
+Threading model: one thread owns the ``ServingEngine`` and runs ``step()``; other threads only
+put commands (submit, abort) on a queue that the loop drains between steps, and read deltas from
+each request's own queue. Aborting frees the request's KV at the next loop turn (milliseconds).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vericache.engine.serving import FINISHED, ServingEngine
+from vericache.sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """The bounded request queue is full: the caller should retry later (HTTP 429)."""
+
+
+class ServiceStopped(RuntimeError):
+    """The service is shutting down or has stopped (HTTP 503)."""
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class RequestStream:
+    """Deltas of one request, in order; ``get`` blocks, ``None`` timeouts raise queue.Empty."""
+
+    def __init__(self, rid: int, prompt_tokens: int) -> None:
+        self.id = rid
+        self.prompt_tokens = prompt_tokens
+        self._q: queue.Queue[Delta] = queue.Queue()
+
+    def put(self, d: Delta) -> None:
+        self._q.put(d)
+
+    def get(self, timeout: float | None = None) -> Delta:
+        return self._q.get(timeout=timeout)
+
+
+MetricsSink = Callable[[str, dict], None]  # (event, fields): "request_done", "step", ...
+
+
+class EngineService:
+    def __init__(self, serving: ServingEngine, max_queue: int = 64, metrics: MetricsSink | None = None) -> None:
+        self.serving = serving
+        self.tokenizer = serving.eng.tokenizer
+        self.max_queue = max_queue
+        self.metrics = metrics or (lambda event, fields: None)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[int, RequestStream] = {}
+        self._texts: dict[int, str] = {}
+        self._arrival: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._draining = False
+        self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers' side
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Validate, enqueue, and return the request's stream. Raises ValueError, QueueFull, ServiceStopped."""
+        if self._stop.is_set() or self._draining:
+            raise ServiceStopped("the engine is shutting down")
+        self.serving.eng.check_request(prompt_ids, params)  # bad input fails here, before queueing
+        with self._lock:
+            if self.num_waiting() + self._commands.qsize() >= self.max_queue:
+                raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
+            done = threading.Event()
+            holder: dict = {}
+            self._commands.put(("submit", prompt_ids, params, holder, done))
+        if not done.wait(timeout=30):
+            raise ServiceStopped("the engine loop did not accept the request")
+        if "error" in holder:
+            raise holder["error"]
+        return holder["stream"]
+
+    def abort(self, rid: int) -> None:
+        self._commands.put(("abort", rid))
+
+    def num_running(self) -> int:
+        return sum(1 for r in list(self.serving.requests.values()) if r.state not in ("waiting", "finished", "aborted"))
+
+    def num_waiting(self) -> int:
+        return sum(1 for r in list(self.serving.requests.values()) if r.state == "waiting")
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish (up to ``drain_timeout``), then stop."""
+        self._draining = True
+        deadline = time.time() + drain_timeout
+        while self.serving.has_unfinished() and time.time() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self.serving.link is not None:
+            self.serving.link.close()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands()
+            if not self.serving.has_unfinished():
+                try:  # idle: sleep until a command arrives
+                    self._handle(self._commands.get(timeout=0.05))
+                except queue.Empty:
+                    pass
+                continue
+            n_phases = len(self.serving.activity.intervals)
+            outs = self.serving.step()
+            for start, end, kind in self.serving.activity.intervals[n_phases:]:
+                self.metrics("phase", {"kind": kind, "seconds": end - start})
+            del self.serving.activity.intervals[:]  # a long-running server keeps no history
+            for drafted, accepted in self.serving.round_log:
+                self.metrics("round", {"drafted": drafted, "accepted": accepted})
+            self.serving.round_log.clear()
+            for o in outs:
+                self._deliver(o)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "submit":
+            _, prompt_ids, params, holder, done = cmd
+            try:
+                rid = self.serving.add_request(prompt_ids, params)
+                holder["stream"] = self._streams[rid] = RequestStream(rid, len(prompt_ids))
+                self._texts[rid] = ""
+                self._arrival[rid] = time.perf_counter()
+            except ValueError as exc:
+                holder["error"] = exc
+            done.set()
+        elif cmd[0] == "abort":
+            self.serving.abort(cmd[1])
+            for o in self.serving.collect_outputs():  # report the abort at once, even when idle
+                self._deliver(o)
+
+    def _deliver(self, o) -> None:
+        stream = self._streams.get(o.request_id)
+        if stream is None:
+            return
+        req = self.serving.requests[o.request_id]
+        prev = self._texts[o.request_id]
+        if o.finished:
+            text_delta = req.seq.text()[len(prev):] if req.state == FINISHED else ""
+        else:
+            text = self.tokenizer.decode(req.seq.output_ids)
+            # hold back what could still become a stop string (it is cut from the final text) and a
+            # trailing partial UTF-8 character, so streamed text is always a prefix of the final text
+            hold = max((len(s) - 1 for s in req.seq.params.stop_list), default=0)
+            safe = len(text) - hold
+            while safe > 0 and text[safe - 1] == "\ufffd":
+                safe -= 1
+            text_delta = text[len(prev):max(safe, len(prev))]
+        self._texts[o.request_id] = prev + text_delta
+        stats = {}
+        if o.finished:
+            stats = {"rounds": req.rounds, "drafted_tokens": req.drafted, "accepted_tokens": req.accepted,
+                     "prompt_tokens": len(req.seq.prompt_ids), "completion_tokens": len(req.seq.output_ids),
+                     "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
+            self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
+            del self._streams[o.request_id], self._texts[o.request_id]
+            self.serving.requests.pop(o.request_id, None)  # finished requests are not kept forever
+        stream.put(Delta(o.new_token_ids, text_delta, o.finished, o.finish_reason, stats))

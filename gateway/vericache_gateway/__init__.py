@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway for VeriCache (a thin adapter over ``vericache.serving``)."""

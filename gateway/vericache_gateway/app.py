@@ -1,0 +1,238 @@
+"""The FastAPI app: OpenAI-shaped routes over an ``EngineService`` (the embedded backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import queue
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vericache.sampling import SamplingParams
+from vericache.serving.service import EngineService, QueueFull, ServiceStopped
+from vericache_gateway.metrics import Metrics
+from vericache_gateway.protocol import ChatRequest, CompletionRequest, chat_prompt, error_body
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def create_app(service: EngineService, model_name: str = "tiny", api_key: str | None = None,
+               max_body_bytes: int = 1 << 20) -> FastAPI:
+    eng = service.serving.eng
+    metrics = Metrics(model_name, eng.mode, eng.compressor.spec() if eng.mode != "full" else "")
+    service.metrics = _sink(metrics)
+    app = FastAPI(title="VeriCache", version="0.1.0")
+    app.state.service, app.state.metrics = service, metrics
+
+    def fail(status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
+        metrics.lab(metrics.errors, status=str(status)).inc()
+        return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return fail(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc: RequestValidationError):
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", [])[1:]) or None
+        return fail(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return fail(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return fail(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}", "invalid_request_error")
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):  # constant-time comparison
+                return fail(401, "missing or invalid API key", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not service.healthy():
+            return fail(503, "engine is not running", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "vericache"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        _refresh_gauges(service, metrics)
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if len(body.prompt) == 1 else None)
+        if prompt is None:
+            raise APIError(400, "prompt must be a string or a list with exactly one string", param="prompt")
+        return await _serve(request, body, prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _serve(request, body, chat_prompt(body.messages), body.max_completion_tokens or body.max_tokens,
+                            chat=True)
+
+    async def _serve(request: Request, body, prompt: str, max_tokens: int | None, chat: bool):
+        if body.model != model_name:
+            raise APIError(400, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", type_="invalid_request_error")
+        _check_vericache_options(body, eng)
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        ids = eng.tokenizer.encode(prompt)
+        try:
+            params = SamplingParams(max_tokens=max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
+                                    top_k=body.top_k, seed=body.seed, stop=body.stop)
+            stream = await asyncio.to_thread(service.submit, ids, params)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+        except QueueFull as exc:
+            raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
+        except ServiceStopped as exc:
+            raise APIError(503, str(exc), "server_error") from None
+        metrics.lab(metrics.prompt_tokens).inc(len(ids))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(request, stream, rid, chat, include_usage), media_type="text/event-stream")
+        text, reason, stats = "", None, {}
+        async for delta in _deltas(request, stream):
+            text += delta.text
+            if delta.finished:
+                reason, stats = delta.finish_reason, delta.stats
+        return _response(rid, chat, text, reason, stats, len(ids))
+
+    async def _deltas(request: Request, stream):
+        """Deltas as they come; a client that goes away aborts the request (its KV is freed)."""
+        t0, last, finished = time.perf_counter(), None, False
+        try:
+            while True:
+                try:
+                    delta = await asyncio.to_thread(stream.get, 0.05)
+                except queue.Empty:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                now = time.perf_counter()
+                if delta.token_ids:
+                    if last is None:
+                        metrics.lab(metrics.ttft).observe(now - t0)
+                    else:
+                        metrics.lab(metrics.itl).observe((now - last) / len(delta.token_ids))
+                    last = now
+                    metrics.lab(metrics.generation_tokens).inc(len(delta.token_ids))
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        finally:  # the client went away (or the response was cancelled): free the request's KV now
+            if not finished:
+                service.abort(stream.id)
+
+    async def _sse(request: Request, stream, rid: str, chat: bool, include_usage: bool):
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        first = True
+        async for delta in _deltas(request, stream):
+            if chat:
+                d = {"content": delta.text} if not first else {"role": "assistant", "content": delta.text}
+                choice = {"index": 0, "delta": d, "finish_reason": delta.finish_reason}
+            else:
+                choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
+            first = False
+            chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+            if delta.finished:
+                chunk["vericache"] = delta.stats
+            yield f"data: {json.dumps(chunk)}\n\n"
+            if delta.finished and include_usage:
+                usage = _usage(delta.stats)
+                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _response(rid, chat, text, reason, stats, n_prompt):
+        created = int(time.time())
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": _usage(stats, n_prompt), "vericache": stats}
+
+    return app
+
+
+def _usage(stats: dict, n_prompt: int | None = None) -> dict:
+    p, c = stats.get("prompt_tokens", n_prompt or 0), stats.get("completion_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _check_vericache_options(body, eng) -> None:
+    """Per-request options must match what this server runs (one engine configuration per server)."""
+    opts = body.vericache
+    if opts is None:
+        return
+    from vericache.compress.registry import parse_compressor
+
+    if opts.mode is not None and opts.mode != eng.mode:
+        raise APIError(400, f"this server runs mode {eng.mode!r}; per-request mode {opts.mode!r} is not available",
+                       param="vericache.mode")
+    if opts.compressor is not None:
+        try:
+            spec = parse_compressor(opts.compressor).spec()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="vericache.compressor") from None
+        if spec != eng.compressor.spec():
+            raise APIError(400, f"this server runs compressor {eng.compressor.spec()!r}, not {spec!r}",
+                           param="vericache.compressor")
+
+
+def _sink(m: Metrics):
+    def sink(event: str, f: dict) -> None:
+        if event == "request_done":
+            m.lab(m.success, finished_reason=str(f.get("finish_reason"))).inc()
+            m.lab(m.e2e).observe(f["e2e_s"])
+        elif event == "round":
+            m.lab(m.drafts).inc()
+            m.lab(m.draft_tokens).inc(f["drafted"])
+            m.lab(m.accepted_tokens).inc(f["accepted"])
+            for pos in range(f["accepted"]):
+                m.lab(m.accepted_per_pos, position=str(pos)).inc()
+            m.lab(m.acceptance_length).observe(f["accepted"] + 1)
+        elif event == "phase" and f["kind"] in ("draft", "verify"):
+            m.lab(m.draft_step if f["kind"] == "draft" else m.verify_step).observe(f["seconds"])
+    return sink
+
+
+def _refresh_gauges(service: EngineService, m: Metrics) -> None:
+    srv = service.serving
+    m.lab(m.running).set(service.num_running())
+    m.lab(m.waiting).set(service.num_waiting())
+    m.lab(m.kv_bytes, tier="device").set(srv.device.used_bytes)
+    m.lab(m.kv_bytes, tier="host").set(srv.host.used_bytes if srv.mode == "vericache" else 0)
+    m.lab(m.kv_usage).set(srv.device.usage())
+    if srv.link is not None:
+        kind = srv.link.kind
+        bytes_c, busy_c = m.lab(m.link_bytes, link=kind), m.lab(m.link_busy, link=kind)
+        bytes_c.inc(max(srv.link.stats.bytes_moved - bytes_c._value.get(), 0))
+        busy_c.inc(max(srv.link.stats.busy_s - busy_c._value.get(), 0))

@@ -1,0 +1,49 @@
+"""Prometheus metrics in vLLM's style under ``vericache_`` (one registry per app, no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, model: str, mode: str, compressor: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.labels = {"model": model, "mode": mode, "compressor": compressor}
+        names = list(self.labels)
+
+        def g(name, doc, extra=()):
+            return Gauge(f"vericache_{name}", doc, names + list(extra), registry=r)
+
+        def c(name, doc, extra=()):
+            return Counter(f"vericache_{name}", doc, names + list(extra), registry=r)
+
+        def h(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(f"vericache_{name}", doc, names, buckets=buckets, registry=r)
+
+        self.running = g("num_requests_running", "Requests being prefilled, drafted, verified or decoded")
+        self.waiting = g("num_requests_waiting", "Requests waiting for device memory")
+        self.kv_bytes = g("kv_cache_bytes", "KV bytes held, by tier", ["tier"])
+        self.kv_usage = g("kv_cache_usage_perc", "Share of the device KV budget in use (0-1)")
+        self.drafts = c("spec_decode_num_drafts", "Verification rounds")
+        self.draft_tokens = c("spec_decode_num_draft_tokens", "Drafted tokens")
+        self.accepted_tokens = c("spec_decode_num_accepted_tokens", "Accepted draft tokens")
+        self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens by draft position",
+                                  ["position"])
+        self.acceptance_length = h("acceptance_length", "Tokens emitted per verification round",
+                                   (1, 2, 4, 8, 12, 16, 24, 32, 48, 64))
+        self.link_bytes = c("link_bytes", "Bytes moved by the host-to-device link", ["link"])
+        self.link_busy = c("link_busy_seconds", "Seconds the link was busy", ["link"])
+        self.draft_step = h("draft_step_seconds", "Draft step latency")
+        self.verify_step = h("verify_step_seconds", "Verification forward latency")
+        self.ttft = h("time_to_first_token_seconds", "Time to first token")
+        self.itl = h("inter_token_latency_seconds", "Time between streamed tokens")
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency")
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = c("generation_tokens", "Tokens generated")
+        self.success = c("request_success", "Finished requests by reason", ["finished_reason"])
+        self.errors = c("request_errors", "Requests answered with an error, by HTTP status", ["status"])
+
+    def lab(self, metric, **extra):
+        return metric.labels(**self.labels, **extra)

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible gateway on a real socket, driven by the official openai client and httpx."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from vericache import SamplingParams
+from vericache.engine.engine import Engine
+from vericache.engine.serving import ServingEngine
+from vericache.serving.service import EngineService
+from vericache_gateway.app import create_app
+
+SPEC = "snapkv:ratio=0.125"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30):
+        eng = Engine(llm.loaded, mode="vericache", compressor=SPEC)
+        self.service = EngineService(ServingEngine(eng, device_budget=budget), max_queue=max_queue)
+        self.app = create_app(self.service, model_name="tiny", api_key=api_key)
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.service.shutdown(drain_timeout=5)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = Server(llm)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_equals_the_engine(llm, client):
+    prompt = "def parse_args(argv):\n    parser = "
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    ref = llm.generate(prompt, SamplingParams(max_tokens=12))[0]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.model_extra["vericache"]["rounds"] >= 1
+
+
+def test_streaming_chat_with_usage(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "write a function"}], max_tokens=10, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len(text) > 0
+
+
+def test_raw_sse_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/completions", json={"model": "tiny", "prompt": "import os\n",
+                      "max_tokens": 5, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "nope", "prompt": "x"}, 400, "model 'nope' does not exist"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "vericache": {"compressor": "zip"}}, 400, "unknown compressor"),
+    ({"model": "tiny", "prompt": "x" * 5, "max_tokens": 70000}, 400, "context limit"),
+])
+def test_errors_are_openai_shaped_400s(server, body, status, needle):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_too_long_prompt_gives_count_and_limit(server, llm):
+    prompt = "x = 1\n" * 20000
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8}, timeout=60)
+    n = len(llm.tokenizer.encode(prompt))
+    assert r.status_code == 400 and f"prompt ({n} tokens)" in r.json()["error"]["message"]
+    assert str(llm.engine.max_context) in r.json()["error"]["message"]
+
+
+def test_oversized_body_is_413(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{" + b" " * (2 << 20) + b"}",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+
+
+def test_api_key(llm):
+    s = Server(llm, api_key="s3cret")
+    try:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list()] == ["tiny"]
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+    finally:
+        s.close()
+
+
+def test_queue_full_is_429_with_retry_after(llm):
+    s = Server(llm, max_queue=0)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        s.close()
+
+
+def test_disconnects_abort_and_free_kv(server):
+    """Clients that hang up mid-stream: their requests are aborted and all KV returns."""
+    for _ in range(20):
+        with httpx.stream("POST", server.url + "/v1/completions", json={
+                "model": "tiny", "prompt": "class Parser:\n", "max_tokens": 2000, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # hang up after the first chunk
+    deadline = time.time() + 20
+    srv = server.service.serving
+    while time.time() < deadline and (server.service.num_running() or srv.device.used_blocks):
+        time.sleep(0.05)
+    assert server.service.num_running() == 0 and srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+
+
+def test_metrics_exported(server, client):
+    client.completions.create(model="tiny", prompt="def f():\n", max_tokens=20, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vericache_num_requests_running", "vericache_spec_decode_num_drafts_total",
+                 "vericache_spec_decode_num_accepted_tokens_per_pos_total", "vericache_kv_cache_bytes",
+                 "vericache_time_to_first_token_seconds_bucket", "vericache_request_success_total",
+                 "vericache_link_bytes_total", "vericache_prompt_tokens_total", "vericache_generation_tokens_total"):
+        assert name in text, name
+    assert 'tier="host"' in text and 'mode="vericache"' in text
