@@ -123,6 +123,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_triton_server(args: argparse.Namespace) -> int:
+    from vericache.serving.triton_launcher import DEFAULT_REPOSITORY, start_triton
+
+    proc = start_triton(args.model_repository or DEFAULT_REPOSITORY, host=args.host, http_port=args.http_port,
+                        grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=sys.stdout)
+    print(f"tritonserver pid {proc.pid}: grpc {args.host}:{args.grpc_port}, http {args.host}:{args.http_port}, "
+          f"metrics {args.host}:{args.metrics_port}", file=sys.stderr)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # never leave an orphaned tritonserver
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
     sv.add_argument("--max-queue", type=int, default=64)
     sv.set_defaults(func=_cmd_serve)
+
+    tr = sub.add_parser("triton-server", help="start a real tritonserver on the VeriCache model repository")
+    tr.add_argument("--model-repository", default=None)
+    tr.add_argument("--host", default="127.0.0.1")
+    tr.add_argument("--http-port", type=int, default=8000)
+    tr.add_argument("--grpc-port", type=int, default=8001)
+    tr.add_argument("--metrics-port", type=int, default=8002)
+    tr.set_defaults(func=_cmd_triton_server)
 
     q = sub.add_parser("eval", help="code and tool-call quality: full vs lossy vs vericache per compressor")
     q.add_argument("--model", default="tiny")

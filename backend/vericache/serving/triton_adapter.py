@@ -1,0 +1,134 @@
+"""What the Triton Python model does, without Triton: tensors in, service calls, tensors out.
+
+``model_repository/vericache/1/model.py`` only moves ``pb_utils`` objects to and from the dicts
+of numpy arrays used here (the split of Triton's TensorRT-LLM BLS model), so this logic is
+unit-tested without a server. Tensor names follow the TensorRT-LLM ensemble: ``text_input``,
+``max_tokens``, ``stream``, ``temperature``, ``top_p``, ``top_k``, ``random_seed``,
+``stop_words`` in; ``text_output`` out, plus ``output_ids`` and VeriCache's round statistics.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from vericache.sampling import SamplingParams
+from vericache.serving.service import EngineService, RequestStream
+
+
+class InvalidInput(ValueError):
+    """Maps to Triton's INVALID_ARG."""
+
+
+def _scalar(inputs: dict, name: str, default=None):
+    arr = inputs.get(name)
+    if arr is None:
+        return default
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size == 0:
+        return default
+    v = flat[0]
+    return v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else v.item() if hasattr(v, "item") else v
+
+
+def _strings(inputs: dict, name: str) -> list[str]:
+    arr = inputs.get(name)
+    if arr is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v) for v in np.asarray(arr).reshape(-1)]
+
+
+@dataclass
+class Job:
+    stream: RequestStream
+    streaming: bool
+
+
+class TritonAdapter:
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+        self.eng = service.serving.eng
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "TritonAdapter":
+        """Build from config.pbtxt parameters (model, mode, compressor, draft_len, device, dtype, max_queue)."""
+        from vericache.serving.build import build_service
+
+        def get(k, d):
+            v = params.get(k, "")
+            return v if v not in ("", None) else d
+
+        draft = get("draft_len", "auto")
+        service = build_service(model=get("model", "tiny"), mode=get("mode", "vericache"),
+                                compressor=get("compressor", "snapkv:ratio=0.125"),
+                                draft_len=draft if draft == "auto" else int(draft),
+                                device=get("device", None), dtype=get("dtype", None),
+                                device_budget=int(float(get("device_budget_gb", 4)) * (1 << 30)),
+                                max_queue=int(get("max_queue", 64)))
+        return cls(service)
+
+    def parse(self, inputs: dict) -> tuple[list[int], SamplingParams, bool]:
+        text = _scalar(inputs, "text_input")
+        if not isinstance(text, str) or not text:
+            raise InvalidInput("text_input must be a non-empty string")
+        mode, comp = _scalar(inputs, "mode"), _scalar(inputs, "compressor")
+        if mode not in (None, "", self.eng.mode):
+            raise InvalidInput(f"this model instance runs mode {self.eng.mode!r}, not {mode!r}")
+        if comp not in (None, ""):
+            from vericache.compress.registry import parse_compressor
+
+            try:
+                spec = parse_compressor(comp).spec()
+            except ValueError as exc:
+                raise InvalidInput(str(exc)) from None
+            if spec != self.eng.compressor.spec():
+                raise InvalidInput(f"this model instance runs compressor {self.eng.compressor.spec()!r}, not {spec!r}")
+        seed = _scalar(inputs, "random_seed")
+        try:
+            params = SamplingParams(max_tokens=int(_scalar(inputs, "max_tokens", 16)),
+                                    temperature=float(_scalar(inputs, "temperature", 0.0)),
+                                    top_p=float(_scalar(inputs, "top_p", 1.0)), top_k=int(_scalar(inputs, "top_k", 0)),
+                                    seed=None if seed is None else int(seed), stop=_strings(inputs, "stop_words") or None)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(str(exc)) from None
+        ids = self.eng.tokenizer.encode(text)
+        try:
+            self.eng.check_request(ids, params)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        return ids, params, bool(_scalar(inputs, "stream", False))
+
+    def start(self, inputs: dict) -> Job:
+        ids, params, streaming = self.parse(inputs)
+        return Job(self.service.submit(ids, params), streaming)
+
+    def responses(self, job: Job, cancelled: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
+        """Streaming: one response per delta. Otherwise one response with the whole text.
+        A cancelled request is aborted (its KV freed) and the iterator ends."""
+        text, ids = "", []
+        while True:
+            try:
+                d = job.stream.get(timeout=0.05)
+            except queue.Empty:
+                if cancelled():
+                    self.service.abort(job.stream.id)
+                    return
+                continue
+            text += d.text
+            ids += d.token_ids
+            if job.streaming and (d.text or d.finished):
+                yield self._tensors(d.text, d.token_ids, d.stats if d.finished else {})
+            if d.finished:
+                if not job.streaming:
+                    yield self._tensors(text, ids, d.stats)
+                return
+
+    @staticmethod
+    def _tensors(text: str, ids: list[int], stats: dict) -> dict[str, np.ndarray]:
+        return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+                "output_ids": np.array(ids, dtype=np.int32),
+                "accepted_tokens": np.array([stats.get("accepted_tokens", 0)], dtype=np.int32),
+                "drafted_tokens": np.array([stats.get("drafted_tokens", 0)], dtype=np.int32)}

@@ -1,0 +1,82 @@
+"""Triton Python backend model: translation only. The logic is ``vericache.serving.triton_adapter``."""
+
+import json
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
+
+from vericache.serving.triton_adapter import InvalidInput, TritonAdapter
+
+INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "random_seed", "stop_words",
+          "mode", "compressor", "draft_len")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.adapter = TritonAdapter.from_parameters(params)
+        self.logger = pb_utils.Logger
+        # families must outlive their metrics: keep both on the model
+        self.requests_family = pb_utils.MetricFamily(name="vericache_triton_requests_total",
+                                                     description="Requests by outcome",
+                                                     kind=pb_utils.MetricFamily.COUNTER)
+        self.ok = self.requests_family.Metric(labels={"outcome": "success"})
+        self.bad = self.requests_family.Metric(labels={"outcome": "invalid"})
+        self.cancelled = self.requests_family.Metric(labels={"outcome": "cancelled"})
+        self.tokens_family = pb_utils.MetricFamily(name="vericache_triton_accepted_tokens_total",
+                                                   description="Accepted draft tokens",
+                                                   kind=pb_utils.MetricFamily.COUNTER)
+        self.accepted = self.tokens_family.Metric(labels={})
+        self.kv_family = pb_utils.MetricFamily(name="vericache_triton_kv_cache_bytes",
+                                               description="KV bytes held, by tier", kind=pb_utils.MetricFamily.GAUGE)
+        self.kv_device = self.kv_family.Metric(labels={"tier": "device"})
+        self.kv_host = self.kv_family.Metric(labels={"tier": "host"})
+        self.running_family = pb_utils.MetricFamily(name="vericache_triton_num_requests_running",
+                                                    description="Requests in the engine",
+                                                    kind=pb_utils.MetricFamily.GAUGE)
+        self.running = self.running_family.Metric(labels={})
+        threading.Thread(target=self._gauges, daemon=True).start()
+        self.logger.log_info(f"vericache model ready: {params}")
+
+    def execute(self, requests):
+        for request in requests:  # decoupled: each request answers from its own thread
+            threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+        return None
+
+    def _serve(self, request):
+        sender = request.get_response_sender()
+        inputs = {}
+        for name in INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        try:
+            job = self.adapter.start(inputs)
+        except (InvalidInput, ValueError) as exc:
+            self.bad.increment(1)
+            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        last = None
+        for out in self.adapter.responses(job, cancelled=request.is_cancelled):
+            last = out
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+        if last is None or request.is_cancelled():
+            self.cancelled.increment(1)
+        else:
+            self.ok.increment(1)
+            self.accepted.increment(int(last["accepted_tokens"][0]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _gauges(self):
+        service = self.adapter.service
+        while service.healthy():
+            self.kv_device.set(service.serving.device.used_bytes)
+            self.kv_host.set(service.serving.host.used_bytes)
+            self.running.set(service.num_running())
+            time.sleep(0.1)
+
+    def finalize(self):
+        self.adapter.service.shutdown(drain_timeout=5)

@@ -1,0 +1,132 @@
+"""A real Triton Inference Server (the nvidia-pytriton wheel's, on CPU) serving model_repository/,
+reached with tritonclient over gRPC streaming."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from vericache import SamplingParams
+
+g = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev extra")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory):
+    from vericache.serving.triton_launcher import start_triton
+
+    http, grpc, metrics = _free_ports(3)
+    log = open(tmp_path_factory.mktemp("triton") / "server.log", "w")
+    proc = start_triton(http_port=http, grpc_port=grpc, metrics_port=metrics, log_file=log,
+                        workdir=tmp_path_factory.mktemp("triton-work"))
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, open(log.name).read()[-3000:]
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("tritonserver did not become ready: " + open(log.name).read()[-3000:])
+    yield {"grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+    proc.terminate()
+    try:
+        proc.wait(timeout=40)
+    except Exception:
+        proc.kill()
+
+
+def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):
+    def t(name, arr, dt):
+        x = g.InferInput(name, list(arr.shape), dt)
+        x.set_data_from_numpy(arr)
+        return x
+
+    ins = [t("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
+           t("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+           t("stream", np.array([stream]), "BOOL")]
+    if "temperature" in extra:
+        ins.append(t("temperature", np.array([extra["temperature"]], dtype=np.float32), "FP32"))
+    return ins
+
+
+def _stream(url: str, inputs, limit: int | None = None):
+    client = g.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    client.async_stream_infer("vericache", inputs, enable_empty_final_response=True)
+    texts, error = [], None
+    while True:
+        result, error = q.get(timeout=120)
+        if error is not None:
+            break
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            break
+        texts.append(result.as_numpy("text_output")[0].decode())
+        if limit is not None and len(texts) >= limit:
+            break
+    client.stop_stream(cancel_requests=limit is not None)
+    return texts, error
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_streamed_text_equals_the_embedded_engine(triton, llm):
+    prompt = "def read_config(path):\n"
+    texts, error = _stream(triton["grpc"], _inputs(prompt, 16))
+    assert error is None and len(texts) >= 2  # deltas, not one blob
+    assert "".join(texts) == llm.generate(prompt, SamplingParams(max_tokens=16))[0].text
+
+
+def test_unary_style_request_returns_whole_text(triton, llm):
+    texts, error = _stream(triton["grpc"], _inputs("import os\n", 8, stream=False))
+    assert error is None and texts == [llm.generate("import os\n", SamplingParams(max_tokens=8))[0].text]
+
+
+def test_bad_input_is_invalid_arg(triton):
+    _, error = _stream(triton["grpc"], _inputs("x = 1", 0))
+    assert error is not None and "max_tokens must be >= 1" in str(error)
+
+
+def test_cancelled_stream_frees_kv(triton):
+    texts, error = _stream(triton["grpc"], _inputs("class Parser:\n", 3000), limit=1)
+    assert error is None and len(texts) == 1
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if (_metric(triton["metrics"], 'vericache_triton_kv_cache_bytes{tier="device"}') == 0
+                and _metric(triton["metrics"], "vericache_triton_num_requests_running") == 0):
+            break
+        time.sleep(0.2)
+    assert _metric(triton["metrics"], 'vericache_triton_kv_cache_bytes{tier="device"}') == 0
+    assert _metric(triton["metrics"], 'vericache_triton_kv_cache_bytes{tier="host"}') == 0
+    assert _metric(triton["metrics"], 'vericache_triton_requests_total{outcome="cancelled"}') >= 1
+
+
+def test_custom_metrics_on_tritons_endpoint(triton):
+    _stream(triton["grpc"], _inputs("def f():\n", 6))
+    assert _metric(triton["metrics"], 'vericache_triton_requests_total{outcome="success"}') >= 1
+    assert _metric(triton["metrics"], "vericache_triton_accepted_tokens_total") >= 0
