@@ -1,0 +1,115 @@
+"""Deployment files: alert rules pass promtool, every queried metric is exported, compose is complete,
+and the Triton adapter's translation is right without a server."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed; "
+                                                            ".ci/run installs it")
+def test_alert_rules_pass_promtool():
+    r = subprocess.run(["promtool", "check", "rules", str(ROOT / "monitoring/alerts.yml")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 4 rules found" in r.stdout
+
+
+def queried_metrics() -> set[str]:
+    dash = json.loads((ROOT / "monitoring/grafana/dashboards/vericache.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    rules = yaml.safe_load((ROOT / "monitoring/alerts.yml").read_text())
+    exprs += [r["expr"] for grp in rules["groups"] for r in grp["rules"]]
+    names = set()
+    for e in exprs:
+        names |= set(re.findall(r"\bvericache_[a-z_]+", e))
+    return names
+
+
+def test_dashboard_and_rules_only_query_exported_metrics(llm):
+    """Start a gateway, serve one request, scrape it: every name the dashboard and rules use is there."""
+    from test_gateway import Server
+
+    s = Server(llm)
+    try:
+        import httpx
+
+        httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "def f():\n", "max_tokens": 12},
+                   timeout=60)
+        httpx.post(s.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
+        exported = set(re.findall(r"^(vericache_[a-z_]+)", httpx.get(s.url + "/metrics").text, re.M))
+    finally:
+        s.close()
+    missing = {n for n in queried_metrics() if n not in exported}
+    assert not missing, missing
+    assert len(queried_metrics()) >= 12
+
+
+def test_compose_parses_and_every_path_exists():
+    compose = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
+    assert set(compose["services"]) == {"triton", "gateway", "prometheus", "grafana"}
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+        assert "healthcheck" in svc, name
+        if "build" in svc:
+            ctx = (ROOT / "docker" / svc["build"]["context"]).resolve()
+            assert (ctx / svc["build"]["dockerfile"]).exists()
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            assert (ROOT / "docker" / src).resolve().exists(), (name, src)
+    for dockerfile in ("Dockerfile.triton", "Dockerfile.gateway"):
+        for line in (ROOT / "docker" / dockerfile).read_text().splitlines():
+            if line.startswith("COPY "):
+                for src in line.split()[1:-1]:
+                    assert (ROOT / src).exists(), (dockerfile, src)
+
+
+def test_prometheus_config_scrapes_gateway_and_triton():
+    cfg = yaml.safe_load((ROOT / "monitoring/prometheus.yml").read_text())
+    targets = {t for job in cfg["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"gateway:8000", "triton:8002"} <= targets
+
+
+def test_triton_adapter_translates_and_validates(llm):
+    from vericache.engine.engine import Engine
+    from vericache.engine.serving import ServingEngine
+    from vericache.serving.service import EngineService
+    from vericache.serving.triton_adapter import InvalidInput, TritonAdapter
+
+    svc = EngineService(ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
+                                      device_budget=1 << 30))
+    try:
+        ad = TritonAdapter(svc)
+        ids, params, streaming = ad.parse({"text_input": np.array([b"def f():"], dtype=object),
+                                           "max_tokens": np.array([5], dtype=np.int32),
+                                           "stop_words": np.array([b"\n\n"], dtype=object),
+                                           "random_seed": np.array([3], dtype=np.uint64)})
+        assert ids == llm.tokenizer.encode("def f():") and params.max_tokens == 5 and params.seed == 3
+        assert params.stop_list == ["\n\n"] and streaming is False
+        for bad, needle in [({"max_tokens": np.array([5], dtype=np.int32)}, "text_input"),
+                            ({"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([0])}, "max_tokens"),
+                            ({"text_input": np.array([b"x"], dtype=object), "compressor": np.array([b"zip"], dtype=object)},
+                             "unknown compressor"),
+                            ({"text_input": np.array([b"x"], dtype=object), "mode": np.array([b"full"], dtype=object)},
+                             "runs mode 'vericache'")]:
+            with pytest.raises(InvalidInput, match=needle):
+                ad.parse(bad)
+        job = ad.start({"text_input": np.array([b"import os\n"], dtype=object), "max_tokens": np.array([6])})
+        outs = list(ad.responses(job, cancelled=lambda: False))
+        assert len(outs) == 1 and outs[0]["output_ids"].dtype == np.int32
+        from vericache import SamplingParams
+
+        assert outs[0]["text_output"][0].decode() == llm.generate("import os\n", SamplingParams(max_tokens=6))[0].text
+    finally:
+        svc.shutdown(drain_timeout=5)
