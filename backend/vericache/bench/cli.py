@@ -57,6 +57,24 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_load(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from vericache.bench.common import record
+    from vericache.bench.serve import run_load
+
+    if args.requests is None and args.duration is None:
+        raise ValueError("give --requests N or --duration SECONDS")
+    res = asyncio.run(run_load(args.url.rstrip("/"), args.model, args.concurrency, args.requests, args.duration,
+                               args.max_tokens, args.request_rate, args.cancel_prob, args.seed, args.server_pid,
+                               log=(lambda m: None) if args.json else print))
+    text = json.dumps(res, indent=None if args.json else 2)
+    print(text)
+    record(args.record, "Serving load" + (" (soak)" if args.duration else ""), f"```json\n{json.dumps(res, indent=2)}\n```",
+           args.argv)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -92,3 +110,18 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--plot", default=None, help="timeline PNG of link and compute per mode")
     t.add_argument("--record", default=None)
     t.set_defaults(func=_cmd_throughput)
+
+    sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
+    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--model", default="tiny")
+    sv.add_argument("--concurrency", type=int, default=8)
+    sv.add_argument("--requests", type=int, default=None)
+    sv.add_argument("--duration", type=float, default=None, help="soak: run for this many seconds")
+    sv.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: closed loop)")
+    sv.add_argument("--max-tokens", type=int, default=64)
+    sv.add_argument("--cancel-prob", type=float, default=0.0, help="share of clients that hang up mid-stream")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--server-pid", type=int, default=None, help="sample this process's RSS during the run")
+    sv.add_argument("--json", action="store_true")
+    sv.add_argument("--record", default=None)
+    sv.set_defaults(func=_cmd_serve_load)
