@@ -130,3 +130,62 @@ def test_custom_metrics_on_tritons_endpoint(triton):
     _stream(triton["grpc"], _inputs("def f():\n", 6))
     assert _metric(triton["metrics"], 'vericache_triton_requests_total{outcome="success"}') >= 1
     assert _metric(triton["metrics"], "vericache_triton_accepted_tokens_total") >= 0
+
+
+def _gateway(triton_grpc: str):
+    from test_gateway import _free_port
+
+    import threading
+
+    import uvicorn
+
+    from vericache_gateway.app import create_app
+    from vericache_gateway.backends import TritonBackend
+
+    app = create_app(TritonBackend(triton_grpc), model_name="tiny")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def test_gateway_over_triton_streams_the_same_text(triton, llm):
+    import openai
+
+    server, url = _gateway(triton["grpc"])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        chunks = list(client.completions.create(model="tiny", prompt="def main():\n", max_tokens=12, temperature=0,
+                                                stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == llm.generate("def main():\n", SamplingParams(max_tokens=12))[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}, timeout=30)
+        assert r.status_code == 400
+    finally:
+        server.should_exit = True
+
+
+def test_gateway_503_while_triton_is_down_then_recovers(tmp_path):
+    from vericache.serving.triton_launcher import start_triton
+
+    http, grpc, metrics = _free_ports(3)
+    server, url = _gateway(f"127.0.0.1:{grpc}")
+    proc = None
+    try:
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        proc = start_triton(http_port=http, grpc_port=grpc, metrics_port=metrics, workdir=tmp_path)
+        deadline = time.time() + 180
+        while time.time() < deadline and httpx.get(url + "/health", timeout=10).status_code != 200:
+            time.sleep(0.5)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x = ", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # no gateway restart
+    finally:
+        server.should_exit = True
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=40)

@@ -115,9 +115,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from vericache_gateway.server import serve
     except ImportError as exc:
         raise ValueError(f"the gateway needs the 'serve' extra (pip install 'vericache[serve]'): {exc}") from None
-    if args.backend != "embedded":
-        raise ValueError("only --backend embedded is available in this version (the Triton backend is not built yet)")
-    serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, mode=args.mode,
+    serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, backend=args.backend,
+          triton_url=args.triton_url, mode=args.mode,
           compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
           device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue)
     return 0
@@ -187,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--backend", default="embedded", choices=["embedded", "triton"])
+    sv.add_argument("--triton-url", default="127.0.0.1:8001", help="gRPC address of the Triton server")
     sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
     sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
     sv.add_argument("--max-queue", type=int, default=64)

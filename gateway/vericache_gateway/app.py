@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
-import queue
 import time
 import uuid
 
@@ -17,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vericache.sampling import SamplingParams
 from vericache.serving.service import EngineService, QueueFull, ServiceStopped
+from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
 from vericache_gateway.metrics import Metrics
 from vericache_gateway.protocol import ChatRequest, CompletionRequest, chat_prompt, error_body
 
@@ -28,13 +27,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
-def create_app(service: EngineService, model_name: str = "tiny", api_key: str | None = None,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
-    eng = service.serving.eng
-    metrics = Metrics(model_name, eng.mode, eng.compressor.spec() if eng.mode != "full" else "")
-    service.metrics = _sink(metrics)
+def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_name: str = "tiny",
+               api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
+    if isinstance(backend, EngineService):
+        backend = EmbeddedBackend(backend)
+    metrics = Metrics(model_name, backend.mode, backend.compressor)
+    backend.set_metrics_sink(_sink(metrics))
     app = FastAPI(title="VeriCache", version="0.1.0")
-    app.state.service, app.state.metrics = service, metrics
+    app.state.backend, app.state.metrics = backend, metrics
 
     def fail(status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
         metrics.lab(metrics.errors, status=str(status)).inc()
@@ -68,8 +68,8 @@ def create_app(service: EngineService, model_name: str = "tiny", api_key: str | 
 
     @app.get("/health")
     async def health():
-        if not service.healthy():
-            return fail(503, "engine is not running", "server_error")
+        if not await backend.ready():
+            return fail(503, "backend is not ready", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -78,7 +78,7 @@ def create_app(service: EngineService, model_name: str = "tiny", api_key: str | 
 
     @app.get("/metrics")
     async def prometheus():
-        _refresh_gauges(service, metrics)
+        _refresh_gauges(backend.gauges(), metrics)
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -97,43 +97,42 @@ def create_app(service: EngineService, model_name: str = "tiny", api_key: str | 
         if body.model != model_name:
             raise APIError(400, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", type_="invalid_request_error")
-        _check_vericache_options(body, eng)
+        _check_vericache_options(body, backend)
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        ids = eng.tokenizer.encode(prompt)
+        ids = backend.tokenizer.encode(prompt)
         try:
             params = SamplingParams(max_tokens=max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, stop=body.stop)
-            stream = await asyncio.to_thread(service.submit, ids, params)
+            backend.check(ids, params)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        except QueueFull as exc:
-            raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
-        except ServiceStopped as exc:
-            raise APIError(503, str(exc), "server_error") from None
+        if not await backend.ready():
+            raise APIError(503, "backend is not ready", "server_error")
+        deltas = _deltas(request, backend.generate(ids, params, request.is_disconnected))
+        try:
+            first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
+        except StopAsyncIteration:
+            raise APIError(499, "client closed the request") from None
         metrics.lab(metrics.prompt_tokens).inc(len(ids))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(request, stream, rid, chat, include_usage), media_type="text/event-stream")
-        text, reason, stats = "", None, {}
-        async for delta in _deltas(request, stream):
+            return StreamingResponse(_sse(_chain(first, deltas), rid, chat, include_usage, len(ids)),
+                                     media_type="text/event-stream")
+        text, reason, stats, n_out = "", None, {}, 0
+        async for delta in _chain(first, deltas):
             text += delta.text
+            n_out += len(delta.token_ids)
             if delta.finished:
                 reason, stats = delta.finish_reason, delta.stats
-        return _response(rid, chat, text, reason, stats, len(ids))
+        return _response(rid, chat, text, reason, {"completion_tokens": n_out, **stats}, len(ids))
 
-    async def _deltas(request: Request, stream):
-        """Deltas as they come; a client that goes away aborts the request (its KV is freed)."""
-        t0, last, finished = time.perf_counter(), None, False
+    async def _deltas(request: Request, source):
+        """Deltas with latency metrics; backend errors become HTTP errors."""
+        t0, last = time.perf_counter(), None
         try:
-            while True:
-                try:
-                    delta = await asyncio.to_thread(stream.get, 0.05)
-                except queue.Empty:
-                    if await request.is_disconnected():
-                        return
-                    continue
+            async for delta in source:
                 now = time.perf_counter()
                 if delta.token_ids:
                     if last is None:
@@ -142,19 +141,22 @@ def create_app(service: EngineService, model_name: str = "tiny", api_key: str | 
                         metrics.lab(metrics.itl).observe((now - last) / len(delta.token_ids))
                     last = now
                     metrics.lab(metrics.generation_tokens).inc(len(delta.token_ids))
-                finished = delta.finished
                 yield delta
-                if finished:
-                    return
-        finally:  # the client went away (or the response was cancelled): free the request's KV now
-            if not finished:
-                service.abort(stream.id)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
+        except (ServiceStopped, BackendUnavailable) as exc:
+            raise APIError(503, str(exc), "server_error") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        finally:
+            await source.aclose()  # leaving early aborts the request in the backend
 
-    async def _sse(request: Request, stream, rid: str, chat: bool, include_usage: bool):
+    async def _sse(deltas, rid: str, chat: bool, include_usage: bool, n_prompt: int):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        first = True
-        async for delta in _deltas(request, stream):
+        first, n_out = True, 0
+        async for delta in deltas:
+            n_out += len(delta.token_ids)
             if chat:
                 d = {"content": delta.text} if not first else {"role": "assistant", "content": delta.text}
                 choice = {"index": 0, "delta": d, "finish_reason": delta.finish_reason}
@@ -166,7 +168,7 @@ def create_app(service: EngineService, model_name: str = "tiny", api_key: str | 
                 chunk["vericache"] = delta.stats
             yield f"data: {json.dumps(chunk)}\n\n"
             if delta.finished and include_usage:
-                usage = _usage(delta.stats)
+                usage = _usage({"completion_tokens": n_out, **delta.stats}, n_prompt)
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -182,28 +184,34 @@ def create_app(service: EngineService, model_name: str = "tiny", api_key: str | 
     return app
 
 
+async def _chain(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
 def _usage(stats: dict, n_prompt: int | None = None) -> dict:
     p, c = stats.get("prompt_tokens", n_prompt or 0), stats.get("completion_tokens", 0)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _check_vericache_options(body, eng) -> None:
+def _check_vericache_options(body, backend) -> None:
     """Per-request options must match what this server runs (one engine configuration per server)."""
     opts = body.vericache
     if opts is None:
         return
     from vericache.compress.registry import parse_compressor
 
-    if opts.mode is not None and opts.mode != eng.mode:
-        raise APIError(400, f"this server runs mode {eng.mode!r}; per-request mode {opts.mode!r} is not available",
+    if opts.mode is not None and opts.mode != backend.mode:
+        raise APIError(400, f"this server runs mode {backend.mode!r}; per-request mode {opts.mode!r} is not available",
                        param="vericache.mode")
     if opts.compressor is not None:
         try:
             spec = parse_compressor(opts.compressor).spec()
         except ValueError as exc:
             raise APIError(400, str(exc), param="vericache.compressor") from None
-        if spec != eng.compressor.spec():
-            raise APIError(400, f"this server runs compressor {eng.compressor.spec()!r}, not {spec!r}",
+        if spec != parse_compressor(backend.compressor).spec():
+            raise APIError(400, f"this server runs compressor {backend.compressor!r}, not {spec!r}",
                            param="vericache.compressor")
 
 
@@ -224,15 +232,17 @@ def _sink(m: Metrics):
     return sink
 
 
-def _refresh_gauges(service: EngineService, m: Metrics) -> None:
-    srv = service.serving
-    m.lab(m.running).set(service.num_running())
-    m.lab(m.waiting).set(service.num_waiting())
-    m.lab(m.kv_bytes, tier="device").set(srv.device.used_bytes)
-    m.lab(m.kv_bytes, tier="host").set(srv.host.used_bytes if srv.mode == "vericache" else 0)
-    m.lab(m.kv_usage).set(srv.device.usage())
-    if srv.link is not None:
-        kind = srv.link.kind
+def _refresh_gauges(g: dict, m: Metrics) -> None:
+    """Engine-side gauges at scrape time (a Triton backend has its own /metrics and reports none here)."""
+    if not g:
+        return
+    m.lab(m.running).set(g["running"])
+    m.lab(m.waiting).set(g["waiting"])
+    m.lab(m.kv_bytes, tier="device").set(g["kv_device"])
+    m.lab(m.kv_bytes, tier="host").set(g["kv_host"])
+    m.lab(m.kv_usage).set(g["kv_usage"])
+    if g["link"] is not None:
+        kind, moved, busy = g["link"]
         bytes_c, busy_c = m.lab(m.link_bytes, link=kind), m.lab(m.link_busy, link=kind)
-        bytes_c.inc(max(srv.link.stats.bytes_moved - bytes_c._value.get(), 0))
-        busy_c.inc(max(srv.link.stats.busy_s - busy_c._value.get(), 0))
+        bytes_c.inc(max(moved - bytes_c._value.get(), 0))  # counters follow the link's own totals
+        busy_c.inc(max(busy - busy_c._value.get(), 0))

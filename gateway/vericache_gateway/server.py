@@ -8,12 +8,17 @@ from vericache.serving.build import build_service
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str = "tiny", api_key: str | None = None,
-          **engine_kwargs) -> None:
+          backend: str = "embedded", triton_url: str = "127.0.0.1:8001", **engine_kwargs) -> None:
     import uvicorn
 
     from vericache_gateway.app import create_app
+    from vericache_gateway.backends import EmbeddedBackend, TritonBackend
 
-    service = build_service(model, **engine_kwargs)
-    app = create_app(service, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"))
-    app.router.on_shutdown.append(lambda: service.shutdown(drain_timeout=30))  # drain in-flight requests
+    if backend == "triton":
+        be = TritonBackend(triton_url, model=model, mode=engine_kwargs.get("mode", "vericache"),
+                           compressor=engine_kwargs.get("compressor", "snapkv:ratio=0.125"))
+    else:
+        be = EmbeddedBackend(build_service(model, **engine_kwargs))
+    app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"))
+    app.router.on_shutdown.append(be.close)  # drains in-flight requests before the process exits
     uvicorn.run(app, host=host, port=port, log_level="info")

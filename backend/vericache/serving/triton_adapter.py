@@ -4,7 +4,8 @@
 of numpy arrays used here (the split of Triton's TensorRT-LLM BLS model), so this logic is
 unit-tested without a server. Tensor names follow the TensorRT-LLM ensemble: ``text_input``,
 ``max_tokens``, ``stream``, ``temperature``, ``top_p``, ``top_k``, ``random_seed``,
-``stop_words`` in; ``text_output`` out, plus ``output_ids`` and VeriCache's round statistics.
+``stop_words`` in; ``text_output`` out, plus ``output_ids``, ``finish_reason`` (set on the last
+response) and VeriCache's round statistics.
 """
 
 from __future__ import annotations
@@ -120,15 +121,16 @@ class TritonAdapter:
             text += d.text
             ids += d.token_ids
             if job.streaming and (d.text or d.finished):
-                yield self._tensors(d.text, d.token_ids, d.stats if d.finished else {})
+                yield self._tensors(d.text, d.token_ids, d.stats if d.finished else {}, d.finish_reason)
             if d.finished:
                 if not job.streaming:
-                    yield self._tensors(text, ids, d.stats)
+                    yield self._tensors(text, ids, d.stats, d.finish_reason)
                 return
 
     @staticmethod
-    def _tensors(text: str, ids: list[int], stats: dict) -> dict[str, np.ndarray]:
+    def _tensors(text: str, ids: list[int], stats: dict, finish_reason: str | None = None) -> dict[str, np.ndarray]:
         return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+                "finish_reason": np.array([(finish_reason or "").encode()], dtype=np.object_),
                 "output_ids": np.array(ids, dtype=np.int32),
                 "accepted_tokens": np.array([stats.get("accepted_tokens", 0)], dtype=np.int32),
                 "drafted_tokens": np.array([stats.get("drafted_tokens", 0)], dtype=np.int32)}

@@ -1,0 +1,168 @@
+"""Where the gateway's requests go: the in-process engine, or a Triton server over gRPC.
+
+Both give the app the same small surface: ``tokenizer``, ``mode``/``compressor`` (for labels
+and per-request option checks), ``check`` (validate before accepting), ``generate`` (an async
+iterator of ``Delta``; leaving it early aborts the request), ``ready`` and ``gauges``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+
+from vericache.sampling import SamplingParams
+from vericache.serving.service import Delta, EngineService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend is down or not ready (HTTP 503)."""
+
+
+class EmbeddedBackend:
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+        eng = service.serving.eng
+        self.tokenizer, self.mode = eng.tokenizer, eng.mode
+        self.compressor = eng.compressor.spec() if eng.mode != "full" else ""
+        self.max_context = eng.max_context
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        self.service.serving.eng.check_request(ids, params)
+
+    async def generate(self, ids: list[int], params: SamplingParams,
+                       disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
+        stream = await asyncio.to_thread(self.service.submit, ids, params)
+        finished = False
+        try:
+            while True:
+                try:
+                    delta = await asyncio.to_thread(stream.get, 0.05)
+                except queue.Empty:
+                    if await disconnected():
+                        return
+                    continue
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        finally:  # the client went away, or the response was cancelled: free the request's KV now
+            if not finished:
+                self.service.abort(stream.id)
+
+    async def ready(self) -> bool:
+        return self.service.healthy()
+
+    def gauges(self) -> dict:
+        srv = self.service.serving
+        link = srv.link
+        return {"running": self.service.num_running(), "waiting": self.service.num_waiting(),
+                "kv_device": srv.device.used_bytes, "kv_host": srv.host.used_bytes if srv.mode == "vericache" else 0,
+                "kv_usage": srv.device.usage(), "link": None if link is None else
+                (link.kind, link.stats.bytes_moved, link.stats.busy_s)}
+
+    def set_metrics_sink(self, sink) -> None:
+        self.service.metrics = sink
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.service.shutdown, 30)
+
+
+class TritonBackend:
+    """Streams from the ``vericache`` model of a Triton server with ``tritonclient.grpc.aio``."""
+
+    def __init__(self, url: str, model: str = "tiny", triton_model: str = "vericache", mode: str = "vericache",
+                 compressor: str = "snapkv:ratio=0.125") -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        from vericache.model.loader import load_model
+
+        self._grpc = grpcclient
+        self.url = url
+        self._client = None  # made inside the serving event loop (gRPC aio channels belong to one loop)
+        self.triton_model = triton_model
+        # the tokenizer and limits are read locally: validation and token counts need no round trip
+        lm = load_model(model, device="cpu", dtype="float32")
+        self.tokenizer = lm.tokenizer
+        self.max_context = lm.config.max_position_embeddings
+        self.mode, self.compressor = mode, compressor
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: it encodes to 0 tokens")
+        total = len(ids) + params.max_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                             f"the model's context limit of {self.max_context} tokens")
+
+    def _inputs(self, text: str, params: SamplingParams) -> list:
+        g = self._grpc
+
+        def t(name, arr, dt):
+            x = g.InferInput(name, list(arr.shape), dt)
+            x.set_data_from_numpy(arr)
+            return x
+
+        ins = [t("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
+               t("max_tokens", np.array([params.max_tokens], dtype=np.int32), "INT32"),
+               t("stream", np.array([True]), "BOOL"),
+               t("temperature", np.array([params.temperature], dtype=np.float32), "FP32"),
+               t("top_p", np.array([params.top_p], dtype=np.float32), "FP32"),
+               t("top_k", np.array([params.top_k], dtype=np.int32), "INT32")]
+        if params.seed is not None:
+            ins.append(t("random_seed", np.array([params.seed], dtype=np.uint64), "UINT64"))
+        if params.stop_list:
+            ins.append(t("stop_words", np.array([s.encode() for s in params.stop_list], dtype=np.object_), "BYTES"))
+        return ins
+
+    async def generate(self, ids: list[int], params: SamplingParams,
+                       disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
+        text = self.tokenizer.decode(ids)
+
+        async def requests():
+            yield {"model_name": self.triton_model, "inputs": self._inputs(text, params)}
+
+        from tritonclient.utils import InferenceServerException
+
+        responses = self.client().stream_infer(requests())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise ValueError(str(error))  # INVALID_ARG from the model: a 400
+                # the model marks its last response with a finish reason (the aio client has no
+                # empty-final-response option)
+                reason = result.as_numpy("finish_reason")[0].decode() or None
+                stats = {"accepted_tokens": int(result.as_numpy("accepted_tokens")[0]),
+                         "drafted_tokens": int(result.as_numpy("drafted_tokens")[0])}
+                yield Delta([int(i) for i in result.as_numpy("output_ids")], result.as_numpy("text_output")[0].decode(),
+                            reason is not None, reason, stats if reason else {})
+                if reason is not None:
+                    return
+        except InferenceServerException as exc:
+            raise BackendUnavailable(f"triton: {exc}") from None
+        finally:
+            responses.cancel()  # a client that left cancels the Triton request, which frees its KV
+
+    def client(self):
+        if self._client is None:
+            self._client = self._grpc.InferenceServerClient(self.url)
+        return self._client
+
+    async def ready(self) -> bool:
+        try:
+            c = self.client()
+            return await c.is_server_ready() and await c.is_model_ready(self.triton_model)
+        except Exception:  # noqa: BLE001 - any transport failure means "not ready"
+            return False
+
+    def gauges(self) -> dict:
+        return {}
+
+    def set_metrics_sink(self, sink) -> None:
+        pass
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
