@@ -159,3 +159,27 @@ def test_emulated_link_moves_real_bytes_layer_by_layer(llm):
     link.close()
     with pytest.raises(ValueError, match="bandwidth"):
         EmulatedLink(gbps=0)
+
+
+def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts):
+    link = EmulatedLink(gbps=1)
+    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
+                          device_budget=1 << 30, link=link)
+    assert srv._draft_to_cover_link() == 0  # nothing measured yet
+    link.stats.add(1_000_000, 0.0, 0.01)     # measured: 100 MB/s
+    srv.activity.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
+    rid = srv.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
+    req = srv.requests[rid]
+    req.state, req.full = S.TRANSFERRING, FullKVCache(llm.loaded.config, "cpu", torch.float32, 1000)
+    req.full.begin(0, 999)
+
+    class Pending:
+        cuda_events = None
+
+        def ready(self):
+            return False
+
+    req.transfer = Pending()
+    backlog_s = srv._transfer_bytes(req) / 100e6
+    assert srv._draft_to_cover_link() == int(backlog_s / 0.002)
+    link.close()

@@ -12,6 +12,10 @@ Request states and their transitions (``ALLOWED``), each exercised by the tests:
   waiting -> prefill -> decoding (full, lossy) | drafting (vericache)
   drafting -> transferring -> drafting          (a verification round; the link moves the full KV)
   any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
+
+Staggering (P1): a request whose draft is complete starts its transfer at once and the others keep
+drafting; with ``draft_len="auto"`` a new draft is stretched to cover the link's measured backlog
+(``_draft_to_cover_link``), so requests fall into phase-shifted groups without a fixed group count.
   any state -> finished | aborted               (KV freed at once)
 """
 
@@ -226,7 +230,10 @@ class ServingEngine:
         drafting = [r for r in self.requests.values() if r.state == DRAFTING]
         for r in drafting:
             if r.k == 0 and not r.drafts:
-                r.k = self.eng.policy.next_len(r.policy_state, r.seq.params.max_tokens - len(r.seq.output_ids))
+                remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
+                r.k = self.eng.policy.next_len(r.policy_state, remaining)
+                if self.scheduler == "staggered" and r.k and self.eng.policy.fixed is None:
+                    r.k = max(r.k, min(self._draft_to_cover_link(), self.eng.policy.max_len, remaining - 1))
         rows = [r for r in drafting if len(r.drafts) < r.k]
         if rows:
             self._draft_step(rows)
@@ -256,6 +263,19 @@ class ServingEngine:
             token, q = draft_token(r.seq, row)
             r.drafts.append(token)
             r.qs.append(q)
+
+    def _draft_to_cover_link(self) -> int:
+        """Draft steps that fit in the link's current backlog (P1 adapting to measured rates): a request
+        that would only wait for the link drafts meanwhile, so its next transfer buys more tokens."""
+        stats = self.link.stats
+        draft_spans = [e - s for s, e, k in self.activity.intervals[-32:] if k == "draft"]
+        if stats.busy_s <= 0 or not draft_spans:
+            return 0
+        rate = stats.bytes_moved / stats.busy_s                                  # measured bytes/s
+        queued = sum(self._transfer_bytes(r) for r in self.requests.values()
+                     if r.state == TRANSFERRING and not r.transfer.ready())
+        step_s = sum(draft_spans) / len(draft_spans)                             # measured draft step
+        return int(queued / rate / step_s)
 
     def _make_room_for_a_verification(self, complete: list[Request]) -> None:
         """If no verification is in flight and none can start, preempt the newest other request."""
