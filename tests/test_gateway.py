@@ -177,3 +177,20 @@ def test_graceful_shutdown_drains_in_flight_requests(llm):
 
     with pytest.raises(ServiceStopped):
         service.submit([1, 2, 3], SamplingParams(max_tokens=2))
+
+
+def test_chat_template_from_tokenizer_config(tmp_path, llm):
+    import json
+    import shutil
+
+    from vericache.model.tokenizer import Tokenizer
+    from vericache_gateway.protocol import ChatMessage, chat_prompt
+
+    shutil.copy(llm.loaded.path / "tokenizer.json", tmp_path / "tokenizer.json")
+    msgs = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hi")]
+    plain = chat_prompt(msgs, Tokenizer(tmp_path / "tokenizer.json"))
+    assert plain == "### System:\nbe brief\n### User:\nhi\n### Assistant:\n"
+    tpl = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl, "bos_token": "<s>"}))
+    assert chat_prompt(msgs, Tokenizer(tmp_path / "tokenizer.json")) == "<s><|system|>be brief\n<|user|>hi\n<|assistant|>"

@@ -90,7 +90,11 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await _serve(request, body, chat_prompt(body.messages), body.max_completion_tokens or body.max_tokens,
+        try:
+            prompt = chat_prompt(body.messages, backend.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a template that fails to render is the request's problem
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+        return await _serve(request, body, prompt, body.max_completion_tokens or body.max_tokens,
                             chat=True)
 
     async def _serve(request: Request, body, prompt: str, max_tokens: int | None, chat: bool):

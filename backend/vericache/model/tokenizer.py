@@ -16,6 +16,28 @@ class Tokenizer:
         except Exception as exc:  # the Rust side raises plain Exception on corrupt JSON
             raise ValueError(f"corrupt tokenizer file {path}: {exc}") from None
         self.eos_token_ids = list(eos_token_ids or [])
+        self.chat_template, self.special = self._read_config(Path(path).parent / "tokenizer_config.json")
+
+    @staticmethod
+    def _read_config(path: Path) -> tuple[str | None, dict[str, str]]:
+        """The chat template and special-token strings of tokenizer_config.json, when there is one."""
+        import json
+
+        if not path.exists():
+            return None, {}
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"corrupt {path}: {exc}") from None
+
+        def token(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        special = {k: token(cfg[k]) for k in ("bos_token", "eos_token") if cfg.get(k)}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template, special
 
     @property
     def vocab_size(self) -> int:
