@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from vericache.sim.cost_model import (GPUS, MODELS, PCIE, SimConfig, explain, gpus_needed, simulate,
                                       tensor_parallel)
@@ -61,6 +62,7 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--gpus", type=int, default=0, help="tensor-parallel GPUs (0: fewest that hold the weights)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None)
+    p.add_argument("--record", default=None, help="append the table and the command to this markdown file")
     p.set_defaults(func=_cmd_sim)
 
 
@@ -80,9 +82,14 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0
-    print(markdown_table(rows, ["model", "gpus", "context", "mode", "batch", "tokens_per_s", "x_full",
-                                "link_utilization"]))
-    cfg = sim_config(args.gpu, args.link, models[0], args.context[-1], args.gpus, ratio=args.ratio,
-                     acceptance_length=args.acceptance_length, draft_len=args.draft_len)
-    print("\n" + explain(cfg))
+    from vericache.bench.common import record
+
+    table = markdown_table(rows, ["model", "gpus", "context", "mode", "batch", "tokens_per_s", "x_full",
+                                  "link_utilization"])
+    notes = [explain(sim_config(args.gpu, args.link, m, args.context[-1], args.gpus, ratio=args.ratio,
+                                acceptance_length=args.acceptance_length, draft_len=args.draft_len)) for m in models]
+    print(table + "\n\n" + "\n\n".join(notes))
+    plot_md = f"\n\n![sim]({Path(args.plot).name})" if args.plot else ""
+    record(args.record, f"Cost model ({args.gpu}, PCIe {args.link}; modelled, not measured)",
+           table + "\n\n" + "\n\n".join(notes) + plot_md, args.argv)
     return 0
