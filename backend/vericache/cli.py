@@ -88,7 +88,8 @@ def _cmd_train_tiny(args: argparse.Namespace) -> int:
 def _cmd_eval_model(args: argparse.Namespace) -> int:
     from vericache.eval.run_model_eval import run_model_eval
 
-    result = run_model_eval(args.model, n=args.n, device=args.device, dtype=args.dtype)
+    result = run_model_eval(args.model, n=args.n, device=args.device, dtype=args.dtype,
+                            log=lambda m: print(m, file=sys.stderr))  # stdout stays one JSON object
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
