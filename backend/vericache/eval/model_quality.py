@@ -9,7 +9,6 @@ back rather than memorised formats.
 from __future__ import annotations
 
 import json
-import math
 import random
 from dataclasses import dataclass
 
@@ -113,6 +112,3 @@ def toolcall_exact_match(model: Transformer, tok: Tokenizer, filler: list[int], 
         hits += got is not None and got == json.loads(answer.rsplit("}", 1)[0])
     return TaskScore(hits / n, n)
 
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss)
