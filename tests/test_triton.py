@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from vericache import SamplingParams
+from vericache.serving.triton_launcher import start_triton, stop_triton
 
 g = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev extra")
 
@@ -28,8 +29,6 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
-    from vericache.serving.triton_launcher import start_triton
-
     http, grpc, metrics = _free_ports(3)
     log = open(tmp_path_factory.mktemp("triton") / "server.log", "w")
     proc = start_triton(http_port=http, grpc_port=grpc, metrics_port=metrics, log_file=log,
@@ -47,11 +46,7 @@ def triton(tmp_path_factory):
         proc.kill()
         pytest.fail("tritonserver did not become ready: " + open(log.name).read()[-3000:])
     yield {"grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
-    proc.terminate()
-    try:
-        proc.wait(timeout=40)
-    except Exception:
-        proc.kill()
+    stop_triton(proc)
 
 
 def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):
@@ -169,8 +164,6 @@ def test_gateway_over_triton_streams_the_same_text(triton, llm):
 
 
 def test_gateway_503_while_triton_is_down_then_recovers(tmp_path):
-    from vericache.serving.triton_launcher import start_triton
-
     http, grpc, metrics = _free_ports(3)
     server, url = _gateway(f"127.0.0.1:{grpc}")
     proc = None
@@ -187,5 +180,4 @@ def test_gateway_503_while_triton_is_down_then_recovers(tmp_path):
     finally:
         server.should_exit = True
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=40)
+            stop_triton(proc)

@@ -124,7 +124,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_triton_server(args: argparse.Namespace) -> int:
-    from vericache.serving.triton_launcher import DEFAULT_REPOSITORY, start_triton
+    from vericache.serving.triton_launcher import DEFAULT_REPOSITORY, start_triton, stop_triton
 
     proc = start_triton(args.model_repository or DEFAULT_REPOSITORY, host=args.host, http_port=args.http_port,
                         grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=sys.stdout)
@@ -132,12 +132,12 @@ def _cmd_triton_server(args: argparse.Namespace) -> int:
           f"metrics {args.host}:{args.metrics_port}", file=sys.stderr)
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # never leave an orphaned tritonserver
+    signal.signal(signal.SIGTERM, lambda *_: stop_triton(proc))  # never leave an orphaned tritonserver
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+        stop_triton(proc)
+        return proc.returncode or 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -80,4 +80,23 @@ def start_triton(repository: Path | str = DEFAULT_REPOSITORY, host: str = "127.0
     args += [f"--model-repository={repo}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
              f"--metrics-port={metrics_port}", f"--http-address={host}", f"--grpc-address={host}",
              f"--metrics-address={host}", "--log-verbose=0"]
-    return subprocess.Popen(args, env=env, stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    # its own process group, so stop_triton also ends the Python backend stubs it spawned
+    return subprocess.Popen(args, env=env, stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_triton(proc: subprocess.Popen, timeout: float = 40.0) -> None:
+    """Terminate the server and everything in its process group (model stubs included)."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (stubs) after a clean server exit
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue
+        return
