@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -132,12 +133,14 @@ def _cmd_triton_server(args: argparse.Namespace) -> int:
           f"metrics {args.host}:{args.metrics_port}", file=sys.stderr)
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: stop_triton(proc))  # never leave an orphaned tritonserver
+    # SIGTERM/Ctrl-C: signal the server's process group, let the wait below reap it, then clean up stubs
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(proc.pid, signal.SIGTERM))
     try:
-        return proc.wait()
+        proc.wait()
     except KeyboardInterrupt:
-        stop_triton(proc)
-        return proc.returncode or 0
+        pass
+    stop_triton(proc)  # never leave an orphaned tritonserver or backend stub
+    return proc.returncode or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
