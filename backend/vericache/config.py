@@ -72,10 +72,9 @@ class ModelConfig:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, at 2 bytes per element (bf16)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
+    def kv_bytes_per_position(self, itemsize: int) -> int:
+        """Bytes of K and V for one position over all layers, at ``itemsize`` bytes per element."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":

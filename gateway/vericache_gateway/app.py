@@ -113,7 +113,7 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
             raise APIError(400, str(exc)) from None
         if not await backend.ready():
             raise APIError(503, "backend is not ready", "server_error")
-        deltas = _deltas(request, backend.generate(ids, params, request.is_disconnected))
+        deltas = _deltas(backend.generate(ids, params, request.is_disconnected))
         try:
             first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
         except StopAsyncIteration:
@@ -132,7 +132,7 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
                 reason, stats = delta.finish_reason, delta.stats
         return _response(rid, chat, text, reason, {"completion_tokens": n_out, **stats}, len(ids))
 
-    async def _deltas(request: Request, source):
+    async def _deltas(source):
         """Deltas with latency metrics; backend errors become HTTP errors."""
         t0, last = time.perf_counter(), None
         try:

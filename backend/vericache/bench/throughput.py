@@ -14,7 +14,6 @@ import torch
 from vericache.bench.common import code_prompt
 from vericache.engine.engine import Engine
 from vericache.engine.serving import ServingEngine
-from vericache.kv.full import FullKVCache
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
@@ -27,7 +26,7 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
     llm = LLM(model, device=device, dtype="float32" if device in (None, "cpu") else None)
     ids = code_prompt(llm.tokenizer, context * n_requests + n_requests)
     prompts = [ids[i * context : (i + 1) * context] for i in range(n_requests)]
-    per_pos = FullKVCache(llm.loaded.config, "cpu", llm.loaded.dtype, 1).nbytes_per_position()
+    per_pos = llm.loaded.config.kv_bytes_per_position(llm.loaded.dtype.itemsize)
     all_full = n_requests * (context + max_tokens + 1) * per_pos
     budget = int(device_budget * all_full) if device_budget <= 1 else int(device_budget)
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each; full KV of all: {all_full / 1e6:.1f} MB; "

@@ -131,20 +131,20 @@ class ServingEngine:
     def _device_bytes_needed(self, seq: Sequence) -> int:
         """Device bytes a request will need at its longest (admission control)."""
         n = len(seq.prompt_ids) + seq.params.max_tokens
-        per_pos = 2 * self.eng.cfg.num_hidden_layers * self.eng.cfg.num_key_value_heads * self.eng.cfg.head_dim
-        full = n * per_pos * self.eng.loaded.dtype.itemsize
+        per_pos = self.eng.cfg.kv_bytes_per_position(self.eng.loaded.dtype.itemsize)
+        full = n * per_pos
         if self.mode == "full":
             return full
-        window = 2 * self.eng.compressor.window * per_pos * self.eng.loaded.dtype.itemsize
-        chunk = min(self.prefill_chunk, len(seq.prompt_ids)) * per_pos * self.eng.loaded.dtype.itemsize
+        window = 2 * self.eng.compressor.window * per_pos
+        chunk = min(self.prefill_chunk, len(seq.prompt_ids)) * per_pos
         return int(full * self.eng.compressor.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk
 
     def _verify_buffer_bytes(self, seq: Sequence) -> int:
         """Device bytes of the transient full-KV buffer a verification of ``seq`` needs (vericache)."""
         if self.mode != "vericache":
             return 0
-        per_pos = 2 * self.eng.cfg.num_hidden_layers * self.eng.cfg.num_key_value_heads * self.eng.cfg.head_dim
-        return (len(seq.prompt_ids) + seq.params.max_tokens + 1) * per_pos * self.eng.loaded.dtype.itemsize
+        per_pos = self.eng.cfg.kv_bytes_per_position(self.eng.loaded.dtype.itemsize)
+        return (len(seq.prompt_ids) + seq.params.max_tokens + 1) * per_pos
 
     def _schedule(self) -> None:
         running = [r for r in self.requests.values() if r.state not in (WAITING, FINISHED, ABORTED)]

@@ -53,7 +53,7 @@ class FullKVCache:
         return self.k.shape[2]
 
     def nbytes_per_position(self) -> int:
-        return 2 * self.cfg.num_hidden_layers * self.cfg.num_key_value_heads * self.cfg.head_dim * self.k.element_size()
+        return self.cfg.kv_bytes_per_position(self.k.element_size())
 
     def nbytes(self) -> int:
         """Bytes held for valid positions (what a transfer of this KV would move)."""
