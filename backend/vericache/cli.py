@@ -78,7 +78,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_train_tiny(args: argparse.Namespace) -> int:
     from vericache.train.trainer import TrainConfig, export_checkpoint, train
 
-    tc = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads)
+    tc = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads,
+                     curriculum=args.curriculum, init_from=args.init_from)
     if args.export_to:
         print(f"exported {export_checkpoint(tc, args.export_to)}")
         return 0
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--minutes", type=float, default=120.0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--curriculum", default="base", choices=["base", "copy"],
+                   help="base: from scratch; copy: continuation, long short-and-copy-heavy stage first")
+    t.add_argument("--init-from", default=None, help="start from this Hugging Face directory (same tokenizer)")
     t.add_argument("--export-to", default=None, help="only export the run's latest checkpoint to this directory")
     t.set_defaults(func=_cmd_train_tiny)
 

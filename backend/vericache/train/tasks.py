@@ -135,7 +135,36 @@ def _nested_dict(rng, entries):
             lambda k: f'assert {name}["{section}"]["{k}"] == ')
 
 
-TRAIN_LAYOUTS = (_dict_literal, _class_attrs, _dict_call, _tuple_list)
+def _item_assignments(rng, entries):
+    name = _ident(rng)
+    body = "".join(f"{name}[{json.dumps(k)}] = {v}\n" for k, v in entries)
+    return f"{name} = {{}}\n{body}", lambda k: f'assert {name}["{k}"] == '
+
+
+def _json_text(rng, entries):
+    var = rng.choice(["RAW", "PAYLOAD", "DOC", "BLOB"])
+    body = ",\n".join(f'  "{k}": {v}' for k, v in entries)
+    data = rng.choice(["data", "doc", "obj", "parsed"])
+    return (f"{var} = \"\"\"{{\n{body}\n}}\"\"\"\n{data} = json.loads({var})\n",
+            lambda k: f'assert {data}["{k}"] == ')
+
+
+def _get_calls(rng, entries):
+    name = _ident(rng)
+    body = "".join(f"    {json.dumps(k)}: {v},\n" for k, v in entries)
+    return f"{name} = {{\n{body}}}\n", lambda k: f'assert {name}.get("{k}") == '
+
+
+def _ini_text(rng, entries):
+    section = rng.choice(["main", "general", "service", "worker"])
+    body = "".join(f"{k} = {v}\n" for k, v in entries)
+    parser = rng.choice(["cfg", "parser", "ini"])
+    return (f'INI = """\n[{section}]\n{body}"""\n{parser} = load_ini(INI)\n',
+            lambda k: f'assert {parser}["{section}"]["{k}"] == ')
+
+
+TRAIN_LAYOUTS = (_dict_literal, _class_attrs, _dict_call, _tuple_list, _item_assignments, _json_text,
+                 _get_calls, _ini_text)
 HELDOUT_LAYOUTS = (_if_chain, _kwargs_function, _nested_dict)
 
 
@@ -180,13 +209,23 @@ def _log_json(rng, who, tool, args):
     return json.dumps({"user": who, "event": tool, **args}) + "\n"
 
 
+def _log_csv(rng, who, tool, args):
+    fields = ";".join(f"{a}:{v}" for a, v in args.items())
+    return f"{rng.randint(1000, 99999)},{who},{tool},{fields}\n"
+
+
+def _log_prose(rng, who, tool, args):
+    said = " and ".join(f"{a} {v}" for a, v in args.items())
+    return f"- {who} asked for {tool} with {said}\n"
+
+
 def _log_chat(rng, who, tool, args):  # held out
     said = ", ".join(f"my {a.replace('_', ' ')} is {v}" for a, v in args.items())
     return f"{who.capitalize()}: about {tool.replace('_', ' ')}: {said}.\n"
 
 
 def tool_call_task(rng: random.Random, n_events: int, heldout: bool = False) -> Task:
-    fmt = _log_chat if heldout else rng.choice((_log_kv, _log_json))
+    fmt = _log_chat if heldout else rng.choice((_log_kv, _log_json, _log_csv, _log_prose))
     people = rng.sample(_PEOPLE, min(n_events, len(_PEOPLE)))
     tools = rng.sample(sorted(_TOOLS), rng.randint(2, len(_TOOLS)))
     header = "TOOLS = " + json.dumps([{"name": t, "parameters": list(_TOOLS[t])} for t in tools]) + "\n"

@@ -35,7 +35,13 @@ from vericache.train import corpus
 from vericache.train.tasks import retrieval_task, tool_call_task
 
 # (fraction of the time budget at which the stage starts, window length, share of task documents)
-CURRICULUM = ((0.0, 256, 0.7), (0.15, 512, 0.55), (0.35, 1024, 0.45), (0.6, 2048, 0.4))
+CURRICULA = {
+    # from scratch: learn code first, lengthen towards 2048
+    "base": ((0.0, 256, 0.7), (0.15, 512, 0.55), (0.35, 1024, 0.45), (0.6, 2048, 0.4)),
+    # continuation of a model that already writes code: a long short-and-copy-heavy stage first
+    # (where the pilot saw copying form), then lengthen
+    "copy": ((0.0, 256, 0.85), (0.25, 512, 0.7), (0.5, 1024, 0.6), (0.75, 2048, 0.5)),
+}
 
 
 @dataclass
@@ -58,6 +64,9 @@ class TrainConfig:
     intermediate_size: int = 768
     vocab_size: int = 4096
     rope_theta: float = 100000.0
+    curriculum: str = "base"
+    init_from: str | None = None  # a Hugging Face directory to start from (same tokenizer)
+    answer_weight: float = 4.0  # loss weight of answer tokens in task documents (copying is rare)
 
 
 def model_config(tc: TrainConfig, eot_id: int) -> ModelConfig:
@@ -80,8 +89,11 @@ class DataSource:
         start = self.rng.randrange(len(self.code) - length - 1)
         return self.code[start : start + length]
 
-    def task_document(self, length: int) -> list[int]:
-        """A context literal, code filler, then queries, filling exactly ``length`` tokens."""
+    def task_document(self, length: int) -> tuple[list[int], list[bool]]:
+        """A context literal, code filler, then queries, filling exactly ``length`` tokens.
+
+        Returns the tokens and, per token, whether it belongs to an answer (copied from far back).
+        """
         rng = self.rng
         short = length <= 256
         for _ in range(8):
@@ -89,32 +101,46 @@ class DataSource:
                 task = tool_call_task(rng, n_events=rng.randint(2, 8 if short else 22))
             else:
                 max_e = 12 if short else max(12, length // 24)
-                task = retrieval_task(rng, rng.randint(2, max_e), n_queries=rng.randint(1, 4))
+                task = retrieval_task(rng, rng.randint(2, max_e), n_queries=rng.randint(1, 6 if short else 4))
             head = self.tok.encode(task.context)
-            queries = [self.tok.encode("\n" + p + a) for p, a in task.queries]
-            room = length - len(head) - sum(len(q) for q in queries)
+            # prompt and answer encoded apart, as at evaluation (the model then writes the answer)
+            queries = [(self.tok.encode("\n" + p), self.tok.encode(a)) for p, a in task.queries]
+            room = length - len(head) - sum(len(q) + len(a) for q, a in queries)
             if room >= 0:
                 break
         else:
-            return self.code_window(length)
+            return self.code_window(length), [False] * length
         # Split the filler: some code before the literal, the rest between queries.
         cuts = sorted(rng.randint(0, room) for _ in range(len(queries) + 1))
         pieces = [cuts[0]] + [b - a for a, b in zip(cuts, cuts[1:])] + [room - cuts[-1]]
-        doc = self.code_window(pieces[0]) if pieces[0] else []
-        doc += head + (self.code_window(pieces[1]) if pieces[1] else [])
-        for q, n in zip(queries, pieces[2:]):
-            doc += q + (self.code_window(n) if n else [])
-        return doc[:length]
+        doc = (self.code_window(pieces[0]) if pieces[0] else []) + head
+        doc += self.code_window(pieces[1]) if pieces[1] else []
+        answer = [False] * len(doc)
+        for (q, a), n in zip(queries, pieces[2:]):
+            filler = self.code_window(n) if n else []
+            doc += q + a + filler
+            answer += [False] * len(q) + [True] * len(a) + [False] * len(filler)
+        return doc[:length], answer[:length]
 
-    def batch(self, length: int, task_share: float, batch_size: int) -> torch.Tensor:
-        rows = [self.task_document(length + 1) if self.rng.random() < task_share else self.code_window(length + 1)
-                for _ in range(batch_size)]
-        return torch.tensor(rows)
+    def batch(self, length: int, task_share: float, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows [batch_size, length] and answer masks of the same shape."""
+        rows, masks = [], []
+        for _ in range(batch_size):
+            if self.rng.random() < task_share:
+                row, mask = self.task_document(length)
+            else:
+                row, mask = self.code_window(length), [False] * length
+            rows.append(row)
+            masks.append(mask)
+        return torch.tensor(rows), torch.tensor(masks)
 
 
-def _stage(frac: float) -> tuple[int, float]:
-    length, share = CURRICULUM[0][1], CURRICULUM[0][2]
-    for start, ln, sh in CURRICULUM:
+def _stage(frac: float, curriculum: str) -> tuple[int, float]:
+    if curriculum not in CURRICULA:
+        raise ValueError(f"unknown curriculum {curriculum!r}; choose from {sorted(CURRICULA)}")
+    stages = CURRICULA[curriculum]
+    length, share = stages[0][1], stages[0][2]
+    for start, ln, sh in stages:
         if frac >= start:
             length, share = ln, sh
     return length, share
@@ -170,12 +196,18 @@ def train(tc: TrainConfig, log=print) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    if tc.init_from and not (work / "tokenizer.json").exists():
+        # a continuation keeps its starting model's tokenizer (token ids must mean the same)
+        (work / "tokenizer.json").write_text((Path(tc.init_from) / "tokenizer.json").read_text())
     tok_path, train_ids, held_ids = prepare_data(work, tc.vocab_size, log)
     tok = Tokenizer(tok_path)
     eot = tok.token_to_id(corpus.EOT)
     torch.manual_seed(tc.seed)
     model = Transformer(model_config(tc, eot))
     init_weights(model)
+    if tc.init_from and not (work / "ckpt.pt").exists():
+        _load_weights(model, Path(tc.init_from))
+        log(f"initialised from {tc.init_from}")
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -197,17 +229,20 @@ def train(tc: TrainConfig, log=print) -> Path:
     last_ckpt, t_prev = elapsed, time.time()
     window_tokens, window_start = 0, time.time()
     while elapsed < budget:
-        length, share = _stage(elapsed / budget)
+        length, share = _stage(elapsed / budget, tc.curriculum)
         length = min(length, tc.max_len)
-        batch = data.batch(length, share, max(1, tc.tokens_per_batch // length))
+        batch, answer = data.batch(length + 1, share, max(1, tc.tokens_per_batch // length))
         warm = min(1.0, (step + 1) / tc.warmup_steps)
         lr = tc.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * elapsed / budget)))
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = batch[:, :-1].reshape(-1), batch[:, 1:].reshape(-1)
+        # answer tokens weigh more: they are few, and copying them is what the tasks teach
+        weight = 1.0 + (tc.answer_weight - 1.0) * answer[:, 1:].reshape(-1).float()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16):
             logits = model(x, [0] * batch.shape[0], [length] * batch.shape[0])
-        loss = F.cross_entropy(logits.float(), y)
+        token_loss = F.cross_entropy(logits.float(), y, reduction="none")
+        loss = (token_loss * weight).sum() / weight.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -228,6 +263,16 @@ def train(tc: TrainConfig, log=print) -> Path:
             t_prev = window_start = time.time()  # evaluation time does not count against the budget
             window_tokens = 0
     return out
+
+
+def _load_weights(model: Transformer, hf_dir: Path) -> None:
+    """Copy weights from a Hugging Face directory with the same shapes (a continuation run)."""
+    from vericache.model.loader import load_model
+
+    src = load_model(hf_dir, device="cpu", dtype="float32").model
+    missing = model.load_state_dict(src.state_dict(), strict=False)
+    if missing.missing_keys or missing.unexpected_keys:
+        raise ValueError(f"{hf_dir}: weights do not match this model config: {missing}")
 
 
 def export_checkpoint(tc: TrainConfig, dest: str | Path) -> Path:
@@ -253,6 +298,9 @@ def _checkpoint(model, opt, data, step, elapsed, ckpt, tok_path, out, tok, held_
         "retrieval_em_heldout_layouts": retrieval_exact_match(model, tok, held_ids, n=20, context_tokens=1536).exact_match,
         "retrieval_em_train_layouts": retrieval_exact_match(model, tok, held_ids, n=10, context_tokens=1536,
                                                             heldout=False).exact_match,
+        # short contexts show a copy mechanism forming long before it reaches 1.5K tokens
+        "retrieval_em_heldout_layouts_512": retrieval_exact_match(model, tok, held_ids, n=10,
+                                                                  context_tokens=512).exact_match,
         "toolcall_em_heldout_layouts": toolcall_exact_match(model, tok, held_ids, n=10).exact_match,
     }
     model.train()
