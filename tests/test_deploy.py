@@ -91,18 +91,23 @@ def test_triton_adapter_translates_and_validates(llm):
                                       device_budget=1 << 30))
     try:
         ad = TritonAdapter(svc)
-        ids, params, streaming = ad.parse({"text_input": np.array([b"def f():"], dtype=object),
-                                           "max_tokens": np.array([5], dtype=np.int32),
-                                           "stop_words": np.array([b"\n\n"], dtype=object),
-                                           "random_seed": np.array([3], dtype=np.uint64)})
+        ids, params, options, streaming = ad.parse({"text_input": np.array([b"def f():"], dtype=object),
+                                                    "max_tokens": np.array([5], dtype=np.int32),
+                                                    "stop_words": np.array([b"\n\n"], dtype=object),
+                                                    "random_seed": np.array([3], dtype=np.uint64),
+                                                    "mode": np.array([b"full"], dtype=object),
+                                                    "draft_len": np.array([0], dtype=np.int32)})
         assert ids == llm.tokenizer.encode("def f():") and params.max_tokens == 5 and params.seed == 3
         assert params.stop_list == ["\n\n"] and streaming is False
+        assert options.mode == "full" and options.draft_len == "auto" and options.compressor is None
         for bad, needle in [({"max_tokens": np.array([5], dtype=np.int32)}, "text_input"),
                             ({"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([0])}, "max_tokens"),
                             ({"text_input": np.array([b"x"], dtype=object), "compressor": np.array([b"zip"], dtype=object)},
                              "unknown compressor"),
-                            ({"text_input": np.array([b"x"], dtype=object), "mode": np.array([b"full"], dtype=object)},
-                             "runs mode 'vericache'")]:
+                            ({"text_input": np.array([b"x"], dtype=object), "mode": np.array([b"fast"], dtype=object)},
+                             "unknown mode 'fast'"),
+                            ({"text_input": np.array([b"x"], dtype=object), "draft_len": np.array([-2], dtype=np.int32)},
+                             "draft_len must be")]:
             with pytest.raises(InvalidInput, match=needle):
                 ad.parse(bad)
         job = ad.start({"text_input": np.array([b"import os\n"], dtype=object), "max_tokens": np.array([6])})

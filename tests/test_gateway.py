@@ -67,6 +67,28 @@ def test_completion_equals_the_engine(llm, client):
     assert r.model_extra["vericache"]["rounds"] >= 1
 
 
+def test_per_request_vericache_options(llm, server, client):
+    """The ``vericache`` extension field picks mode, compressor and draft length per request."""
+    prompt = "def load(path):\n"
+    ref = llm.generate(prompt, SamplingParams(max_tokens=12))[0].text
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"vericache": {"mode": "full"}})
+    assert full.choices[0].text == ref and full.model_extra["vericache"]["rounds"] == 0
+    assert full.model_extra["vericache"]["mode"] == "full"
+    own = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"vericache": {"compressor": "kivi:bits=2", "draft_len": 3}})
+    stats = own.model_extra["vericache"]
+    assert own.choices[0].text == ref and stats["mode"] == "vericache" and stats["compressor"].startswith("kivi")
+    assert 0 < stats["drafted_tokens"] <= 3 * stats["rounds"]
+    for bad, param in (({"draft_len": 0}, "vericache.draft_len"), ({"mode": "turbo"}, "vericache.mode"),
+                       ({"compressor": "kivi:bits=3"}, "vericache.compressor")):
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "vericache": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'vericache_request_success_total{compressor="",finished_reason="length",mode="full",model="tiny"}' in text
+
+
 def test_streaming_chat_with_usage(client):
     chunks = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "write a function"}], max_tokens=10, temperature=0,

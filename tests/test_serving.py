@@ -183,3 +183,51 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
     backlog_s = srv._transfer_bytes(req) / 100e6
     assert srv._draft_to_cover_link() == int(backlog_s / 0.002)
     link.close()
+
+
+def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_reference):
+    """One engine, four requests with their own mode, compressor and draft length, under a budget
+    that forces some to wait: full and vericache requests equal full-KV decoding; blocks all return."""
+    from vericache.engine.options import RequestOptions
+
+    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), prefill_chunk=256,
+                          device_budget=sum(_full_kv_bytes(llm, len(p) + MAX_TOKENS + 1) for p in serving_prompts) // 2)
+    assert srv.link is None  # a full-mode server makes its link only when a vericache request comes
+    options = [RequestOptions(mode="vericache", compressor="kivi:bits=2", draft_len=4),
+               None,
+               RequestOptions(mode="vericache", compressor="h2o:ratio=0.2"),
+               RequestOptions(mode="lossy", compressor="streaming:ratio=0.25"),
+               RequestOptions(mode="vericache", draft_len="auto")]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [srv.add_request(p, params, o) for p, o in zip(serving_prompts, options)]
+    for _ in range(5000):
+        if not srv.has_unfinished():
+            break
+        srv.step()
+    reqs = [srv.requests[i] for i in ids]
+    assert [r.opts.mode for r in reqs] == ["vericache", "full", "vericache", "lossy", "vericache"]
+    assert reqs[0].opts.compressor.spec().startswith("kivi") and reqs[0].opts.policy.fixed == 4
+    assert reqs[4].opts.compressor.spec() == srv.eng.compressor.spec()  # unset fields: the server's
+    for i in (0, 1, 2, 4):
+        assert reqs[i].seq.output_ids == serving_reference[i], i
+    assert reqs[1].rounds == 0 and reqs[3].rounds == 0 and all(reqs[i].rounds > 0 for i in (0, 2, 4))
+    assert reqs[0].drafted <= 4 * reqs[0].rounds
+    assert srv.link is not None and srv.link.stats.bytes_moved > 0
+    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+
+
+@pytest.mark.parametrize("options, field, needle", [
+    ({"mode": "turbo"}, "mode", "unknown mode 'turbo'"),
+    ({"compressor": "zip:ratio=0.5"}, "compressor", "unknown compressor"),
+    ({"compressor": 3}, "compressor", "got 3"),
+    ({"draft_len": 0}, "draft_len", "got 0"),
+    ({"draft_len": "long"}, "draft_len", "'long'"),
+])
+def test_bad_request_options_are_refused_and_change_nothing(llm, options, field, needle):
+    from vericache.engine.options import InvalidOption, RequestOptions
+
+    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache"), device_budget=1 << 30)
+    with pytest.raises(InvalidOption, match=needle) as err:
+        srv.add_request([1, 2, 3], SamplingParams(max_tokens=2), RequestOptions(**options))
+    assert err.value.field == field
+    assert not srv.requests and srv.device.used_blocks == 0

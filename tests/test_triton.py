@@ -60,6 +60,11 @@ def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):
            t("stream", np.array([stream]), "BOOL")]
     if "temperature" in extra:
         ins.append(t("temperature", np.array([extra["temperature"]], dtype=np.float32), "FP32"))
+    for name in ("mode", "compressor"):
+        if name in extra:
+            ins.append(t(name, np.array([extra[name].encode()], dtype=np.object_), "BYTES"))
+    if "draft_len" in extra:
+        ins.append(t("draft_len", np.array([extra["draft_len"]], dtype=np.int32), "INT32"))
     return ins
 
 
@@ -100,6 +105,18 @@ def test_streamed_text_equals_the_embedded_engine(triton, llm):
 def test_unary_style_request_returns_whole_text(triton, llm):
     texts, error = _stream(triton["grpc"], _inputs("import os\n", 8, stream=False))
     assert error is None and texts == [llm.generate("import os\n", SamplingParams(max_tokens=8))[0].text]
+
+
+def test_per_request_options(triton, llm):
+    """A full-mode request and a request with its own compressor and draft length, on the same model
+    instance: both equal the full-KV text; an unknown compressor is INVALID_ARG."""
+    prompt = "class Cache:\n"
+    ref = llm.generate(prompt, SamplingParams(max_tokens=12))[0].text
+    for extra in ({"mode": "full"}, {"compressor": "kivi:bits=2", "draft_len": 3}):
+        texts, error = _stream(triton["grpc"], _inputs(prompt, 12, **extra))
+        assert error is None and "".join(texts) == ref, extra
+    _, error = _stream(triton["grpc"], _inputs(prompt, 4, compressor="zip"))
+    assert error is not None and "unknown compressor" in str(error)
 
 
 def test_bad_input_is_invalid_arg(triton):

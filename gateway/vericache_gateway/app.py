@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vericache.engine.options import InvalidOption, RequestOptions, resolve_options
 from vericache.sampling import SamplingParams
 from vericache.serving.service import EngineService, QueueFull, ServiceStopped
 from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
@@ -101,7 +102,7 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
         if body.model != model_name:
             raise APIError(400, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", type_="invalid_request_error")
-        _check_vericache_options(body, backend)
+        options, labels = _request_options(body, backend)
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         ids = backend.tokenizer.encode(prompt)
@@ -113,12 +114,12 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
             raise APIError(400, str(exc)) from None
         if not await backend.ready():
             raise APIError(503, "backend is not ready", "server_error")
-        deltas = _deltas(backend.generate(ids, params, request.is_disconnected))
+        deltas = _deltas(backend.generate(ids, params, options, request.is_disconnected), labels)
         try:
             first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
         except StopAsyncIteration:
             raise APIError(499, "client closed the request") from None
-        metrics.lab(metrics.prompt_tokens).inc(len(ids))
+        metrics.lab(metrics.prompt_tokens, **labels).inc(len(ids))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -132,19 +133,20 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
                 reason, stats = delta.finish_reason, delta.stats
         return _response(rid, chat, text, reason, {"completion_tokens": n_out, **stats}, len(ids))
 
-    async def _deltas(source):
-        """Deltas with latency metrics; backend errors become HTTP errors."""
+    async def _deltas(source, labels: dict):
+        """Deltas with latency metrics (labelled with the request's mode and compressor); backend
+        errors become HTTP errors."""
         t0, last = time.perf_counter(), None
         try:
             async for delta in source:
                 now = time.perf_counter()
                 if delta.token_ids:
                     if last is None:
-                        metrics.lab(metrics.ttft).observe(now - t0)
+                        metrics.lab(metrics.ttft, **labels).observe(now - t0)
                     else:
-                        metrics.lab(metrics.itl).observe((now - last) / len(delta.token_ids))
+                        metrics.lab(metrics.itl, **labels).observe((now - last) / len(delta.token_ids))
                     last = now
-                    metrics.lab(metrics.generation_tokens).inc(len(delta.token_ids))
+                    metrics.lab(metrics.generation_tokens, **labels).inc(len(delta.token_ids))
                 yield delta
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -199,38 +201,30 @@ def _usage(stats: dict, n_prompt: int | None = None) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _check_vericache_options(body, backend) -> None:
-    """Per-request options must match what this server runs (one engine configuration per server)."""
+def _request_options(body, backend) -> tuple[RequestOptions | None, dict]:
+    """The request's ``vericache`` options (validated: 400 naming the field) and its metric labels."""
     opts = body.vericache
-    if opts is None:
-        return
-    from vericache.compress.registry import parse_compressor
-
-    if opts.mode is not None and opts.mode != backend.mode:
-        raise APIError(400, f"this server runs mode {backend.mode!r}; per-request mode {opts.mode!r} is not available",
-                       param="vericache.mode")
-    if opts.compressor is not None:
-        try:
-            spec = parse_compressor(opts.compressor).spec()
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="vericache.compressor") from None
-        if spec != parse_compressor(backend.compressor).spec():
-            raise APIError(400, f"this server runs compressor {backend.compressor!r}, not {spec!r}",
-                           param="vericache.compressor")
+    options = None if opts is None else RequestOptions(opts.mode, opts.compressor, opts.draft_len)
+    try:
+        resolved = resolve_options(options, backend.defaults)
+    except InvalidOption as exc:
+        raise APIError(400, str(exc), param=f"vericache.{exc.field}") from None
+    return options, {"mode": resolved.mode, "compressor": resolved.compressor_label}
 
 
 def _sink(m: Metrics):
     def sink(event: str, f: dict) -> None:
+        labels = {k: f[k] for k in ("mode", "compressor") if k in f}  # the request's own, when known
         if event == "request_done":
-            m.lab(m.success, finished_reason=str(f.get("finish_reason"))).inc()
-            m.lab(m.e2e).observe(f["e2e_s"])
+            m.lab(m.success, finished_reason=str(f.get("finish_reason")), **labels).inc()
+            m.lab(m.e2e, **labels).observe(f["e2e_s"])
         elif event == "round":
-            m.lab(m.drafts).inc()
-            m.lab(m.draft_tokens).inc(f["drafted"])
-            m.lab(m.accepted_tokens).inc(f["accepted"])
+            m.lab(m.drafts, **labels).inc()
+            m.lab(m.draft_tokens, **labels).inc(f["drafted"])
+            m.lab(m.accepted_tokens, **labels).inc(f["accepted"])
             for pos in range(f["accepted"]):
-                m.lab(m.accepted_per_pos, position=str(pos)).inc()
-            m.lab(m.acceptance_length).observe(f["accepted"] + 1)
+                m.lab(m.accepted_per_pos, position=str(pos), **labels).inc()
+            m.lab(m.acceptance_length, **labels).observe(f["accepted"] + 1)
         elif event == "phase" and f["kind"] in ("draft", "verify"):
             m.lab(m.draft_step if f["kind"] == "draft" else m.verify_step).observe(f["seconds"])
     return sink

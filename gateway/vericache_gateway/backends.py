@@ -1,8 +1,9 @@
 """Where the gateway's requests go: the in-process engine, or a Triton server over gRPC.
 
-Both give the app the same small surface: ``tokenizer``, ``mode``/``compressor`` (for labels
-and per-request option checks), ``check`` (validate before accepting), ``generate`` (an async
-iterator of ``Delta``; leaving it early aborts the request), ``ready`` and ``gauges``.
+Both give the app the same small surface: ``tokenizer``, ``mode``/``compressor`` (the server's
+defaults, for labels), ``defaults`` (resolved options that per-request ``RequestOptions`` are
+filled from), ``check`` (validate before accepting), ``generate`` (an async iterator of ``Delta``;
+leaving it early aborts the request), ``ready`` and ``gauges``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
+from vericache.engine.options import RequestOptions, ResolvedOptions
 from vericache.sampling import SamplingParams
 from vericache.serving.service import Delta, EngineService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
@@ -27,14 +29,15 @@ class EmbeddedBackend:
         eng = service.serving.eng
         self.tokenizer, self.mode = eng.tokenizer, eng.mode
         self.compressor = eng.compressor.spec() if eng.mode != "full" else ""
+        self.defaults = eng.defaults
         self.max_context = eng.max_context
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         self.service.serving.eng.check_request(ids, params)
 
-    async def generate(self, ids: list[int], params: SamplingParams,
+    async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
                        disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
-        stream = await asyncio.to_thread(self.service.submit, ids, params)
+        stream = await asyncio.to_thread(self.service.submit, ids, params, options)
         finished = False
         try:
             while True:
@@ -74,10 +77,12 @@ class TritonBackend:
     """Streams from the ``vericache`` model of a Triton server with ``tritonclient.grpc.aio``."""
 
     def __init__(self, url: str, model: str = "tiny", triton_model: str = "vericache", mode: str = "vericache",
-                 compressor: str = "snapkv:ratio=0.125") -> None:
+                 compressor: str = "snapkv:ratio=0.125", draft_len: int | str = "auto") -> None:
         import tritonclient.grpc.aio as grpcclient
 
+        from vericache.compress.registry import parse_compressor
         from vericache.model.loader import load_model
+        from vericache.spec.adaptive import DraftLengthPolicy
 
         self._grpc = grpcclient
         self.url = url
@@ -88,6 +93,8 @@ class TritonBackend:
         self.tokenizer = lm.tokenizer
         self.max_context = lm.config.max_position_embeddings
         self.mode, self.compressor = mode, compressor
+        # what the Triton model runs when a request leaves an option out (its config.pbtxt parameters)
+        self.defaults = ResolvedOptions(mode, parse_compressor(compressor), DraftLengthPolicy.from_arg(draft_len))
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -97,7 +104,7 @@ class TritonBackend:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                              f"the model's context limit of {self.max_context} tokens")
 
-    def _inputs(self, text: str, params: SamplingParams) -> list:
+    def _inputs(self, text: str, params: SamplingParams, options: RequestOptions | None) -> list:
         g = self._grpc
 
         def t(name, arr, dt):
@@ -115,14 +122,21 @@ class TritonBackend:
             ins.append(t("random_seed", np.array([params.seed], dtype=np.uint64), "UINT64"))
         if params.stop_list:
             ins.append(t("stop_words", np.array([s.encode() for s in params.stop_list], dtype=np.object_), "BYTES"))
+        options = options or RequestOptions()
+        for name in ("mode", "compressor"):
+            if getattr(options, name) is not None:
+                ins.append(t(name, np.array([getattr(options, name).encode()], dtype=np.object_), "BYTES"))
+        if options.draft_len is not None:  # the model's draft_len input: 0 means "auto"
+            k = 0 if options.draft_len == "auto" else options.draft_len
+            ins.append(t("draft_len", np.array([k], dtype=np.int32), "INT32"))
         return ins
 
-    async def generate(self, ids: list[int], params: SamplingParams,
+    async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
                        disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
         text = self.tokenizer.decode(ids)
 
         async def requests():
-            yield {"model_name": self.triton_model, "inputs": self._inputs(text, params)}
+            yield {"model_name": self.triton_model, "inputs": self._inputs(text, params, options)}
 
         from tritonclient.utils import InferenceServerException
 

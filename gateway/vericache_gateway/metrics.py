@@ -46,4 +46,5 @@ class Metrics:
         self.errors = c("request_errors", "Requests answered with an error, by HTTP status", ["status"])
 
     def lab(self, metric, **extra):
-        return metric.labels(**self.labels, **extra)
+        """The metric's child for the server's labels, overridden by ``extra`` (a request's mode, say)."""
+        return metric.labels(**{**self.labels, **extra})

@@ -16,7 +16,8 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str = "tiny", api_ke
 
     if backend == "triton":
         be = TritonBackend(triton_url, model=model, mode=engine_kwargs.get("mode", "vericache"),
-                           compressor=engine_kwargs.get("compressor", "snapkv:ratio=0.125"))
+                           compressor=engine_kwargs.get("compressor", "snapkv:ratio=0.125"),
+                           draft_len=engine_kwargs.get("draft_len", "auto"))
     else:
         be = EmbeddedBackend(build_service(model, **engine_kwargs))
     app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"))

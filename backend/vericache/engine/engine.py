@@ -13,6 +13,7 @@ import torch
 
 from vericache.compress.base import Compressor
 from vericache.compress.registry import parse_compressor
+from vericache.engine.options import MODES, RequestOptions, ResolvedOptions, check_mode, resolve_options
 from vericache.engine.sequence import RequestOutput, Sequence
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import LoadedModel
@@ -20,16 +21,14 @@ from vericache.sampling import SamplingParams, choose_token
 from vericache.spec.adaptive import DraftLengthPolicy
 from vericache.spec.decoding import SpecDecoder
 
-
-MODES = ("full", "lossy", "vericache")
+__all__ = ["MODES", "DEFAULT_COMPRESSOR", "Engine", "timing_stats"]
 DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
                  draft_len: int | str = "auto", prefill_chunk: int = 2048) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        check_mode(mode)
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
@@ -38,6 +37,11 @@ class Engine:
         self.mode = mode
         self.compressor = parse_compressor(compressor)
         self.policy = DraftLengthPolicy.from_arg(draft_len)
+        self.defaults = ResolvedOptions(mode, self.compressor, self.policy)
+
+    def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
+        """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""
+        return resolve_options(options, self.defaults)
 
     def generate(self, seqs: list[Sequence], mode: str | None = None) -> list[RequestOutput]:
         """Run requests to completion in ``mode`` (default: the engine's)."""

@@ -13,10 +13,15 @@ Request states and their transitions (``ALLOWED``), each exercised by the tests:
   drafting -> transferring -> drafting          (a verification round; the link moves the full KV)
   any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
 
+  any state -> finished | aborted               (KV freed at once)
+
+Every request carries its own options (``engine.options``): mode, compressor and draft length
+default to the engine's, and requests of different modes run side by side in one step (full and
+lossy requests in the decode batch, vericache requests in the draft/verify phase).
+
 Staggering (P1): a request whose draft is complete starts its transfer at once and the others keep
 drafting; with ``draft_len="auto"`` a new draft is stretched to cover the link's measured backlog
 (``_draft_to_cover_link``), so requests fall into phase-shifted groups without a fixed group count.
-  any state -> finished | aborted               (KV freed at once)
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from vericache.engine.sequence import Sequence
 from vericache.kv.blocks import BlockPool
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
-from vericache.kv.link import EmulatedLink, StreamedKV, Transfer
+from vericache.engine.options import RequestOptions, ResolvedOptions
+from vericache.kv.link import CudaLink, EmulatedLink, StreamedKV, Transfer
 from vericache.kv.tee import TeeCache
 from vericache.sampling import SamplingParams, choose_token
 from vericache.spec.decoding import accept_draft, draft_token
@@ -51,6 +57,7 @@ ALLOWED = {
 class Request:
     id: int
     seq: Sequence
+    opts: ResolvedOptions
     state: str = WAITING
     full: FullKVCache | None = None            # device tier (full mode) or host tier (vericache)
     draft: CompressedKVCache | None = None     # device tier
@@ -96,23 +103,30 @@ class ServingEngine:
         self.eng, self.mode, self.scheduler = engine, engine.mode, scheduler
         self.device = BlockPool("device", device_budget)
         self.host = BlockPool("host", host_budget or 1 << 62)
-        self.link = link if link is not None else (EmulatedLink(gbps=32) if self.mode == "vericache" else None)
+        self.link = link  # made on first use when None: the first vericache request needs it
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
         self.requests: dict[int, Request] = {}
         self.activity = Activity()
-        self.round_log: list[tuple[int, int]] = []  # (drafted, accepted) per verification; drained by the service
+        self.round_log: list[tuple[int, int, int]] = []  # (request id, drafted, accepted) per verification
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ public API
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        rid = next(self._ids)
-        seq = self.eng.new_sequence(rid, prompt_ids, params)
-        need = self._device_bytes_needed(seq) + self._verify_buffer_bytes(seq)
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    options: RequestOptions | ResolvedOptions | None = None) -> int:
+        """Queue a request; ``options`` override the engine's mode, compressor and draft length."""
+        opts = options if isinstance(options, ResolvedOptions) else self.eng.resolve(options)
+        seq = self.eng.new_sequence(-1, prompt_ids, params)
+        req = Request(-1, seq, opts, policy_state=opts.policy.new_state())
+        need = self._device_bytes_needed(req) + self._verify_buffer_bytes(req)
         if self.device.blocks_for(need) > self.device.total_blocks:
             raise ValueError(f"request needs {need} bytes of device KV (prompt {len(prompt_ids)} + max_tokens "
                              f"{params.max_tokens}) but the whole device budget is {self.device.capacity_bytes} bytes")
-        self.requests[rid] = Request(rid, seq, policy_state=self.eng.policy.new_state())
-        return rid
+        req.id = seq.request_id = next(self._ids)  # ids only for accepted requests
+        if opts.mode == "vericache" and self.link is None:
+            dev = self.eng.loaded.device
+            self.link = CudaLink(dev) if dev.type == "cuda" else EmulatedLink(gbps=32)
+        self.requests[req.id] = req
+        return req.id
 
     def abort(self, rid: int) -> None:
         req = self.requests.get(rid)
@@ -128,31 +142,32 @@ class ServingEngine:
         return self._postprocess()
 
     # ------------------------------------------------------------------ schedule
-    def _device_bytes_needed(self, seq: Sequence) -> int:
+    def _device_bytes_needed(self, req: Request) -> int:
         """Device bytes a request will need at its longest (admission control)."""
+        seq, comp = req.seq, req.opts.compressor
         n = len(seq.prompt_ids) + seq.params.max_tokens
         per_pos = self.eng.cfg.kv_bytes_per_position(self.eng.loaded.dtype.itemsize)
         full = n * per_pos
-        if self.mode == "full":
+        if req.opts.mode == "full":
             return full
-        window = 2 * self.eng.compressor.window * per_pos
+        window = 2 * comp.window * per_pos
         chunk = min(self.prefill_chunk, len(seq.prompt_ids)) * per_pos
-        return int(full * self.eng.compressor.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk
+        return int(full * comp.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk
 
-    def _verify_buffer_bytes(self, seq: Sequence) -> int:
-        """Device bytes of the transient full-KV buffer a verification of ``seq`` needs (vericache)."""
-        if self.mode != "vericache":
+    def _verify_buffer_bytes(self, req: Request) -> int:
+        """Device bytes of the transient full-KV buffer a verification of ``req`` needs (vericache)."""
+        if req.opts.mode != "vericache":
             return 0
         per_pos = self.eng.cfg.kv_bytes_per_position(self.eng.loaded.dtype.itemsize)
-        return (len(seq.prompt_ids) + seq.params.max_tokens + 1) * per_pos
+        return (len(req.seq.prompt_ids) + req.seq.params.max_tokens + 1) * per_pos
 
     def _schedule(self) -> None:
         running = [r for r in self.requests.values() if r.state not in (WAITING, FINISHED, ABORTED)]
-        reserved = sum(self._device_bytes_needed(r.seq) for r in running)
-        buffer = max((self._verify_buffer_bytes(r.seq) for r in running), default=0)
+        reserved = sum(self._device_bytes_needed(r) for r in running)
+        buffer = max((self._verify_buffer_bytes(r) for r in running), default=0)
         for req in [r for r in self.requests.values() if r.state == WAITING]:
-            need = self._device_bytes_needed(req.seq)
-            buf = max(buffer, self._verify_buffer_bytes(req.seq))  # room for one verification at a time
+            need = self._device_bytes_needed(req)
+            buf = max(buffer, self._verify_buffer_bytes(req))  # room for one verification at a time
             fits = reserved + need + buf <= self.device.capacity_bytes or not running  # alone it always fits
             if len(running) >= self.max_running or not fits:
                 break  # FIFO: later requests wait behind the first that does not fit
@@ -167,10 +182,8 @@ class ServingEngine:
             if budget <= 0:
                 break
             budget -= self._prefill_chunk(req, budget)
-        if self.mode == "vericache":
-            self._vericache_phase()
-        else:
-            self._decode_phase()
+        self._decode_phase()     # full and lossy requests
+        self._vericache_phase()  # vericache requests
 
     def _timed(self, kind: str, fn):
         start = time.perf_counter()
@@ -184,17 +197,18 @@ class ServingEngine:
         ids = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids  # re-admitted: recompute its tokens too
         if req.done_ids == 0:
             self._allocate(req, len(seq.prompt_ids) + seq.params.max_tokens + 1)
-        whole = eng.compressor.needs_whole_prompt
+        mode, comp = req.opts.mode, req.opts.compressor
+        whole = mode != "full" and comp.needs_whole_prompt
         n = len(ids) - req.done_ids if whole else min(budget, len(ids) - req.done_ids)
         chunk = ids[req.done_ids : req.done_ids + n]
-        cache = {"full": req.full, "lossy": req.draft}.get(self.mode) or TeeCache(req.full, req.draft)
+        cache = {"full": req.full, "lossy": req.draft}.get(mode) or TeeCache(req.full, req.draft)
         dev = eng.loaded.device
         logits = self._timed("prefill", lambda: eng.model(torch.tensor(chunk, device=dev), [req.done_ids], [n],
                                                           [cache], logits_index=torch.tensor([n - 1], device=dev)))
         req.done_ids += n
         if req.draft is not None:
             if req.done_ids == len(ids) and whole:
-                scores = eng.compressor.on_prefill(eng.model, req.full or req.draft.residual, ids, eng.tokenizer)
+                scores = comp.on_prefill(eng.model, req.full or req.draft.residual, ids, eng.tokenizer)
                 req.draft.set_prefill_scores(scores, len(ids))
             if req.done_ids == len(ids) or not whole:
                 req.draft.commit(req.done_ids)
@@ -202,7 +216,7 @@ class ServingEngine:
         if req.done_ids == len(ids):
             if not seq.output_ids:
                 seq.append(choose_token(logits[0], seq.params, seq.generator))
-            self._set(req, DRAFTING if self.mode == "vericache" else DECODING)
+            self._set(req, DRAFTING if mode == "vericache" else DECODING)
             if seq.finished:
                 self._release(req, FINISHED)
         return n
@@ -212,7 +226,7 @@ class ServingEngine:
         rows = [r for r in self.requests.values() if r.state == DECODING]
         if not rows:
             return
-        caches = [r.full if self.mode == "full" else r.draft for r in rows]
+        caches = [r.full if r.opts.mode == "full" else r.draft for r in rows]
         logits = self._timed("decode", lambda: self.eng.decode_step([r.seq.all_ids[-1] for r in rows],
                                                                    [r.position for r in rows], caches))
         for row, r in zip(logits, rows):
@@ -231,9 +245,10 @@ class ServingEngine:
         for r in drafting:
             if r.k == 0 and not r.drafts:
                 remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
-                r.k = self.eng.policy.next_len(r.policy_state, remaining)
-                if self.scheduler == "staggered" and r.k and self.eng.policy.fixed is None:
-                    r.k = max(r.k, min(self._draft_to_cover_link(), self.eng.policy.max_len, remaining - 1))
+                policy = r.opts.policy
+                r.k = policy.next_len(r.policy_state, remaining)
+                if self.scheduler == "staggered" and r.k and policy.fixed is None:
+                    r.k = max(r.k, min(self._draft_to_cover_link(), policy.max_len, remaining - 1))
         rows = [r for r in drafting if len(r.drafts) < r.k]
         if rows:
             self._draft_step(rows)
@@ -328,8 +343,8 @@ class ServingEngine:
             r.draft.commit(keep, source=r.full)
             self.device.free(("verify", r.id))
             r.rounds, r.drafted, r.accepted = r.rounds + 1, r.drafted + len(r.drafts), r.accepted + m
-            self.round_log.append((len(r.drafts), m))
-            self.eng.policy.update(r.policy_state, len(r.drafts), m)
+            self.round_log.append((r.id, len(r.drafts), m))
+            r.opts.policy.update(r.policy_state, len(r.drafts), m)
             r.transfer, r.drafts, r.qs, r.k = None, [], [], 0
             self._set(r, DRAFTING)
             self._account(r)
@@ -338,17 +353,18 @@ class ServingEngine:
     def _allocate(self, req: Request, capacity: int) -> None:
         eng = self.eng
         dev, dt = eng.loaded.device, eng.loaded.dtype
-        if self.mode in ("full", "vericache"):
-            req.full = FullKVCache(eng.cfg, dev if self.mode == "full" else "cpu", dt, capacity=capacity)
-            if self.mode == "vericache" and dev.type == "cuda":
+        mode = req.opts.mode
+        if mode in ("full", "vericache"):
+            req.full = FullKVCache(eng.cfg, dev if mode == "full" else "cpu", dt, capacity=capacity)
+            if mode == "vericache" and dev.type == "cuda":
                 req.full.k, req.full.v = req.full.k.pin_memory(), req.full.v.pin_memory()
-        if self.mode in ("lossy", "vericache"):
-            req.draft = CompressedKVCache(eng.compressor, eng.cfg, dev, dt, capacity=capacity)
+        if mode in ("lossy", "vericache"):
+            req.draft = CompressedKVCache(req.opts.compressor, eng.cfg, dev, dt, capacity=capacity)
 
     def _account(self, req: Request) -> None:
         """Charge the tiers for what the request holds now; preempt the newest request if the device is full."""
-        dev_bytes = req.full.nbytes() if self.mode == "full" else req.draft.nbytes()
-        if self.mode == "vericache":
+        dev_bytes = req.full.nbytes() if req.opts.mode == "full" else req.draft.nbytes()
+        if req.opts.mode == "vericache":
             self.host.resize(("full", req.id), req.full.nbytes())
         while not self.device.can_fit(dev_bytes, ("kv", req.id)):
             victims = [r for r in self.requests.values() if r.state in (DECODING, DRAFTING) and r is not req]

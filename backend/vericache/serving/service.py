@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vericache.engine.options import RequestOptions
 from vericache.engine.serving import FINISHED, ServingEngine
 from vericache.sampling import SamplingParams
 
@@ -70,17 +71,20 @@ class EngineService:
         self._thread.start()
 
     # ------------------------------------------------------------------ callers' side
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Validate, enqueue, and return the request's stream. Raises ValueError, QueueFull, ServiceStopped."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               options: RequestOptions | None = None) -> RequestStream:
+        """Validate, enqueue, and return the request's stream. ``options`` override the server's mode,
+        compressor and draft length for this request. Raises ValueError, TypeError, QueueFull, ServiceStopped."""
         if self._stop.is_set() or self._draining:
             raise ServiceStopped("the engine is shutting down")
         self.serving.eng.check_request(prompt_ids, params)  # bad input fails here, before queueing
+        opts = self.serving.eng.resolve(options)
         with self._lock:
             if self.num_waiting() + self._commands.qsize() >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
             done = threading.Event()
             holder: dict = {}
-            self._commands.put(("submit", prompt_ids, params, holder, done))
+            self._commands.put(("submit", prompt_ids, params, opts, holder, done))
         if not done.wait(timeout=30):
             raise ServiceStopped("the engine loop did not accept the request")
         if "error" in holder:
@@ -125,8 +129,8 @@ class EngineService:
             for start, end, kind in self.serving.activity.intervals[n_phases:]:
                 self.metrics("phase", {"kind": kind, "seconds": end - start})
             del self.serving.activity.intervals[:]  # a long-running server keeps no history
-            for drafted, accepted in self.serving.round_log:
-                self.metrics("round", {"drafted": drafted, "accepted": accepted})
+            for rid, drafted, accepted in self.serving.round_log:
+                self.metrics("round", {"drafted": drafted, "accepted": accepted, **self._labels(rid)})
             self.serving.round_log.clear()
             for o in outs:
                 self._deliver(o)
@@ -140,9 +144,9 @@ class EngineService:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "submit":
-            _, prompt_ids, params, holder, done = cmd
+            _, prompt_ids, params, opts, holder, done = cmd
             try:
-                rid = self.serving.add_request(prompt_ids, params)
+                rid = self.serving.add_request(prompt_ids, params, opts)
                 holder["stream"] = self._streams[rid] = RequestStream(rid, len(prompt_ids))
                 self._texts[rid] = ""
                 self._arrival[rid] = time.perf_counter()
@@ -153,6 +157,13 @@ class EngineService:
             self.serving.abort(cmd[1])
             for o in self.serving.collect_outputs():  # report the abort at once, even when idle
                 self._deliver(o)
+
+    def _labels(self, rid: int) -> dict:
+        """The request's mode and compressor (metric labels and response stats)."""
+        req = self.serving.requests.get(rid)
+        if req is None:
+            return {}
+        return {"mode": req.opts.mode, "compressor": req.opts.compressor_label}
 
     def _deliver(self, o) -> None:
         stream = self._streams.get(o.request_id)
@@ -174,8 +185,9 @@ class EngineService:
         self._texts[o.request_id] = prev + text_delta
         stats = {}
         if o.finished:
-            stats = {"rounds": req.rounds, "drafted_tokens": req.drafted, "accepted_tokens": req.accepted,
-                     "prompt_tokens": len(req.seq.prompt_ids), "completion_tokens": len(req.seq.output_ids),
+            stats = {**self._labels(o.request_id), "rounds": req.rounds, "drafted_tokens": req.drafted,
+                     "accepted_tokens": req.accepted, "prompt_tokens": len(req.seq.prompt_ids),
+                     "completion_tokens": len(req.seq.output_ids),
                      "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
             del self._streams[o.request_id], self._texts[o.request_id]

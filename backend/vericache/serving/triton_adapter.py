@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from vericache.engine.options import RequestOptions
 from vericache.sampling import SamplingParams
 from vericache.serving.service import EngineService, RequestStream
 
@@ -71,22 +72,19 @@ class TritonAdapter:
                                 max_queue=int(get("max_queue", 64)))
         return cls(service)
 
-    def parse(self, inputs: dict) -> tuple[list[int], SamplingParams, bool]:
+    @staticmethod
+    def _options(inputs: dict) -> RequestOptions:
+        """The per-request ``mode``, ``compressor`` and ``draft_len`` inputs (0 or absent: the default;
+        draft_len 0 means "auto")."""
+        mode, comp, k = _scalar(inputs, "mode"), _scalar(inputs, "compressor"), _scalar(inputs, "draft_len")
+        return RequestOptions(mode=mode or None, compressor=comp or None,
+                              draft_len=None if k is None else "auto" if k == 0 else int(k))
+
+    def parse(self, inputs: dict) -> tuple[list[int], SamplingParams, RequestOptions, bool]:
         text = _scalar(inputs, "text_input")
         if not isinstance(text, str) or not text:
             raise InvalidInput("text_input must be a non-empty string")
-        mode, comp = _scalar(inputs, "mode"), _scalar(inputs, "compressor")
-        if mode not in (None, "", self.eng.mode):
-            raise InvalidInput(f"this model instance runs mode {self.eng.mode!r}, not {mode!r}")
-        if comp not in (None, ""):
-            from vericache.compress.registry import parse_compressor
-
-            try:
-                spec = parse_compressor(comp).spec()
-            except ValueError as exc:
-                raise InvalidInput(str(exc)) from None
-            if spec != self.eng.compressor.spec():
-                raise InvalidInput(f"this model instance runs compressor {self.eng.compressor.spec()!r}, not {spec!r}")
+        options = self._options(inputs)
         seed = _scalar(inputs, "random_seed")
         try:
             params = SamplingParams(max_tokens=int(_scalar(inputs, "max_tokens", 16)),
@@ -98,13 +96,14 @@ class TritonAdapter:
         ids = self.eng.tokenizer.encode(text)
         try:
             self.eng.check_request(ids, params)
+            self.eng.resolve(options)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
-        return ids, params, bool(_scalar(inputs, "stream", False))
+        return ids, params, options, bool(_scalar(inputs, "stream", False))
 
     def start(self, inputs: dict) -> Job:
-        ids, params, streaming = self.parse(inputs)
-        return Job(self.service.submit(ids, params), streaming)
+        ids, params, options, streaming = self.parse(inputs)
+        return Job(self.service.submit(ids, params, options), streaming)
 
     def responses(self, job: Job, cancelled: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
         """Streaming: one response per delta. Otherwise one response with the whole text.

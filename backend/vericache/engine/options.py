@@ -1,0 +1,78 @@
+"""Per-request VeriCache options: mode, compressor and draft length, defaulting to the server's.
+
+One server runs every mode side by side: each request carries its own resolved options, so a
+``full`` request decodes over the full KV on the device while a ``vericache`` request next to it
+drafts from its compressed KV. Validation happens here, before a request is queued, and raises
+``InvalidOption`` (a ``ValueError``) naming the field and the offending value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vericache.compress.base import Compressor
+from vericache.compress.registry import parse_compressor
+from vericache.spec.adaptive import DraftLengthPolicy
+
+MODES = ("full", "lossy", "vericache")
+
+
+class InvalidOption(ValueError):
+    """A request option that cannot be served; ``field`` names it (``mode``, ``compressor``, ``draft_len``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a client may ask for; ``None`` means "the server's default"."""
+    mode: str | None = None
+    compressor: str | None = None
+    draft_len: int | str | None = None
+
+
+@dataclass
+class ResolvedOptions:
+    mode: str
+    compressor: Compressor
+    policy: DraftLengthPolicy
+
+    @property
+    def compressor_label(self) -> str:
+        """The compressor as a metric label ("" for full mode, which compresses nothing)."""
+        return "" if self.mode == "full" else self.compressor.spec()
+
+
+def check_mode(mode: object) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def resolve_options(options: RequestOptions | None, default: ResolvedOptions) -> ResolvedOptions:
+    """Fill a request's options from the server's ``default``; parse and validate what was given."""
+    if options is None:
+        return default
+    if not isinstance(options, RequestOptions):
+        raise TypeError(f"options must be a RequestOptions, got {type(options).__name__}")
+    try:
+        mode = default.mode if options.mode is None else check_mode(options.mode)
+    except ValueError as exc:
+        raise InvalidOption("mode", str(exc)) from None
+    if options.compressor is None:
+        compressor = default.compressor
+    elif not isinstance(options.compressor, str):
+        raise InvalidOption("compressor", f"compressor must be a string such as 'snapkv:ratio=0.25', "
+                                          f"got {options.compressor!r}")
+    else:
+        try:
+            compressor = parse_compressor(options.compressor)
+        except (ValueError, TypeError) as exc:
+            raise InvalidOption("compressor", str(exc)) from None
+    try:
+        policy = default.policy if options.draft_len is None else DraftLengthPolicy.from_arg(options.draft_len)
+    except ValueError as exc:
+        raise InvalidOption("draft_len", str(exc)) from None
+    return ResolvedOptions(mode, compressor, policy)
