@@ -231,3 +231,31 @@ def test_bad_request_options_are_refused_and_change_nothing(llm, options, field,
         srv.add_request([1, 2, 3], SamplingParams(max_tokens=2), RequestOptions(**options))
     assert err.value.field == field
     assert not srv.requests and srv.device.used_blocks == 0
+
+
+def test_group_count_follows_measured_rates():
+    from vericache.engine.stagger import group_count
+
+    assert group_count(1, 1.0, 0.01, 8) == 1
+    assert group_count(12, 0.0, 0.0, 8) == 2                 # nothing measured yet: ping-pong
+    assert group_count(12, 0.001, 0.01, 16) == 2             # fast link: two big groups
+    assert group_count(12, 0.05, 0.01, 16) == 4             # 12 * 0.05 / (16 * 0.01) = 3.75
+    assert group_count(12, 1.0, 0.01, 16) == 12              # slow link: one request per group
+    with pytest.raises(ValueError, match="n=-1"):
+        group_count(-1, 1.0, 0.01, 8)
+
+
+def test_staggered_groups_take_turns_on_the_link(llm, serving_prompts, serving_reference):
+    """Under the staggered schedule at most one group has transfers in flight at any step, several
+    groups are planned, and outputs stay identical to full-KV decoding."""
+    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
+                          device_budget=1 << 30, link=EmulatedLink(gbps=2), prefill_chunk=256)
+    ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts]
+    groups_seen = set()
+    while srv.has_unfinished():
+        srv.step()
+        flying = {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING and not r.transfer.ready()}
+        assert len(flying) <= 1, flying
+        groups_seen |= {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING}
+    assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference
+    assert len(groups_seen) >= 2 and srv.mean_groups > 1

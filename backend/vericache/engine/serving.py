@@ -19,9 +19,13 @@ Every request carries its own options (``engine.options``): mode, compressor and
 default to the engine's, and requests of different modes run side by side in one step (full and
 lossy requests in the decode batch, vericache requests in the draft/verify phase).
 
-Staggering (P1): a request whose draft is complete starts its transfer at once and the others keep
-drafting; with ``draft_len="auto"`` a new draft is stretched to cover the link's measured backlog
-(``_draft_to_cover_link``), so requests fall into phase-shifted groups without a fixed group count.
+Staggering (P1): vericache requests fall into ``G`` groups (``engine.stagger.group_count``: the
+smallest G whose one-group transfer hides behind one draft round of the others, from the measured
+link rate and draft-step time, re-planned every round). One group at a time is on the link, and
+its members start their transfers together once all their drafts are complete; meanwhile the
+other groups draft, and members waiting for their group's turn keep drafting (P2: longer drafts
+amortise the coming transfer). With ``draft_len="auto"`` a new draft is also stretched to cover
+the link's measured backlog (``_draft_to_cover_link``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from vericache.kv.blocks import BlockPool
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.engine.options import RequestOptions, ResolvedOptions
+from vericache.engine.stagger import group_count
 from vericache.kv.link import CudaLink, EmulatedLink, StreamedKV, Transfer
 from vericache.kv.tee import TeeCache
 from vericache.sampling import SamplingParams, choose_token
@@ -63,6 +68,7 @@ class Request:
     draft: CompressedKVCache | None = None     # device tier
     done_ids: int = 0                          # tokens already in the caches (prefill progress)
     k: int = 0
+    group: int = 0                             # staggered: the phase group of the current round
     drafts: list[int] = field(default_factory=list)
     qs: list = field(default_factory=list)
     transfer: Transfer | None = None
@@ -107,6 +113,9 @@ class ServingEngine:
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
         self.requests: dict[int, Request] = {}
         self.activity = Activity()
+        self.preemptions = 0  # requests sent back to waiting (their KV recomputed on re-admission)
+        self.groups, self._turn = 2, 0    # staggered: current group count, next group on the link
+        self._group_plans = [0, 0]        # (sum of planned group counts, plans): for the mean
         self.round_log: list[tuple[int, int, int]] = []  # (request id, drafted, accepted) per verification
         self._ids = itertools.count()
 
@@ -243,12 +252,16 @@ class ServingEngine:
             self._verify(ready)
         drafting = [r for r in self.requests.values() if r.state == DRAFTING]
         for r in drafting:
-            if r.k == 0 and not r.drafts:
-                remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
-                policy = r.opts.policy
+            remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
+            policy = r.opts.policy
+            if r.k == 0 and not r.drafts:  # a new round
                 r.k = policy.next_len(r.policy_state, remaining)
-                if self.scheduler == "staggered" and r.k and policy.fixed is None:
-                    r.k = max(r.k, min(self._draft_to_cover_link(), policy.max_len, remaining - 1))
+                if self.scheduler == "staggered":
+                    if r.k and policy.fixed is None:
+                        r.k = max(r.k, min(self._draft_to_cover_link(), policy.max_len, remaining - 1))
+                    r.group = r.id % self._plan_groups(r.k)
+            elif self.scheduler == "staggered" and r.k and len(r.drafts) >= r.k and policy.fixed is None:
+                r.k = min(r.k + 1, policy.max_len, max(remaining - 1, r.k))  # waiting for its turn: draft on
         rows = [r for r in drafting if len(r.drafts) < r.k]
         if rows:
             self._draft_step(rows)
@@ -263,8 +276,7 @@ class ServingEngine:
                         r.transfer.wait_all()
                         self._verify([r])
         else:
-            for r in complete:  # staggered: the link works while the others keep drafting
-                self._start_transfer(r)
+            self._start_next_group(drafting)
         in_flight = [r for r in self.requests.values() if r.state == TRANSFERRING]
         if in_flight and not ready and not rows:
             in_flight[0].transfer.wait_all()  # nothing to compute until a transfer lands: block, don't spin
@@ -279,17 +291,59 @@ class ServingEngine:
             r.drafts.append(token)
             r.qs.append(q)
 
-    def _draft_to_cover_link(self) -> int:
-        """Draft steps that fit in the link's current backlog (P1 adapting to measured rates): a request
-        that would only wait for the link drafts meanwhile, so its next transfer buys more tokens."""
+    def _start_next_group(self, drafting: list[Request]) -> None:
+        """Staggered: put the next group whose drafts are all complete on the link, unless another
+        group's transfers are still in flight (one group on the link while the others draft)."""
+        on_link = {r.group for r in self.requests.values() if r.state == TRANSFERRING and not r.transfer.ready()}
+        groups: dict[int, list[Request]] = {}
+        for r in drafting:
+            groups.setdefault(r.group, []).append(r)
+        order = sorted(groups, key=lambda g: (g - self._turn) % max(self.groups, g + 1))  # round robin
+        for g in order:
+            if on_link - {g}:
+                return
+            members = groups[g]
+            if all(len(r.drafts) >= r.k for r in members):
+                for r in members:
+                    self._start_transfer(r)
+                self._turn = g + 1
+                on_link.add(g)
+
+    def _plan_groups(self, draft_len: int) -> int:
+        """Re-plan the group count from the measured link rate and draft-step time."""
+        rates = self._measured_rates()
+        vc = [r for r in self.requests.values() if r.state in (DRAFTING, TRANSFERRING)]
+        if rates is not None and vc:
+            rate, step_s = rates
+            per_request_s = sum(r.full.nbytes() for r in vc) / len(vc) / rate
+            self.groups = group_count(len(vc), per_request_s, step_s, draft_len)
+        self._group_plans[0] += self.groups
+        self._group_plans[1] += 1
+        return self.groups
+
+    @property
+    def mean_groups(self) -> float:
+        """The mean planned group count (staggered), for reports."""
+        total, plans = self._group_plans
+        return total / plans if plans else 0.0
+
+    def _measured_rates(self) -> tuple[float, float] | None:
+        """(link bytes per second, seconds per draft step), measured so far; None before both exist."""
         stats = self.link.stats
         draft_spans = [e - s for s, e, k in self.activity.intervals[-32:] if k == "draft"]
         if stats.busy_s <= 0 or not draft_spans:
+            return None
+        return stats.bytes_moved / stats.busy_s, sum(draft_spans) / len(draft_spans)
+
+    def _draft_to_cover_link(self) -> int:
+        """Draft steps that fit in the link's current backlog (P1 adapting to measured rates): a request
+        that would only wait for the link drafts meanwhile, so its next transfer buys more tokens."""
+        rates = self._measured_rates()
+        if rates is None:
             return 0
-        rate = stats.bytes_moved / stats.busy_s                                  # measured bytes/s
+        rate, step_s = rates
         queued = sum(self._transfer_bytes(r) for r in self.requests.values()
                      if r.state == TRANSFERRING and not r.transfer.ready())
-        step_s = sum(draft_spans) / len(draft_spans)                             # measured draft step
         return int(queued / rate / step_s)
 
     def _make_room_for_a_verification(self, complete: list[Request]) -> None:
@@ -375,6 +429,7 @@ class ServingEngine:
             self.device.resize(("kv", req.id), dev_bytes)
 
     def _preempt(self, req: Request) -> None:
+        self.preemptions += 1
         if req.state == PREFILL and req.done_ids == 0:
             self._set(req, WAITING)  # admitted but holds nothing yet
             return
