@@ -44,7 +44,9 @@ def test_bench_throughput_command(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["mode"]: r for r in out["rows"]}
-    assert set(rows) == {"full", "lossy", "vericache-naive", "vericache-staggered"} and out["link"] == "emulated"
-    assert rows["vericache-naive"]["identical_to_full"] and rows["vericache-staggered"]["identical_to_full"]
+    assert set(rows) == {"full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped"}
+    assert out["link"] == "emulated"
+    assert all(rows[m]["identical_to_full"] for m in ("vericache-naive", "vericache-staggered", "vericache-grouped"))
+    assert rows["vericache-grouped"]["mean_groups"] >= 1 and rows["vericache-staggered"]["mean_groups"] is None
     assert rows["vericache-staggered"]["link_utilization"] > 0 and rows["full"]["link_utilization"] == 0
     assert 0 < rows["full"]["compute_utilization"] <= 1 and (tmp_path / "t.png").stat().st_size > 1000

@@ -95,7 +95,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
     b.set_defaults(func=_cmd_decode)
 
-    t = bsub.add_parser("throughput", help="full under a budget vs lossy vs vericache naive/staggered")
+    t = bsub.add_parser("throughput", help="full under a budget vs lossy vs vericache naive/staggered/grouped")
     t.add_argument("--model", default="tiny")
     t.add_argument("--requests", type=int, default=12)
     t.add_argument("--context", type=int, default=4096)

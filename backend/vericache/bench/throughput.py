@@ -1,5 +1,5 @@
-"""``vericache bench throughput``: full KV under a device budget vs lossy vs VeriCache (naive and
-staggered) on the same requests, in one process and one run, with a timeline of link and compute.
+"""``vericache bench throughput``: full KV under a device budget vs lossy vs VeriCache (naive,
+staggered, grouped) on the same requests, in one process and one run, with a timeline of link and compute.
 
 On CPU the link is the emulated one (``kv.link.EmulatedLink``): a copier thread moves the real
 bytes at the configured bandwidth, so every link figure from this command on CPU is *emulated*.
@@ -18,7 +18,7 @@ from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 
-MODES = ("full", "lossy", "vericache-naive", "vericache-staggered")
+MODES = ("full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped")
 
 
 def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, device_budget: float,
@@ -68,7 +68,8 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
                "link_utilization": round(link_busy / wall, 3),
                "compute_utilization": round(srv.activity.busy_s() / wall, 3),
                "link_bytes": link.stats.bytes_moved if link is not None else 0,
-               "mean_acceptance_length": _mean_acceptance(srv) if engine_mode == "vericache" else None}
+               "mean_acceptance_length": _mean_acceptance(srv) if engine_mode == "vericache" else None,
+               "mean_groups": round(srv.mean_groups, 2) if scheduler == "grouped" else None}
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
             f"link {row['link_utilization']:.0%}, compute {row['compute_utilization']:.0%}")

@@ -1,4 +1,4 @@
-"""Continuous batching over tiered KV memory, with the naive or staggered (P1) VeriCache schedule.
+"""Continuous batching over tiered KV memory, with naive, staggered or grouped (P1) VeriCache schedules.
 
 Each ``step()`` has three phases: schedule (admit waiting requests into the device budget, pick
 prefill chunks, start link transfers), run (one batched forward per kind of work: prefill chunks,
@@ -12,20 +12,21 @@ Request states and their transitions (``ALLOWED``), each exercised by the tests:
   waiting -> prefill -> decoding (full, lossy) | drafting (vericache)
   drafting -> transferring -> drafting          (a verification round; the link moves the full KV)
   any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
-
   any state -> finished | aborted               (KV freed at once)
 
 Every request carries its own options (``engine.options``): mode, compressor and draft length
 default to the engine's, and requests of different modes run side by side in one step (full and
 lossy requests in the decode batch, vericache requests in the draft/verify phase).
 
-Staggering (P1): vericache requests fall into ``G`` groups (``engine.stagger.group_count``: the
-smallest G whose one-group transfer hides behind one draft round of the others, from the measured
-link rate and draft-step time, re-planned every round). One group at a time is on the link, and
-its members start their transfers together once all their drafts are complete; meanwhile the
-other groups draft, and members waiting for their group's turn keep drafting (P2: longer drafts
-amortise the coming transfer). With ``draft_len="auto"`` a new draft is also stretched to cover
-the link's measured backlog (``_draft_to_cover_link``).
+Schedules (P1), all lossless:
+- ``naive``: everyone drafts, then each verification waits for its transfer (the control).
+- ``staggered``: a request whose draft is complete queues its transfer at once and the others keep
+  drafting; with ``draft_len="auto"`` a new draft is stretched to cover the link's measured backlog
+  (``_draft_to_cover_link``), so requests fall into phase-shifted groups of one.
+- ``grouped``: explicit phase groups, ``G`` planned from the measured link rate and draft-step time
+  (``engine.stagger.group_count``, re-planned every round); one group at a time is on the link and
+  its members start their transfers together, so each group is verified in one batch; a member
+  waiting for its group's turn drafts on while its drafts are mostly accepted (P2).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from vericache.kv.tee import TeeCache
 from vericache.sampling import SamplingParams, choose_token
 from vericache.spec.decoding import accept_draft, draft_token
 
+SCHEDULERS = ("naive", "staggered", "grouped")
 WAITING, PREFILL, DECODING, DRAFTING, TRANSFERRING, FINISHED, ABORTED = (
     "waiting", "prefill", "decoding", "drafting", "transferring", "finished", "aborted")
 ALLOWED = {
@@ -68,7 +70,7 @@ class Request:
     draft: CompressedKVCache | None = None     # device tier
     done_ids: int = 0                          # tokens already in the caches (prefill progress)
     k: int = 0
-    group: int = 0                             # staggered: the phase group of the current round
+    group: int = 0                             # grouped: the phase group of the current round
     drafts: list[int] = field(default_factory=list)
     qs: list = field(default_factory=list)
     transfer: Transfer | None = None
@@ -104,8 +106,8 @@ class Activity:
 class ServingEngine:
     def __init__(self, engine, device_budget: int, host_budget: int | None = None, scheduler: str = "staggered",
                  link=None, prefill_chunk: int = 512, max_running: int = 64) -> None:
-        if scheduler not in ("naive", "staggered"):
-            raise ValueError(f"scheduler must be 'naive' or 'staggered', got {scheduler!r}")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
         self.eng, self.mode, self.scheduler = engine, engine.mode, scheduler
         self.device = BlockPool("device", device_budget)
         self.host = BlockPool("host", host_budget or 1 << 62)
@@ -114,7 +116,7 @@ class ServingEngine:
         self.requests: dict[int, Request] = {}
         self.activity = Activity()
         self.preemptions = 0  # requests sent back to waiting (their KV recomputed on re-admission)
-        self.groups, self._turn = 2, 0    # staggered: current group count, next group on the link
+        self.groups, self._turn = 2, 0    # grouped: current group count, next group on the link
         self._group_plans = [0, 0]        # (sum of planned group counts, plans): for the mean
         self.round_log: list[tuple[int, int, int]] = []  # (request id, drafted, accepted) per verification
         self._ids = itertools.count()
@@ -256,12 +258,14 @@ class ServingEngine:
             policy = r.opts.policy
             if r.k == 0 and not r.drafts:  # a new round
                 r.k = policy.next_len(r.policy_state, remaining)
-                if self.scheduler == "staggered":
-                    if r.k and policy.fixed is None:
-                        r.k = max(r.k, min(self._draft_to_cover_link(), policy.max_len, remaining - 1))
+                if self.scheduler != "naive" and r.k and policy.fixed is None:
+                    r.k = max(r.k, min(self._draft_to_cover_link(), policy.max_len, remaining - 1))
+                if self.scheduler == "grouped":
                     r.group = r.id % self._plan_groups(r.k)
-            elif self.scheduler == "staggered" and r.k and len(r.drafts) >= r.k and policy.fixed is None:
-                r.k = min(r.k + 1, policy.max_len, max(remaining - 1, r.k))  # waiting for its turn: draft on
+            elif (self.scheduler == "grouped" and r.k and len(r.drafts) >= r.k and policy.fixed is None
+                  and r.policy_state.ema_accepted >= 0.75 * r.k):
+                # waiting for its group's turn, and its drafts are mostly accepted: draft on (P2)
+                r.k = min(r.k + 1, policy.max_len, max(remaining - 1, r.k))
         rows = [r for r in drafting if len(r.drafts) < r.k]
         if rows:
             self._draft_step(rows)
@@ -275,6 +279,9 @@ class ServingEngine:
                     if self._start_transfer(r):
                         r.transfer.wait_all()
                         self._verify([r])
+        elif self.scheduler == "staggered":
+            for r in complete:  # the link works (and queues) while the others keep drafting
+                self._start_transfer(r)
         else:
             self._start_next_group(drafting)
         in_flight = [r for r in self.requests.values() if r.state == TRANSFERRING]
@@ -292,7 +299,7 @@ class ServingEngine:
             r.qs.append(q)
 
     def _start_next_group(self, drafting: list[Request]) -> None:
-        """Staggered: put the next group whose drafts are all complete on the link, unless another
+        """Grouped: put the next group whose drafts are all complete on the link, unless another
         group's transfers are still in flight (one group on the link while the others draft)."""
         on_link = {r.group for r in self.requests.values() if r.state == TRANSFERRING and not r.transfer.ready()}
         groups: dict[int, list[Request]] = {}
@@ -323,7 +330,7 @@ class ServingEngine:
 
     @property
     def mean_groups(self) -> float:
-        """The mean planned group count (staggered), for reports."""
+        """The mean planned group count (grouped), for reports."""
         total, plans = self._group_plans
         return total / plans if plans else 0.0
 
