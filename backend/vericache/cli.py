@@ -79,7 +79,7 @@ def _cmd_train_tiny(args: argparse.Namespace) -> int:
     from vericache.train.trainer import TrainConfig, export_checkpoint, train
 
     tc = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads,
-                     curriculum=args.curriculum, init_from=args.init_from)
+                     curriculum=args.curriculum, init_from=args.init_from, repeat_share=args.repeat_share)
     if args.export_to:
         print(f"exported {export_checkpoint(tc, args.export_to)}")
         return 0
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--curriculum", default="base", choices=["base", "copy"],
                    help="base: from scratch; copy: continuation, long short-and-copy-heavy stage first")
     t.add_argument("--init-from", default=None, help="start from this Hugging Face directory (same tokenizer)")
+    t.add_argument("--repeat-share", type=float, default=0.0,
+                   help="share of task documents that repeat a code span (induction-head data)")
     t.add_argument("--export-to", default=None, help="only export the run's latest checkpoint to this directory")
     t.set_defaults(func=_cmd_train_tiny)
 

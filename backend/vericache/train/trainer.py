@@ -40,7 +40,7 @@ CURRICULA = {
     "base": ((0.0, 256, 0.7), (0.15, 512, 0.55), (0.35, 1024, 0.45), (0.6, 2048, 0.4)),
     # continuation of a model that already writes code: a long short-and-copy-heavy stage first
     # (where the pilot saw copying form), then lengthen
-    "copy": ((0.0, 256, 0.85), (0.25, 512, 0.7), (0.5, 1024, 0.6), (0.75, 2048, 0.5)),
+    "copy": ((0.0, 256, 0.85), (0.45, 512, 0.7), (0.65, 1024, 0.6), (0.85, 2048, 0.5)),
 }
 
 
@@ -67,6 +67,7 @@ class TrainConfig:
     curriculum: str = "base"
     init_from: str | None = None  # a Hugging Face directory to start from (same tokenizer)
     answer_weight: float = 4.0  # loss weight of answer tokens in task documents (copying is rare)
+    repeat_share: float = 0.0   # share of task documents that are a repeated code span (induction data)
 
 
 def model_config(tc: TrainConfig, eot_id: int) -> ModelConfig:
@@ -81,8 +82,9 @@ def model_config(tc: TrainConfig, eot_id: int) -> ModelConfig:
 class DataSource:
     """Code windows and task documents, drawn from one seeded RNG (saved in checkpoints)."""
 
-    def __init__(self, tok: Tokenizer, code: list[int], seed: int) -> None:
+    def __init__(self, tok: Tokenizer, code: list[int], seed: int, repeat_share: float = 0.0) -> None:
         self.tok, self.code, self.rng = tok, code, random.Random(seed)
+        self.repeat_share = repeat_share
         self.newline = tok.encode("\n")
 
     def code_window(self, length: int) -> list[int]:
@@ -122,12 +124,28 @@ class DataSource:
             answer += [False] * len(q) + [True] * len(a) + [False] * len(filler)
         return doc[:length], answer[:length]
 
+    def repeat_document(self, length: int) -> tuple[list[int], list[bool]]:
+        """Code, a span, other code, the same span again: the second copy is predictable only by
+        looking back. Induction heads, on which copying from far back builds, form fast on such data."""
+        rng = self.rng
+        n = rng.randint(8, max(8, length // 4))
+        gaps = sorted(rng.randint(0, length - 2 * n) for _ in range(2))
+        span = self.code_window(n)
+        pieces = [self.code_window(g) if g else [] for g in (gaps[0], gaps[1] - gaps[0], length - 2 * n - gaps[1])]
+        doc = pieces[0] + span + pieces[1] + span + pieces[2]
+        first = len(pieces[0]) + n + len(pieces[1])
+        mask = [first < i < first + n for i in range(length)]  # the repeat, after its first token
+        return doc, mask
+
     def batch(self, length: int, task_share: float, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token rows [batch_size, length] and answer masks of the same shape."""
         rows, masks = [], []
         for _ in range(batch_size):
             if self.rng.random() < task_share:
-                row, mask = self.task_document(length)
+                if self.rng.random() < self.repeat_share:
+                    row, mask = self.repeat_document(length)
+                else:
+                    row, mask = self.task_document(length)
             else:
                 row, mask = self.code_window(length), [False] * length
             rows.append(row)
@@ -213,7 +231,7 @@ def train(tc: TrainConfig, log=print) -> Path:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-    data = DataSource(tok, train_ids, tc.seed)
+    data = DataSource(tok, train_ids, tc.seed, tc.repeat_share)
     step, elapsed = 0, 0.0
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
