@@ -68,3 +68,28 @@ def test_training_resumes_and_exports(tmp_path, llm):
     assert (work / "curve.jsonl").read_text().count("heldout_loss") >= 2
     exported = load_model(tmp_path / "run", device="cpu", dtype="float32")
     assert exported.config.num_hidden_layers == 1
+
+
+def test_training_documents_mark_exactly_what_must_be_copied(llm):
+    """Repeat documents mark their second copy, task documents their answers; each marked span
+    occurs earlier in the document (it can be copied), and every document fills its window."""
+    from vericache.train.trainer import DataSource
+
+    code = llm.tokenizer.encode(corpus.read_split(heldout=True)[0] * 3)
+    data = DataSource(llm.tokenizer, code, seed=3, repeat_share=1.0)
+    for length in (64, 257):
+        doc, mask = data.repeat_document(length)
+        assert len(doc) == len(mask) == length
+        marked = [i for i, m in enumerate(mask) if m]
+        first = marked[0] - 1  # the repeat's first token is not marked: nothing points to it yet
+        assert marked == list(range(first + 1, first + 1 + len(marked)))
+        span = doc[first : marked[-1] + 1]
+        assert any(doc[i : i + len(span)] == span for i in range(first - len(span) + 1))
+    doc, mask = data.task_document(512)
+    assert len(doc) == len(mask) == 512 and any(mask)
+    i = mask.index(True)
+    j = i + mask[i:].index(False) if False in mask[i:] else len(mask)
+    answer = llm.tokenizer.decode(doc[i:j]).strip()
+    assert answer and answer in llm.tokenizer.decode(doc[:i])
+    rows, masks = data.batch(65, task_share=1.0, batch_size=3)
+    assert rows.shape == masks.shape == (3, 65) and bool(masks.any())
