@@ -40,10 +40,22 @@ def test_longer_accepted_runs_and_faster_links_help():
     assert slow < fast and gen4 < simulate(_cfg())["vericache-staggered"]["tokens_per_s"]
 
 
+def test_resident_fraction_trades_batch_for_link_bytes():
+    """Keeping part of the full KV on the device never loses to streaming all of it (f = 0 is on the
+    grid) and, with a slow link, the best fraction is above 0."""
+    for link in (PCIE["gen4"], PCIE["gen5"] / 8):
+        r = simulate(_cfg(link_bw=link))
+        res = r["vericache-resident"]
+        assert res["tokens_per_s"] >= r["vericache-staggered"]["tokens_per_s"]
+        assert 0 < res["resident_fraction"] <= 1 and res["batch"] <= r["vericache-staggered"]["batch"]
+    slow = simulate(_cfg(link_bw=PCIE["gen5"] / 8))["vericache-resident"]
+    assert slow["tokens_per_s"] > simulate(_cfg(link_bw=PCIE["gen5"] / 8))["vericache-staggered"]["tokens_per_s"]
+
+
 def test_sim_command(capsys, tmp_path):
     assert main(["sim", "--context", "8192,32768", "--json", "--plot", str(tmp_path / "s.png")]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert {r["mode"] for r in rows} == {"full", "lossy", "vericache-naive", "vericache-staggered"}
+    assert {r["mode"] for r in rows} == {"full", "lossy", "vericache-naive", "vericache-staggered", "vericache-resident"}
     assert {r["model"] for r in rows} == set(MODELS) and (tmp_path / "s.png").exists()
     assert main(["sim", "--models", "gpt-9"]) == 2
 

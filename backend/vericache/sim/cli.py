@@ -51,7 +51,7 @@ def plot_sim(rows: list[dict], path: str) -> None:
 def add_sim_parser(sub) -> None:
     from vericache.bench.cli import _ints
 
-    p = sub.add_parser("sim", help="cost model: full / lossy / vericache-naive / -staggered on a GPU with PCIe")
+    p = sub.add_parser("sim", help="cost model: full / lossy / vericache-naive / -staggered / -resident on a GPU with PCIe")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     p.add_argument("--link", default="gen5", choices=sorted(PCIE))
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
@@ -85,7 +85,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from vericache.bench.common import record
 
     table = markdown_table(rows, ["model", "gpus", "context", "mode", "batch", "tokens_per_s", "x_full",
-                                  "link_utilization"])
+                                  "link_utilization", "resident_fraction"])
     notes = [explain(sim_config(args.gpu, args.link, m, args.context[-1], args.gpus, ratio=args.ratio,
                                 acceptance_length=args.acceptance_length, draft_len=args.draft_len)) for m in models]
     print(table + "\n\n" + "\n\n".join(notes))
