@@ -69,7 +69,8 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
                "compute_utilization": round(srv.activity.busy_s() / wall, 3),
                "link_bytes": link.stats.bytes_moved if link is not None else 0,
                "mean_acceptance_length": _mean_acceptance(srv) if engine_mode == "vericache" else None,
-               "mean_groups": round(srv.mean_groups, 2) if scheduler == "grouped" else None}
+               "mean_groups": round(srv.mean_groups, 2) if scheduler == "grouped" else None,
+               "early_verifies": srv.early_verifies if engine_mode == "vericache" else None}
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
             f"link {row['link_utilization']:.0%}, compute {row['compute_utilization']:.0%}")

@@ -117,6 +117,8 @@ class ServingEngine:
         self.activity = Activity()
         self.preemptions = 0  # requests sent back to waiting (their KV recomputed on re-admission)
         self.groups, self._turn = 2, 0    # grouped: current group count, next group on the link
+        self._verify_layer_s = 0.0        # measured forward time per layer of a verification (EMA)
+        self.early_verifies = 0           # verifications started while their last layers were in flight
         self._group_plans = [0, 0]        # (sum of planned group counts, plans): for the mean
         self.round_log: list[tuple[int, int, int]] = []  # (request id, drafted, accepted) per verification
         self._ids = itertools.count()
@@ -249,7 +251,7 @@ class ServingEngine:
             self._account(r)
 
     def _vericache_phase(self) -> None:
-        ready = [r for r in self.requests.values() if r.state == TRANSFERRING and r.transfer.ready()]
+        ready = [r for r in self.requests.values() if r.state == TRANSFERRING and self._can_verify(r)]
         if ready:
             self._verify(ready)
         drafting = [r for r in self.requests.values() if r.state == DRAFTING]
@@ -277,8 +279,7 @@ class ServingEngine:
                     r.state == TRANSFERRING for r in self.requests.values()):
                 for r in complete:
                     if self._start_transfer(r):
-                        r.transfer.wait_all()
-                        self._verify([r])
+                        self._verify([r])  # layer by layer: layer i is verified while i+1 is in flight
         elif self.scheduler == "staggered":
             for r in complete:  # the link works (and queues) while the others keep drafting
                 self._start_transfer(r)
@@ -297,6 +298,20 @@ class ServingEngine:
             token, q = draft_token(r.seq, row)
             r.drafts.append(token)
             r.qs.append(q)
+
+    def _can_verify(self, req: Request) -> bool:
+        """Start verifying before the last layers land when, at the measured rates, they will land
+        before the forward reaches them: r layers still in flight take r * t_link_layer, the forward
+        spends (L - r) * t_verify_layer on the layers already there."""
+        n_layers = self.eng.cfg.num_hidden_layers
+        done = req.transfer.layers_done()
+        if done == n_layers:
+            return True
+        rates = self._measured_rates()
+        if rates is None or self._verify_layer_s <= 0 or done == 0:
+            return False
+        link_layer_s = req.full.nbytes() / n_layers / rates[0]
+        return (n_layers - done) * link_layer_s <= done * self._verify_layer_s
 
     def _start_next_group(self, drafting: list[Request]) -> None:
         """Grouped: put the next group whose drafts are all complete on the link, unless another
@@ -386,8 +401,15 @@ class ServingEngine:
         dev = self.eng.loaded.device
         tokens = torch.tensor([t for c in chunks for t in c], device=dev)
         views = [StreamedKV(r.transfer) for r in reqs]
+        landed = all(r.transfer.ready() for r in reqs)
+        t0 = time.perf_counter()
         logits = self._timed("verify", lambda: self.eng.model(tokens, [r.position for r in reqs],
                                                               [len(c) for c in chunks], views))
+        self.early_verifies += not landed
+        if landed:  # a clean measurement: no waiting on the link inside the forward
+            per_layer = (time.perf_counter() - t0) / self.eng.cfg.num_hidden_layers
+            self._verify_layer_s = per_layer if self._verify_layer_s <= 0 else (
+                0.7 * self._verify_layer_s + 0.3 * per_layer)
         offset = 0
         for r, chunk, view in zip(reqs, chunks, views):
             if r.state != TRANSFERRING:

@@ -49,6 +49,12 @@ class Transfer:
             return self.cuda_events[-1].query()
         return self.done.is_set()
 
+    def layers_done(self) -> int:
+        """How many leading layers have landed (layers land in order)."""
+        flags = ([e.query() for e in self.cuda_events] if self.cuda_events is not None
+                 else [e.is_set() for e in self.layer_ready])
+        return flags.index(False) if False in flags else len(flags)
+
 
 class LinkStats:
     def __init__(self) -> None:
