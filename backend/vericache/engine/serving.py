@@ -19,7 +19,8 @@ default to the engine's, and requests of different modes run side by side in one
 lossy requests in the decode batch, vericache requests in the draft/verify phase).
 
 Schedules (P1), all lossless:
-- ``naive``: everyone drafts, then each verification waits for its transfer (the control).
+- ``naive``: everyone drafts, then each request in turn is transferred and verified (the control;
+  its verification still reads layer i while layer i+1 is in flight).
 - ``staggered``: a request whose draft is complete queues its transfer at once and the others keep
   drafting; with ``draft_len="auto"`` a new draft is stretched to cover the link's measured backlog
   (``_draft_to_cover_link``), so requests fall into phase-shifted groups of one.
