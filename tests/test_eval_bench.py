@@ -40,11 +40,16 @@ def test_bench_decode_command(tmp_path, capsys):
 
 def test_bench_throughput_command(tmp_path, capsys):
     rc = main(["bench", "throughput", "--requests", "4", "--context", "300", "--max-tokens", "10",
-               "--device-budget", "0.6", "--link-gbps", "8", "--json", "--plot", str(tmp_path / "t.png")])
+               "--device-budget", "0.6", "--link-gbps", "8", "--resident-layers", "3", "--json",
+               "--plot", str(tmp_path / "t.png")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["mode"]: r for r in out["rows"]}
-    assert set(rows) == {"full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped"}
+    assert set(rows) == {"full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped",
+                         "vericache-resident"}
+    assert rows["vericache-resident"]["identical_to_full"]
+    per_round = {m: rows[m]["link_bytes"] / rows[m]["rounds"] for m in ("vericache-staggered", "vericache-resident")}
+    assert 0 < per_round["vericache-resident"] < 0.75 * per_round["vericache-staggered"]  # 3 of 6 layers stay
     assert out["link"] == "emulated"
     assert all(rows[m]["identical_to_full"] for m in ("vericache-naive", "vericache-staggered", "vericache-grouped"))
     assert rows["vericache-grouped"]["mean_groups"] >= 1 and rows["vericache-staggered"]["mean_groups"] is None

@@ -262,3 +262,36 @@ def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_
         groups_seen |= {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING}
     assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference
     assert len(groups_seen) >= 2 and srv.mean_groups > 1
+
+
+@pytest.mark.parametrize("resident", [3, 6])
+def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompts, serving_reference, resident):
+    """With the first layers of every full KV kept on the device, only the rest crosses the link
+    (all of it stays when every layer is resident); outputs equal full-KV decoding, blocks return."""
+    n_layers = llm.loaded.config.num_hidden_layers
+    moved = {}
+    for r in (0, resident):
+        srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", draft_len=4),
+                              device_budget=1 << 30, link=EmulatedLink(gbps=8), prefill_chunk=256, resident_layers=r)
+        ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
+        while srv.has_unfinished():
+            srv.step()
+        assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
+        assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+        rounds = sum(srv.requests[i].rounds for i in ids)
+        moved[r] = srv.link.stats.bytes_moved / rounds
+        srv.link.close()
+    if resident == n_layers:
+        assert moved[resident] == 0
+    else:  # per round, about (L - R) / L of the bytes
+        assert moved[resident] < moved[0] * (n_layers - resident + 0.5) / n_layers
+
+
+def test_resident_layers_are_validated(llm):
+    with pytest.raises(ValueError, match=r"resident_layers must be an integer in \[0, 6\], got 7"):
+        S.ServingEngine(Engine(llm.loaded, mode="vericache"), device_budget=1 << 30, resident_layers=7)
+    from vericache.kv.link import StreamedKV, Transfer
+
+    cache = FullKVCache(llm.loaded.config, "cpu", torch.float32, 4)
+    with pytest.raises(ValueError, match="resident cache"):
+        StreamedKV(Transfer(cache, 0, cache, first_layer=2))

@@ -44,12 +44,12 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run_throughput(args.model, args.requests, args.context, args.max_tokens, args.device_budget,
-                         args.link_gbps, args.compressor, device=args.device,
+                         args.link_gbps, args.compressor, device=args.device, resident_layers=args.resident_layers,
                          log=(lambda m: None) if args.json else print)
     if args.plot:
         plot_timeline(res["timelines"], args.plot, res["link"])
     cols = ["mode", "tokens_per_s", "x_full", "identical_to_full", "link_utilization", "compute_utilization",
-            "mean_acceptance_length", "wall_s"]
+            "mean_acceptance_length", "link_bytes", "early_verifies", "mean_groups", "wall_s"]
     table = markdown_table(res["rows"], cols)
     print(json.dumps({"rows": res["rows"], "link": res["link"]}) if args.json else table)
     plot_md = f"\n\n![timeline]({Path(args.plot).name})" if args.plot else ""
@@ -104,6 +104,8 @@ def add_bench_parser(sub) -> None:
                    help="device KV budget: a fraction (<= 1) of all requests' full KV, or bytes")
     t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
     t.add_argument("--compressor", default="snapkv:ratio=0.125")
+    t.add_argument("--resident-layers", type=int, default=0,
+                   help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
     t.add_argument("--device", default=None)
     t.add_argument("--threads", type=int, default=0)
     t.add_argument("--json", action="store_true")

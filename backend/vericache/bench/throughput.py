@@ -22,7 +22,10 @@ MODES = ("full", "lossy", "vericache-naive", "vericache-staggered", "vericache-g
 
 
 def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, device_budget: float,
-                   link_gbps: float, compressor: str, device: str | None = None, modes=MODES, log=print) -> dict:
+                   link_gbps: float, compressor: str, device: str | None = None, modes=MODES,
+                   resident_layers: int = 0, log=print) -> dict:
+    """The modes side by side on the same requests; ``resident_layers`` > 0 adds vericache-resident
+    (staggered, with that many layers of every request's full KV kept on the device)."""
     llm = LLM(model, device=device, dtype="float32" if device in (None, "cpu") else None)
     ids = code_prompt(llm.tokenizer, context * n_requests + n_requests)
     prompts = [ids[i * context : (i + 1) * context] for i in range(n_requests)]
@@ -34,13 +37,17 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
         f"({'emulated' if llm.loaded.device.type == 'cpu' else 'real PCIe'})")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rows, timelines, reference = [], {}, None
+    if resident_layers:
+        modes = tuple(modes) + ("vericache-resident",)
     for mode in modes:
         engine_mode, scheduler = (mode.split("-") + ["staggered"])[:2]
+        resident = resident_layers if scheduler == "resident" else 0
+        scheduler = "staggered" if scheduler == "resident" else scheduler
         link = None
         if engine_mode == "vericache":
             link = CudaLink(llm.loaded.device) if llm.loaded.device.type == "cuda" else EmulatedLink(link_gbps)
         srv = ServingEngine(Engine(llm.loaded, mode=engine_mode, compressor=compressor), device_budget=budget,
-                            scheduler=scheduler, link=link)
+                            scheduler=scheduler, link=link, resident_layers=resident)
         try:
             rids = [srv.add_request(p, params) for p in prompts]
         except ValueError as exc:  # e.g. one request's verification buffer exceeds the budget
@@ -70,7 +77,8 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
                "link_bytes": link.stats.bytes_moved if link is not None else 0,
                "mean_acceptance_length": _mean_acceptance(srv) if engine_mode == "vericache" else None,
                "mean_groups": round(srv.mean_groups, 2) if scheduler == "grouped" else None,
-               "early_verifies": srv.early_verifies if engine_mode == "vericache" else None}
+               "early_verifies": srv.early_verifies if engine_mode == "vericache" else None,
+               "rounds": sum(srv.requests[r].rounds for r in rids)}
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
             f"link {row['link_utilization']:.0%}, compute {row['compute_utilization']:.0%}")

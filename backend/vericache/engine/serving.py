@@ -69,6 +69,7 @@ class Request:
     state: str = WAITING
     full: FullKVCache | None = None            # device tier (full mode) or host tier (vericache)
     draft: CompressedKVCache | None = None     # device tier
+    resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
     done_ids: int = 0                          # tokens already in the caches (prefill progress)
     k: int = 0
     group: int = 0                             # grouped: the phase group of the current round
@@ -106,10 +107,17 @@ class Activity:
 
 class ServingEngine:
     def __init__(self, engine, device_budget: int, host_budget: int | None = None, scheduler: str = "staggered",
-                 link=None, prefill_chunk: int = 512, max_running: int = 64) -> None:
+                 link=None, prefill_chunk: int = 512, max_running: int = 64, resident_layers: int = 0) -> None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
+        n_layers = engine.cfg.num_hidden_layers
+        if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or not (
+                0 <= resident_layers <= n_layers):
+            raise ValueError(f"resident_layers must be an integer in [0, {n_layers}], got {resident_layers!r}")
         self.eng, self.mode, self.scheduler = engine, engine.mode, scheduler
+        # vericache: the first ``resident_layers`` layers of every request's full KV stay on the
+        # device, so each verification moves only the rest over the link (fewer bytes, smaller batch)
+        self.resident_layers = resident_layers
         self.device = BlockPool("device", device_budget)
         self.host = BlockPool("host", host_budget or 1 << 62)
         self.link = link  # made on first use when None: the first vericache request needs it
@@ -166,14 +174,20 @@ class ServingEngine:
             return full
         window = 2 * comp.window * per_pos
         chunk = min(self.prefill_chunk, len(seq.prompt_ids)) * per_pos
-        return int(full * comp.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk
+        resident = full - self._streamed(full) if req.opts.mode == "vericache" else 0
+        return int(full * comp.nominal_ratio(self.eng.loaded.dtype.itemsize)) + window + chunk + resident
+
+    def _streamed(self, full_bytes: int) -> int:
+        """The part of ``full_bytes`` (all layers) that crosses the link: the non-resident layers."""
+        n_layers = self.eng.cfg.num_hidden_layers
+        return full_bytes * (n_layers - self.resident_layers) // n_layers
 
     def _verify_buffer_bytes(self, req: Request) -> int:
         """Device bytes of the transient full-KV buffer a verification of ``req`` needs (vericache)."""
         if req.opts.mode != "vericache":
             return 0
         per_pos = self.eng.cfg.kv_bytes_per_position(self.eng.loaded.dtype.itemsize)
-        return (len(req.seq.prompt_ids) + req.seq.params.max_tokens + 1) * per_pos
+        return self._streamed((len(req.seq.prompt_ids) + req.seq.params.max_tokens + 1) * per_pos)
 
     def _schedule(self) -> None:
         running = [r for r in self.requests.values() if r.state not in (WAITING, FINISHED, ABORTED)]
@@ -226,6 +240,10 @@ class ServingEngine:
                 req.draft.set_prefill_scores(scores, len(ids))
             if req.done_ids == len(ids) or not whole:
                 req.draft.commit(req.done_ids)
+        if req.resident is not None and req.done_ids == len(ids):  # the resident layers go up once
+            req.resident.begin(0, len(ids))
+            req.resident.k[:, :, : len(ids)] = req.full.k[: self.resident_layers, :, : len(ids)]
+            req.resident.v[:, :, : len(ids)] = req.full.v[: self.resident_layers, :, : len(ids)]
         self._account(req)
         if req.done_ids == len(ids):
             if not seq.output_ids:
@@ -304,15 +322,16 @@ class ServingEngine:
         """Start verifying before the last layers land when, at the measured rates, they will land
         before the forward reaches them: r layers still in flight take r * t_link_layer, the forward
         spends (L - r) * t_verify_layer on the layers already there."""
-        n_layers = self.eng.cfg.num_hidden_layers
+        streamed = req.transfer.dst.k.shape[0]
         done = req.transfer.layers_done()
-        if done == n_layers:
+        if done == streamed:
             return True
+        ahead = self.resident_layers + done  # layers the forward can do without waiting
         rates = self._measured_rates()
-        if rates is None or self._verify_layer_s <= 0 or done == 0:
+        if rates is None or self._verify_layer_s <= 0 or ahead == 0:
             return False
-        link_layer_s = req.full.nbytes() / n_layers / rates[0]
-        return (n_layers - done) * link_layer_s <= done * self._verify_layer_s
+        link_layer_s = req.full.nbytes() / self.eng.cfg.num_hidden_layers / rates[0]
+        return (streamed - done) * link_layer_s <= ahead * self._verify_layer_s
 
     def _start_next_group(self, drafting: list[Request]) -> None:
         """Grouped: put the next group whose drafts are all complete on the link, unless another
@@ -338,7 +357,7 @@ class ServingEngine:
         vc = [r for r in self.requests.values() if r.state in (DRAFTING, TRANSFERRING)]
         if rates is not None and vc:
             rate, step_s = rates
-            per_request_s = sum(r.full.nbytes() for r in vc) / len(vc) / rate
+            per_request_s = sum(self._streamed(r.full.nbytes()) for r in vc) / len(vc) / rate
             self.groups = group_count(len(vc), per_request_s, step_s, draft_len)
         self._group_plans[0] += self.groups
         self._group_plans[1] += 1
@@ -381,7 +400,8 @@ class ServingEngine:
             self._preempt(max(victims, key=lambda r: r.id))
 
     def _transfer_bytes(self, req: Request) -> int:
-        return req.full.nbytes() + (req.k + 1) * req.full.nbytes_per_position()
+        """Device bytes of the request's verification buffer: its streamed layers, with room for the draft."""
+        return self._streamed(req.full.nbytes() + (req.k + 1) * req.full.nbytes_per_position())
 
     def _start_transfer(self, req: Request) -> bool:
         """Reserve a device buffer for the request's full KV and queue it on the link."""
@@ -390,9 +410,10 @@ class ServingEngine:
         if not self.device.can_fit(nbytes, key):
             return False  # no room for the buffer now; retry next step
         self.device.resize(key, nbytes)
+        n_layers, resident = self.eng.cfg.num_hidden_layers, self.resident_layers
         buf = FullKVCache(self.eng.cfg, self.eng.loaded.device, self.eng.loaded.dtype,
-                          capacity=req.full.length + req.k + 1)
-        req.transfer = self.link.submit(req.full, req.full.length, buf)
+                          capacity=req.full.length + req.k + 1, layers=n_layers - resident)
+        req.transfer = self.link.submit(req.full, req.full.length, buf, first_layer=resident)
         self._set(req, TRANSFERRING)
         return True
 
@@ -401,7 +422,7 @@ class ServingEngine:
         chunks = [[r.seq.all_ids[-1]] + r.drafts for r in reqs]
         dev = self.eng.loaded.device
         tokens = torch.tensor([t for c in chunks for t in c], device=dev)
-        views = [StreamedKV(r.transfer) for r in reqs]
+        views = [StreamedKV(r.transfer, r.resident) for r in reqs]
         landed = all(r.transfer.ready() for r in reqs)
         t0 = time.perf_counter()
         logits = self._timed("verify", lambda: self.eng.model(tokens, [r.position for r in reqs],
@@ -422,8 +443,13 @@ class ServingEngine:
             keep = start + 1 + m
             # write the verified positions back to the host tier, then commit them to the drafter
             r.full.begin(start, keep - start)
-            r.full.k[:, :, start:keep] = view.buf.k[:, :, start:keep]
-            r.full.v[:, :, start:keep] = view.buf.v[:, :, start:keep]
+            res = self.resident_layers
+            r.full.k[res:, :, start:keep] = view.buf.k[:, :, start:keep]
+            r.full.v[res:, :, start:keep] = view.buf.v[:, :, start:keep]
+            if r.resident is not None:  # the resident layers were written on the device
+                r.full.k[:res, :, start:keep] = r.resident.k[:, :, start:keep]
+                r.full.v[:res, :, start:keep] = r.resident.v[:, :, start:keep]
+                r.resident.truncate(keep)
             r.draft.commit(keep, source=r.full)
             self.device.free(("verify", r.id))
             r.rounds, r.drafted, r.accepted = r.rounds + 1, r.drafted + len(r.drafts), r.accepted + m
@@ -444,10 +470,14 @@ class ServingEngine:
                 req.full.k, req.full.v = req.full.k.pin_memory(), req.full.v.pin_memory()
         if mode in ("lossy", "vericache"):
             req.draft = CompressedKVCache(req.opts.compressor, eng.cfg, dev, dt, capacity=capacity)
+        if mode == "vericache" and self.resident_layers:
+            req.resident = FullKVCache(eng.cfg, dev, dt, capacity=capacity, layers=self.resident_layers)
 
     def _account(self, req: Request) -> None:
         """Charge the tiers for what the request holds now; preempt the newest request if the device is full."""
         dev_bytes = req.full.nbytes() if req.opts.mode == "full" else req.draft.nbytes()
+        if req.resident is not None:
+            dev_bytes += req.resident.nbytes()
         if req.opts.mode == "vericache":
             self.host.resize(("full", req.id), req.full.nbytes())
         while not self.device.can_fit(dev_bytes, ("kv", req.id)):
@@ -473,7 +503,7 @@ class ServingEngine:
             pool.free(key)
         if req.transfer is not None and req.transfer.cuda_events is None:
             req.transfer.done.wait()  # the copier may still be writing into the buffer
-        req.full = req.draft = req.transfer = None
+        req.full = req.draft = req.resident = req.transfer = None
 
     def _release(self, req: Request, state: str) -> None:
         self._free(req)

@@ -37,12 +37,16 @@ def attend_dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
 
 
 class FullKVCache:
-    """Dense K/V of one sequence: k, v: [L, Hkv, capacity, D]."""
+    """Dense K/V of one sequence: k, v: [L, Hkv, capacity, D]; ``layers`` < L holds only that many
+    (a device-resident slice, or a buffer for the layers that cross the link)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, layers: int | None = None) -> None:
         self.cfg = cfg
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max(capacity, 1), cfg.head_dim)
+        n_layers = cfg.num_hidden_layers if layers is None else layers
+        if not 0 <= n_layers <= cfg.num_hidden_layers:
+            raise ValueError(f"layers must be in [0, {cfg.num_hidden_layers}], got {layers}")
+        shape = (n_layers, cfg.num_key_value_heads, max(capacity, 1), cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0   # valid positions: 0..length-1
@@ -53,7 +57,8 @@ class FullKVCache:
         return self.k.shape[2]
 
     def nbytes_per_position(self) -> int:
-        return self.cfg.kv_bytes_per_position(self.k.element_size())
+        layers, heads, _, dim = self.k.shape
+        return 2 * layers * heads * dim * self.k.element_size()  # K and V
 
     def nbytes(self) -> int:
         """Bytes held for valid positions (what a transfer of this KV would move)."""

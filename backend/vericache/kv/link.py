@@ -23,9 +23,11 @@ from vericache.kv.full import FullKVCache
 
 @dataclass
 class Transfer:
+    """Layers ``first_layer``.. of ``src`` moving into layers 0.. of ``dst``; events count dst layers."""
     src: FullKVCache
     length: int                      # positions to move
     dst: FullKVCache                 # the device-side buffer
+    first_layer: int = 0             # layers before it stay on the device (resident) and do not move
     layer_ready: list[threading.Event] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     cuda_events: list | None = None
@@ -40,13 +42,14 @@ class Transfer:
 
     def wait_all(self) -> None:
         if self.cuda_events is not None:
-            self.cuda_events[-1].synchronize()
+            if self.cuda_events:
+                self.cuda_events[-1].synchronize()
         else:
             self.done.wait()
 
     def ready(self) -> bool:
         if self.cuda_events is not None:
-            return self.cuda_events[-1].query()
+            return not self.cuda_events or self.cuda_events[-1].query()
         return self.done.is_set()
 
     def layers_done(self) -> int:
@@ -85,9 +88,8 @@ class EmulatedLink:
         self._thread = threading.Thread(target=self._run, name="vericache-link", daemon=True)
         self._thread.start()
 
-    def submit(self, src: FullKVCache, length: int, dst: FullKVCache) -> Transfer:
-        n_layers = src.k.shape[0]
-        t = Transfer(src, length, dst, [threading.Event() for _ in range(n_layers)])
+    def submit(self, src: FullKVCache, length: int, dst: FullKVCache, first_layer: int = 0) -> Transfer:
+        t = Transfer(src, length, dst, first_layer, [threading.Event() for _ in range(dst.k.shape[0])])
         self._queue.put(t)
         return t
 
@@ -95,11 +97,11 @@ class EmulatedLink:
         while (t := self._queue.get()) is not None:
             t.started_at = time.perf_counter()
             deadline = t.started_at + self.latency_s
-            for layer in range(t.src.k.shape[0]):
-                start = time.perf_counter()
-                t.dst.k[layer, :, : t.length] = t.src.k[layer, :, : t.length]  # the real bytes move
-                t.dst.v[layer, :, : t.length] = t.src.v[layer, :, : t.length]
-                nbytes = 2 * t.src.k[layer, :, : t.length].numel() * t.src.k.element_size()
+            for layer in range(t.dst.k.shape[0]):
+                start, src = time.perf_counter(), t.first_layer + layer
+                t.dst.k[layer, :, : t.length] = t.src.k[src, :, : t.length]  # the real bytes move
+                t.dst.v[layer, :, : t.length] = t.src.v[src, :, : t.length]
+                nbytes = 2 * t.src.k[src, :, : t.length].numel() * t.src.k.element_size()
                 deadline += nbytes / self.bytes_per_s
                 if (pause := deadline - time.perf_counter()) > 0:
                     time.sleep(pause)
@@ -123,17 +125,17 @@ class CudaLink:
         self.stream = torch.cuda.Stream(device=device)
         self.stats = LinkStats()
 
-    def submit(self, src: FullKVCache, length: int, dst: FullKVCache) -> Transfer:
-        t = Transfer(src, length, dst, cuda_events=[])
+    def submit(self, src: FullKVCache, length: int, dst: FullKVCache, first_layer: int = 0) -> Transfer:
+        t = Transfer(src, length, dst, first_layer, cuda_events=[])
         t.started_at = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            for layer in range(src.k.shape[0]):
-                dst.k[layer, :, :length].copy_(src.k[layer, :, :length], non_blocking=True)
-                dst.v[layer, :, :length].copy_(src.v[layer, :, :length], non_blocking=True)
+            for layer in range(dst.k.shape[0]):
+                dst.k[layer, :, :length].copy_(src.k[first_layer + layer, :, :length], non_blocking=True)
+                dst.v[layer, :, :length].copy_(src.v[first_layer + layer, :, :length], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 t.cuda_events.append(ev)
-        nbytes = 2 * src.k[:, :, :length].numel() * src.k.element_size()
+        nbytes = 2 * dst.k[:, :, :length].numel() * src.k.element_size()
         self.stats.add(nbytes, t.started_at, t.started_at)  # busy time is read from events by the caller
         return t
 
@@ -142,16 +144,24 @@ class CudaLink:
 
 
 class StreamedKV:
-    """A verification cache over a device buffer that is still arriving: waits per layer."""
+    """A verification cache over a device buffer that is still arriving: waits per layer. Layers
+    before ``transfer.first_layer`` are read from ``resident``, a device-resident slice of the full KV."""
 
-    def __init__(self, transfer: Transfer) -> None:
-        self.t = transfer
-        self.buf = transfer.dst
+    def __init__(self, transfer: Transfer, resident: FullKVCache | None = None) -> None:
+        if transfer.first_layer and (resident is None or resident.k.shape[0] != transfer.first_layer):
+            raise ValueError(f"layers 0..{transfer.first_layer - 1} do not move, so a resident cache "
+                             f"holding exactly them is needed")
+        self.t, self.buf, self.resident = transfer, transfer.dst, resident
 
     def begin(self, start: int, count: int) -> None:
         self.buf.length = self.t.length  # the arriving positions count as written
         self.buf.begin(start, count)
+        if self.t.first_layer:
+            self.resident.begin(start, count)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.t.wait_layer(layer)
-        return self.buf.attend(layer, q, k, v)
+        first = self.t.first_layer
+        if layer < first:
+            return self.resident.attend(layer, q, k, v)
+        self.t.wait_layer(layer - first)
+        return self.buf.attend(layer - first, q, k, v)
