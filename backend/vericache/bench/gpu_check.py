@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from vericache.bench.throughput import plot_timeline, run_throughput
     from vericache.sim.cost_model import GPUS, MODELS, SimConfig, simulate
 
-    res = run_throughput("tiny", 16, 8192, 128, 0.25, 0.0, "snapkv:ratio=0.125", device="cuda")
+    res = run_throughput("tiny", 16, 8192, 128, 0.25, 0.0, "snapkv:ratio=0.125", device="cuda", resident_layers=3)
     report["throughput"] = res["rows"]
     plot_timeline(res["timelines"], str(out / "gpu_timeline.png"), res["link"])
     measured_link = report["copy"]["pinned_GBps"] * 1e9
