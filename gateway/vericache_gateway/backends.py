@@ -62,7 +62,7 @@ class EmbeddedBackend:
         srv = self.service.serving
         link = srv.link
         return {"running": self.service.num_running(), "waiting": self.service.num_waiting(),
-                "kv_device": srv.device.used_bytes, "kv_host": srv.host.used_bytes if srv.mode == "vericache" else 0,
+                "kv_device": srv.device.used_bytes, "kv_host": srv.host.used_bytes,
                 "kv_usage": srv.device.usage(), "link": None if link is None else
                 (link.kind, link.stats.bytes_moved, link.stats.busy_s)}
 

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vericache.engine.options import RequestOptions, ResolvedOptions
 from vericache.engine.sequence import Sequence
+from vericache.engine.stagger import group_count
 from vericache.kv.blocks import BlockPool
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
-from vericache.engine.options import RequestOptions, ResolvedOptions
-from vericache.engine.stagger import group_count
 from vericache.kv.link import CudaLink, EmulatedLink, StreamedKV, Transfer
 from vericache.kv.tee import TeeCache
 from vericache.sampling import SamplingParams, choose_token
