@@ -81,6 +81,12 @@ def test_cuda_link_copies_layer_by_layer():
     src.k.normal_()
     src.k, src.v = src.k.pin_memory(), src.v.pin_memory()
     dst = FullKVCache(cfg, "cuda", torch.float32, 64)
-    t = CudaLink(torch.device("cuda")).submit(src, 64, dst)
+    link = CudaLink(torch.device("cuda"))
+    t = link.submit(src, 64, dst)
     t.wait_all()
-    assert torch.equal(dst.k.cpu(), src.k)
+    assert torch.equal(dst.k.cpu(), src.k) and t.layers_done() == 3
+    assert link.stats.bytes_moved == 2 * src.k.numel() * 4 and link.stats.busy_s > 0
+    half = FullKVCache(cfg, "cuda", torch.float32, 64, layers=1)  # only the last layer moves
+    t = link.submit(src, 64, half, first_layer=2)
+    t.wait_all()
+    assert torch.equal(half.k[0].cpu(), src.k[2])

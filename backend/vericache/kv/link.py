@@ -116,27 +116,49 @@ class EmulatedLink:
 
 
 class CudaLink:
-    """Host-to-device copies on a dedicated stream, one event per layer (needs pinned host memory)."""
+    """Host-to-device copies on a dedicated stream, one event per layer (needs pinned host memory).
+
+    Busy time comes from CUDA timing events (start of a transfer's copies to its last layer), read
+    when the transfer has completed: ``stats`` counts finished transfers. The timeline places each
+    busy interval at the transfer's submit time on the host clock (an approximation).
+    """
 
     kind = "pcie"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self.stats = LinkStats()
+        self._stats = LinkStats()
+        self._pending: list[tuple[Transfer, torch.cuda.Event, int]] = []
+        self._lock = threading.Lock()  # the engine thread submits while a metrics scrape reads
+
+    @property
+    def stats(self) -> LinkStats:
+        with self._lock:
+            still = []
+            for t, start, nbytes in self._pending:
+                if t.ready():
+                    busy = start.elapsed_time(t.cuda_events[-1]) / 1e3 if t.cuda_events else 0.0
+                    self._stats.add(nbytes, t.started_at, t.started_at + busy)
+                else:
+                    still.append((t, start, nbytes))
+            self._pending = still
+        return self._stats
 
     def submit(self, src: FullKVCache, length: int, dst: FullKVCache, first_layer: int = 0) -> Transfer:
         t = Transfer(src, length, dst, first_layer, cuda_events=[])
         t.started_at = time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
+            start.record(self.stream)
             for layer in range(dst.k.shape[0]):
                 dst.k[layer, :, :length].copy_(src.k[first_layer + layer, :, :length], non_blocking=True)
                 dst.v[layer, :, :length].copy_(src.v[first_layer + layer, :, :length], non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.stream)
                 t.cuda_events.append(ev)
-        nbytes = 2 * dst.k[:, :, :length].numel() * src.k.element_size()
-        self.stats.add(nbytes, t.started_at, t.started_at)  # busy time is read from events by the caller
+        with self._lock:
+            self._pending.append((t, start, 2 * dst.k[:, :, :length].numel() * src.k.element_size()))
         return t
 
     def close(self) -> None:
