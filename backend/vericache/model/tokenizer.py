@@ -16,15 +16,16 @@ class Tokenizer:
         except Exception as exc:  # the Rust side raises plain Exception on corrupt JSON
             raise ValueError(f"corrupt tokenizer file {path}: {exc}") from None
         self.eos_token_ids = list(eos_token_ids or [])
-        self.chat_template, self.special = self._read_config(Path(path).parent / "tokenizer_config.json")
+        self.chat_template, self.special, self.add_bos = self._read_config(Path(path).parent / "tokenizer_config.json")
+        self.bos_token_id = self._tok.token_to_id(self.special["bos_token"]) if "bos_token" in self.special else None
 
     @staticmethod
-    def _read_config(path: Path) -> tuple[str | None, dict[str, str]]:
-        """The chat template and special-token strings of tokenizer_config.json, when there is one."""
+    def _read_config(path: Path) -> tuple[str | None, dict[str, str], bool]:
+        """The chat template, special-token strings and add_bos_token of tokenizer_config.json, if any."""
         import json
 
         if not path.exists():
-            return None, {}
+            return None, {}, False
         try:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -37,14 +38,21 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return template, special
+        return template, special, bool(cfg.get("add_bos_token", False))
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; special-token markup (e.g. ``<|im_end|>``) maps to its one id.
+
+        A BOS id is prepended when the tokenizer config asks for it (``add_bos_token``).
+        """
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,187 @@
+"""GGUF files (llama.cpp's format) turned into a Hugging Face directory our loader reads.
+
+A GGUF file holds quantized weights, the model's hyperparameters as ``llama.*`` metadata and
+its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, dequantize
+every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights,
+and write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into a cache
+directory keyed by the file's SHA-256, so the second load is a safetensors mmap (well under a
+second) and every process (gateway, Triton stub, benches) shares one conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vericache.config import ModelConfigError
+
+# the ggml types we dequantize (all through gguf.quants.dequantize)
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# llama.cpp tensor names -> Hugging Face Llama names ("{i}" is the block index)
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def cache_root() -> Path:
+    """Where converted models live: $VERICACHE_CACHE_DIR, else $XDG_CACHE_HOME/vericache, else ~/.cache/vericache."""
+    if os.environ.get("VERICACHE_CACHE_DIR"):
+        return Path(os.environ["VERICACHE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vericache"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_to_hf_dir(path: str | Path, root: Path | None = None) -> Path:
+    """The Hugging Face directory converted from the GGUF file at ``path`` (converting on first use)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelConfigError(f"GGUF file not found: {path}")
+    out = (root or cache_root()) / "gguf" / file_sha256(path)[:24]
+    if (out / "model.safetensors").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        write_hf_dir(path, tmp)
+        try:
+            tmp.rename(out)  # atomic: a concurrent converter that won the race leaves us its copy
+        except OSError:
+            if not (out / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _reader(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelConfigError("reading GGUF files needs the 'gguf' package: pip install gguf") from None
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise ModelConfigError(f"corrupt GGUF file {path}: {exc}") from None
+
+
+def _meta(reader) -> dict:
+    """Every metadata field as a Python value (token arrays included)."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def hf_config(meta: dict) -> dict:
+    """config.json fields from ``llama.*`` metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelConfigError(f"unsupported GGUF architecture {arch!r}; supported: "
+                               f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelConfigError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", get("rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ModelConfigError(f"unsupported GGUF rope scaling {scaling!r}; supported: linear")
+    return cfg
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: it interleaves each head's two RoPE halves (w: [n_head*D, H])."""
+    d = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
+    """Every tensor, dequantized to fp32, under its Hugging Face name."""
+    from gguf.quants import dequantize
+
+    state = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TENSOR_TYPES:
+            raise ModelConfigError(f"unsupported GGUF tensor type {kind} (tensor {t.name}); supported: "
+                                   f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
+        name = _hf_name(t.name)
+        if name is None:
+            continue  # e.g. rope_freqs: recomputed from the config
+        shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dimensions fastest-first
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        state[name] = w
+    if "lm_head.weight" not in state:
+        cfg["tie_word_embeddings"] = True
+    return state
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if name == "rope_freqs.weight":
+        return None
+    raise ModelConfigError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def write_hf_dir(path: Path, out: Path) -> None:
+    """Convert the GGUF file at ``path`` into a Hugging Face directory ``out``."""
+    from safetensors.torch import save_file
+
+    from vericache.model.gguf_tokenizer import build_tokenizer
+
+    reader = _reader(path)
+    meta = _meta(reader)
+    cfg = hf_config(meta)
+    state = hf_state_dict(reader, cfg)
+    tokenizer, tok_cfg = build_tokenizer(meta)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    (out / "source.json").write_text(json.dumps({"gguf": str(path), "name": meta.get("general.name"),
+                                                 "license": meta.get("general.license"),
+                                                 "file_type": meta.get("general.file_type")}, indent=1))

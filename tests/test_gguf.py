@@ -1,0 +1,190 @@
+"""GGUF loading: a synthetic file with every supported tensor type, and the real SmolLM2 file,
+each loaded by us and by transformers from the same bytes: logits and tokens must agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vericache.config import ModelConfigError
+from vericache.kv.full import FullKVCache
+from vericache.model.loader import load_model
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from gguf.quants import quantize  # noqa: E402
+
+# hidden 256 so K-quant blocks (256 values) fit a row; head_dim 64, GQA 4:2
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+# one tensor of each supported type (K-quants: numpy has no quantizer, so random blocks with sane scales)
+TYPES = {"blk.0.attn_q": "F32", "blk.0.attn_k": "Q8_0", "blk.0.attn_v": "Q4_0", "blk.0.attn_output": "Q4_1",
+         "blk.0.ffn_gate": "Q5_0", "blk.0.ffn_up": "Q5_1", "blk.0.ffn_down": "F16",
+         "blk.1.attn_q": "Q4_K", "blk.1.attn_k": "Q5_K", "blk.1.attn_v": "Q6_K", "blk.1.attn_output": "BF16",
+         "blk.1.ffn_gate": "F32", "blk.1.ffn_up": "Q8_0", "blk.1.ffn_down": "Q4_0"}
+# byte offsets of the fp16 scales inside one K-quant block (d, dmin) and the block size
+K_SCALES = {"Q4_K": ((0, 2), 144), "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
+
+
+def _byte_vocab() -> list[str]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return sorted(ByteLevel.alphabet()) + ["Ġt", "<|endoftext|>", "<|im_end|>"]
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf Q/K permutation (what our loader must undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _k_quant_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    offsets, size = K_SCALES[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for off in offsets:  # fp16 scale 0.01: finite, small
+        blocks[:, :, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    vocab = _byte_vocab()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(vocab))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab)
+    w.add_token_types([1] * (len(vocab) - 2) + [3, 3])
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(len(vocab) - 2)
+    w.add_eos_token_id(len(vocab) - 1)
+    w.add_add_bos_token(False)
+    originals = {}
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    w.add_tensor("token_embd.weight", (rng.standard_normal((len(vocab), HIDDEN)) * 0.5).astype(np.float32))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    for layer in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        for part, shape in shapes.items():
+            name = f"blk.{layer}.{part}"
+            kind = "Q2_K" if bad_type and name == "blk.1.attn_v" else TYPES[name]
+            value = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+            originals[name] = value
+            if part in ("attn_q", "attn_k"):
+                value = _permute(value, HEADS if part == "attn_q" else KV_HEADS)
+            qtype = gguf.GGMLQuantizationType[kind]
+            if kind == "F32":
+                w.add_tensor(f"{name}.weight", value)
+            elif kind in K_SCALES or kind == "Q2_K":
+                blocks = _k_quant_blocks(kind if kind in K_SCALES else "Q4_K", *shape, rng)
+                if kind == "Q2_K":
+                    blocks = np.zeros((shape[0], shape[1] // 256 * 84), dtype=np.uint8)
+                w.add_tensor(f"{name}.weight", blocks, raw_dtype=qtype)
+            else:
+                q = quantize(value, qtype)
+                w.add_tensor(f"{name}.weight", q, raw_dtype=qtype if q.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return originals
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "synthetic.gguf"
+    return path, write_synthetic_gguf(path)
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(torch.tensor(ids), [0], [len(ids)], [FullKVCache(loaded.config, "cpu", torch.float32)])
+
+
+def test_synthetic_gguf_every_type_matches_transformers(synthetic, tmp_path, monkeypatch):
+    path, originals = synthetic
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path))
+    ours = load_model(path, device="cpu", dtype="float32")
+    assert ours.config.num_attention_heads == HEADS and ours.config.num_key_value_heads == KV_HEADS
+    assert ours.config.tie_word_embeddings and ours.tokenizer.eos_token_ids == [len(_byte_vocab()) - 1]
+    # an F32 q_proj comes back bit-exact: the Q/K permutation is undone
+    q = ours.model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(q, torch.from_numpy(originals["blk.0.attn_q"]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    ids = list(np.random.default_rng(1).integers(0, 256, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0]
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
+    # the second load reuses the converted directory
+    assert load_model(path, device="cpu", dtype="float32").path == ours.path
+
+
+def test_unsupported_tensor_type_and_architecture_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "q2k.gguf"
+    write_synthetic_gguf(bad, bad_type=True)
+    with pytest.raises(ValueError, match="Q2_K"):
+        load_model(bad, device="cpu")
+    arch = tmp_path / "falcon.gguf"
+    write_synthetic_gguf(arch, arch="falcon")
+    with pytest.raises(ValueError, match="falcon"):
+        load_model(arch, device="cpu")
+    assert not list((tmp_path / "cache" / "gguf").glob("*/model.safetensors"))  # nothing half-converted kept
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_text("x")
+    with pytest.raises(ModelConfigError, match="not a .gguf"):
+        load_model(not_gguf, device="cpu")
+
+
+# ---------------------------------------------------------------- the real model (session fixture `smollm`)
+@pytest.fixture(scope="module")
+def hf_smollm(smollm):
+    from vericache.model.registry import model_file
+
+    p = model_file("smollm2-135m")
+    model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return model, tok
+
+
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+           "The quick brown fox jumps over the lazy dog. " * 12]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm_logits_and_greedy_match_transformers(smollm, hf_smollm, prompt):
+    hf, _ = hf_smollm
+    ids = smollm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0]
+        ref_gen = hf.generate(torch.tensor(ids)[None], max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    ours = _logits(smollm.loaded, ids)
+    assert (ours - ref).abs().max().item() < 1e-3
+    from vericache import SamplingParams
+
+    out = smollm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids[: len(ref_gen)] == ref_gen
+
+
+def test_smollm_tokenizer_matches_transformers(smollm, hf_smollm):
+    _, hf_tok = hf_smollm
+    texts = ["import os\nfor i in range(10):\n\tprint(f'{i:03d} -> {i**2}')\n",
+             "Héllo wörld — 日本語 テキスト 😀 ünïcödé ∑ x² ≤ 3.14159",
+             "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n2+2=?<|im_end|>\n",
+             "   leading spaces,\n\n\n  blank lines and 1234567890 digits; 2026-11-30T20:42:00Z"]
+    for text in texts:
+        ids = smollm.tokenizer.encode(text)
+        assert ids == hf_tok.encode(text, add_special_tokens=False), text
+        assert smollm.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
