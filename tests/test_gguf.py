@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from vericache.config import ModelConfigError
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import load_model

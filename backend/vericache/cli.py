@@ -8,9 +8,12 @@ import os
 import sys
 from pathlib import Path
 
+from vericache.model.registry import DEFAULT_MODEL
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="bundled model name or Hugging Face directory (default: tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model name (see `vericache models`), Hugging Face directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
 
@@ -43,6 +46,24 @@ def _cmd_compressors(args: argparse.Namespace) -> int:
         params = ", ".join(f"{k}={v}" for k, v in r["parameters"].items())
         print(f"{r['name']:<10} {r['kind']:<13} {params:<40} {r['summary']}")
     print("compose eviction then quantization with '+', e.g. snapkv:ratio=0.25+kivi:bits=4")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from vericache.model.registry import list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'params':>8} {'context':>7}")
+    for r in rows:
+        size = f"{r['size_bytes'] / 1e6:.0f} MB" if r["installed"] else "-"
+        params = f"{r['parameters'] / 1e6:.0f}M" if r["parameters"] else "-"
+        print(f"{r['name']:<14} {','.join(r['aliases']) or '-':<9} {r['source']:<26} {'yes' if r['installed'] else 'no':<9} "
+              f"{size:>9} {params:>8} {r['context_length'] or '-':>7}")
+        if not r["installed"]:
+            print(f"{'':<14} install: {r['install']}")
     return 0
 
 
@@ -126,7 +147,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_triton_server(args: argparse.Namespace) -> int:
-    from vericache.serving.triton_launcher import DEFAULT_REPOSITORY, start_triton, stop_triton
+    from vericache.serving.triton_launcher import (
+        DEFAULT_REPOSITORY,
+        start_triton,
+        stop_triton,
+    )
 
     proc = start_triton(args.model_repository or DEFAULT_REPOSITORY, host=args.host, http_port=args.http_port,
                         grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=sys.stdout)
@@ -148,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    m = sub.add_parser("models", help="list model names, where they come from and whether they are installed")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_models)
+
     g = sub.add_parser("generate", help="generate text from a prompt")
     _add_model_args(g)
     _add_mode_args(g)
@@ -166,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=_cmd_compressors)
 
-    d = sub.add_parser("demo", help="the Quickstart demo on the bundled model")
+    d = sub.add_parser("demo", help="the Quickstart demo: full vs lossy vs VeriCache on the real model")
     _add_model_args(d)
     d.set_defaults(func=_cmd_demo)
 
@@ -211,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_cmd_triton_server)
 
     q = sub.add_parser("eval", help="code and tool-call quality: full vs lossy vs vericache per compressor")
-    q.add_argument("--model", default="tiny")
+    q.add_argument("--model", default=DEFAULT_MODEL)
     q.add_argument("--compressors", default=None, help="';'-separated specs (default: every method at 1/2, 1/4, "
                                                         "1/8 and 4/2 bits)")
     q.add_argument("--n", type=int, default=8, help="tasks per workload")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from vericache.bench.common import code_prompt
 from vericache.engine.engine import Engine
 from vericache.llm import LLM
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 
 DEMO_COMPRESSOR = "snapkv:ratio=0.125"
 
 
-def run_demo(model: str = "tiny", device: str | None = None, dtype: str | None = None,
+def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
              context: int = 4096, max_tokens: int = 96, compressor: str = DEMO_COMPRESSOR) -> dict:
     llm = LLM(model, device=device, dtype=dtype)
     prompt = code_prompt(llm.tokenizer, context)  # held-out standard-library code

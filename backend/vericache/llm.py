@@ -8,12 +8,14 @@ from vericache.compress.base import Compressor
 from vericache.engine.engine import DEFAULT_COMPRESSOR, Engine
 from vericache.engine.sequence import RequestOutput
 from vericache.model.loader import load_model
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.model.tokenizer import Tokenizer
 from vericache.sampling import SamplingParams
 
 
 class LLM:
-    """Load a model (a bundled name such as "tiny", or a Hugging Face directory) and generate.
+    """Load a model (a name such as "smollm2-135m" or "tiny", a Hugging Face directory or a .gguf
+    file) and generate.
 
     mode: "full" (full-KV decoding), "lossy" (decode from the compressed KV: the lossy
     baselines) or "vericache" (draft from the compressed KV, verify with the full KV: lossless).
@@ -21,7 +23,7 @@ class LLM:
     draft_len: tokens drafted per round, or "auto" (adapts per request).
     """
 
-    def __init__(self, model: str = "tiny", device: str | torch.device | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, mode: str = "full",
                  compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto") -> None:
         self.engine = None

@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vericache.engine.options import InvalidOption, RequestOptions, resolve_options
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.service import EngineService, QueueFull, ServiceStopped
 from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
@@ -28,7 +29,7 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
-def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_name: str = "tiny",
+def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_name: str = DEFAULT_MODEL,
                api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
     if isinstance(backend, EngineService):
         backend = EmbeddedBackend(backend)

@@ -15,6 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from vericache.engine.options import RequestOptions, ResolvedOptions
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.service import Delta, EngineService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
@@ -76,7 +77,7 @@ class EmbeddedBackend:
 class TritonBackend:
     """Streams from the ``vericache`` model of a Triton server with ``tritonclient.grpc.aio``."""
 
-    def __init__(self, url: str, model: str = "tiny", triton_model: str = "vericache", mode: str = "vericache",
+    def __init__(self, url: str, model: str = DEFAULT_MODEL, triton_model: str = "vericache", mode: str = "vericache",
                  compressor: str = "snapkv:ratio=0.125", draft_len: int | str = "auto") -> None:
         import tritonclient.grpc.aio as grpcclient
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.serving.build import build_service
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, model: str = "tiny", api_key: str | None = None,
+def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL, api_key: str | None = None,
           backend: str = "embedded", triton_url: str = "127.0.0.1:8001", **engine_kwargs) -> None:
     import uvicorn
 

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from vericache.model.registry import DEFAULT_MODEL
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -82,7 +84,7 @@ def add_bench_parser(sub) -> None:
     from vericache.engine.engine import DEFAULT_COMPRESSOR
 
     b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
-    b.add_argument("--model", default="tiny")
+    b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--modes", default="full", help="comma-separated: full,lossy,vericache")
     b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
     b.add_argument("--draft-len", default="auto", type=_draft_len)
@@ -96,7 +98,7 @@ def add_bench_parser(sub) -> None:
     b.set_defaults(func=_cmd_decode)
 
     t = bsub.add_parser("throughput", help="full under a budget vs lossy vs vericache naive/staggered/grouped")
-    t.add_argument("--model", default="tiny")
+    t.add_argument("--model", default=DEFAULT_MODEL)
     t.add_argument("--requests", type=int, default=12)
     t.add_argument("--context", type=int, default=4096)
     t.add_argument("--max-tokens", type=int, default=64)
@@ -115,7 +117,7 @@ def add_bench_parser(sub) -> None:
 
     sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
-    sv.add_argument("--model", default="tiny")
+    sv.add_argument("--model", default=DEFAULT_MODEL)
     sv.add_argument("--concurrency", type=int, default=8)
     sv.add_argument("--requests", type=int, default=None)
     sv.add_argument("--duration", type=float, default=None, help="soak: run for this many seconds")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from vericache.model.registry import DEFAULT_MODEL
+
 
 def _cuda_time(fn, repeat: int = 10) -> float:
     fn()
@@ -56,7 +58,7 @@ def step_times(contexts: list[int], k: int = 32, compressor: str = "snapkv:ratio
     from vericache.kv.full import FullKVCache
     from vericache.model.loader import load_model
 
-    lm = load_model("tiny", device="cuda", dtype="bfloat16")
+    lm = load_model(DEFAULT_MODEL, device="cuda", dtype="bfloat16")
     m, cfg = lm.model, lm.config
     rows = []
     for n in contexts:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from vericache.bench.throughput import plot_timeline, run_throughput
     from vericache.sim.cost_model import GPUS, MODELS, SimConfig, simulate
 
-    res = run_throughput("tiny", 16, 8192, 128, 0.25, 0.0, "snapkv:ratio=0.125", device="cuda", resident_layers=3)
+    res = run_throughput(DEFAULT_MODEL, 16, 8192, 128, 0.25, 0.0, "snapkv:ratio=0.125", device="cuda", resident_layers=3)
     report["throughput"] = res["rows"]
     plot_timeline(res["timelines"], str(out / "gpu_timeline.png"), res["link"])
     measured_link = report["copy"]["pinned_GBps"] * 1e9

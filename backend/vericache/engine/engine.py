@@ -7,6 +7,7 @@ speculative modes (lossy, vericache) plug in through ``vericache.spec``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
@@ -16,13 +17,31 @@ from vericache.compress.registry import parse_compressor
 from vericache.engine.options import MODES, RequestOptions, ResolvedOptions, check_mode, resolve_options
 from vericache.engine.sequence import RequestOutput, Sequence
 from vericache.kv.full import FullKVCache
+from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams, choose_token
 from vericache.spec.adaptive import DraftLengthPolicy
 from vericache.spec.decoding import SpecDecoder
 
-__all__ = ["MODES", "DEFAULT_COMPRESSOR", "Engine", "timing_stats"]
+__all__ = ["MODES", "DEFAULT_COMPRESSOR", "Engine", "SharedPrefill", "timing_stats"]
 DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
+
+
+@dataclass
+class SharedPrefill:
+    """One exact prefill of a prompt, reused by every mode and compressor (evaluation grids).
+
+    Decoding writes past the prompt into ``full``; ``reset()`` drops those positions again.
+    """
+    full: FullKVCache            # the prompt's K/V, capacity for prompt + max_tokens + 1
+    queries: list[torch.Tensor]  # per layer, the last queries [Hq, W, D] (eviction scorers read them)
+    logits: torch.Tensor         # [V], the next-token logits after the prompt
+    prompt_len: int
+    seconds: float
+
+    def reset(self) -> FullKVCache:
+        self.full.truncate(self.prompt_len)
+        return self.full
 
 
 class Engine:
@@ -43,12 +62,16 @@ class Engine:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""
         return resolve_options(options, self.defaults)
 
-    def generate(self, seqs: list[Sequence], mode: str | None = None) -> list[RequestOutput]:
-        """Run requests to completion in ``mode`` (default: the engine's)."""
+    def generate(self, seqs: list[Sequence], mode: str | None = None,
+                 prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
+        """Run requests to completion in ``mode`` (default: the engine's); ``prefills[i]``, when
+        given, is seqs[i]'s prompt already prefilled (``shared_prefill``), reused instead of redone."""
         mode = mode or self.mode
+        if prefills is not None and len(prefills) != len(seqs):
+            raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
         if mode == "full":
-            return self.generate_full(seqs)
-        decoder = SpecDecoder(self, self.compressor, self.policy)
+            return self.generate_full(seqs, prefills)
+        decoder = SpecDecoder(self, self.compressor, self.policy, prefills)
         if mode == "lossy":
             decoder.generate_lossy(seqs)
         elif mode == "vericache":
@@ -110,13 +133,24 @@ class Engine:
         t = torch.tensor(tokens, device=self.loaded.device)
         return self.model(t, starts, [1] * len(tokens), caches)
 
+    @torch.inference_mode()
+    def shared_prefill(self, seq: Sequence, window: int = 64) -> SharedPrefill:
+        """Prefill ``seq``'s prompt once over a full cache, keeping what any compressor needs."""
+        t0 = time.perf_counter()
+        full, recorder = self.new_cache(seq), QueryRecorder(self.cfg.num_hidden_layers, window)
+        logits = self.prefill(seq.prompt_ids, [TeeCache(full, recorder)])
+        return SharedPrefill(full, recorder.queries, logits, len(seq.prompt_ids), time.perf_counter() - t0)
+
     # ------------------------------------------------------------------ full mode
-    def generate_full(self, seqs: list[Sequence]) -> list[RequestOutput]:
+    def generate_full(self, seqs: list[Sequence], prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         caches = {}
-        for seq in seqs:
-            caches[seq.request_id] = self.new_cache(seq)
-            logits = self.prefill(seq.prompt_ids, [caches[seq.request_id]])
+        for i, seq in enumerate(seqs):
+            if prefills is not None:
+                caches[seq.request_id], logits = prefills[i].reset(), prefills[i].logits
+            else:
+                caches[seq.request_id] = self.new_cache(seq)
+                logits = self.prefill(seq.prompt_ids, [caches[seq.request_id]])
             seq.append(choose_token(logits, seq.params, seq.generator))
         t1 = time.perf_counter()
         while active := [s for s in seqs if not s.finished]:

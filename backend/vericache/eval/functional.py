@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from vericache.engine.engine import Engine
 from vericache.llm import LLM
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.train import corpus
 from vericache.train.tasks import tool_call_task
@@ -96,7 +97,7 @@ def _args_match(text: str, expected: dict) -> bool:
     return obj == expected
 
 
-def run_functional_eval(model: str = "tiny", configs: list[str] | None = None, n: int = 8,
+def run_functional_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, n: int = 8,
                         context_tokens: int = 1536, max_tokens: int = 48, log=print) -> list[dict]:
     llm = LLM(model, device="cpu", dtype="float32")
     tok = llm.tokenizer

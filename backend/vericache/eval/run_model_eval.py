@@ -6,6 +6,7 @@ import time
 
 from vericache.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 from vericache.model.loader import load_model
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.train import corpus
 
 
@@ -17,7 +18,7 @@ def heldout_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def run_model_eval(model: str = "tiny", n: int = 50, device: str | None = None, dtype: str | None = None,
+def run_model_eval(model: str = DEFAULT_MODEL, n: int = 50, device: str | None = None, dtype: str | None = None,
                    log=print) -> dict:
     lm = load_model(model, device=device, dtype=dtype)
     held = heldout_tokens(lm.tokenizer)

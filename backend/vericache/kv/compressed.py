@@ -77,6 +77,17 @@ class CompressedKVCache:
         return attend_dense(q, keys, vals, self._start, key_positions=key_pos)
 
     # ------------------------------------------------------------------ commits and compression
+    def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor]) -> None:
+        """Take an exact prefill made elsewhere: the K/V of ``full``'s positions and each layer's last
+        queries [Hq, >=window, D] (what ``observe`` would have kept during that prefill)."""
+        n = full.length
+        if self.length or n > self.residual.capacity:
+            raise ValueError(f"load_prefill needs an empty cache with room for {n} positions")
+        self.residual.begin(0, n)
+        self.residual.k[:, :, :n] = full.k[:, :, :n]
+        self.residual.v[:, :, :n] = full.v[:, :, :n]
+        self.queries = [q[:, -self.window :].clone() for q in queries]
+
     def set_prefill_scores(self, scores: dict[int, torch.Tensor] | None, prompt_len: int) -> None:
         self.prompt_len = prompt_len
         for layer, s in (scores or {}).items():

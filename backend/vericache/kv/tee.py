@@ -20,3 +20,20 @@ class TeeCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.draft.observe(layer, q, k, v)
         return self.full.attend(layer, q, k, v)
+
+
+class QueryRecorder:
+    """The draft side of a ``TeeCache`` when no compressor is chosen yet: it keeps each layer's last
+    ``window`` queries, so one exact prefill can later seed a compressed cache of any method."""
+
+    def __init__(self, n_layers: int, window: int = 64) -> None:
+        self.window = window
+        self.queries: list[torch.Tensor | None] = [None] * n_layers   # [Hq, <=window, D]
+
+    def begin(self, start: int, count: int) -> None:
+        pass
+
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        prev = self.queries[layer]
+        recent = q if prev is None else torch.cat([prev, q], dim=1)
+        self.queries[layer] = recent[:, -self.window :].clone()

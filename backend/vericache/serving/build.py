@@ -5,10 +5,11 @@ from __future__ import annotations
 from vericache.engine.engine import Engine
 from vericache.engine.serving import ServingEngine
 from vericache.model.loader import load_model
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.serving.service import EngineService
 
 
-def build_service(model: str = "tiny", mode: str = "vericache", compressor: str = "snapkv:ratio=0.125",
+def build_service(model: str = DEFAULT_MODEL, mode: str = "vericache", compressor: str = "snapkv:ratio=0.125",
                   draft_len: int | str = "auto", device: str | None = None, dtype: str | None = None,
                   device_budget: int = 4 << 30, max_queue: int = 64) -> EngineService:
     loaded = load_model(model, device=device, dtype=dtype)

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from vericache.engine.options import RequestOptions
+from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.service import EngineService, RequestStream
 
@@ -64,7 +65,7 @@ class TritonAdapter:
             return v if v not in ("", None) else d
 
         draft = get("draft_len", "auto")
-        service = build_service(model=get("model", "tiny"), mode=get("mode", "vericache"),
+        service = build_service(model=get("model", DEFAULT_MODEL), mode=get("mode", "vericache"),
                                 compressor=get("compressor", "snapkv:ratio=0.125"),
                                 draft_len=draft if draft == "auto" else int(draft),
                                 device=get("device", None), dtype=get("dtype", None),

@@ -76,21 +76,28 @@ def draft_token(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor 
 
 
 class SpecDecoder:
-    def __init__(self, engine, compressor: Compressor, policy: DraftLengthPolicy) -> None:
+    def __init__(self, engine, compressor: Compressor, policy: DraftLengthPolicy, prefills=None) -> None:
         self.engine = engine
         self.compressor = compressor
         self.policy = policy
+        self.prefills = prefills  # optional list of SharedPrefill, aligned with the sequences
 
     # ------------------------------------------------------------------ prefill
-    def _start(self, seq: Sequence, with_full: bool) -> SpecRequest:
+    def _start(self, seq: Sequence, with_full: bool, index: int) -> SpecRequest:
         eng = self.engine
         dev, dt = eng.loaded.device, eng.loaded.dtype
         cap = len(seq.prompt_ids) + seq.params.max_tokens + 1
         draft = CompressedKVCache(self.compressor, eng.cfg, dev, dt, capacity=cap)
-        full = FullKVCache(eng.cfg, dev, dt, capacity=cap) if with_full else None
-        # one exact prefill: over the full cache (VeriCache) or the still-uncompressed residual (lossy)
-        logits = eng.prefill(seq.prompt_ids, [TeeCache(full, draft) if full is not None else draft])
-        context = full if full is not None else draft.residual
+        if self.prefills is not None:  # the exact prefill was done once, for every mode and compressor
+            shared = self.prefills[index]
+            full, logits = shared.reset(), shared.logits
+            draft.load_prefill(full, shared.queries)
+            context, full = full, (full if with_full else None)
+        else:
+            full = FullKVCache(eng.cfg, dev, dt, capacity=cap) if with_full else None
+            # one exact prefill: over the full cache (VeriCache) or the still-uncompressed residual (lossy)
+            logits = eng.prefill(seq.prompt_ids, [TeeCache(full, draft) if full is not None else draft])
+            context = full if full is not None else draft.residual
         scores = self.compressor.on_prefill(eng.model, context, seq.prompt_ids, eng.tokenizer)
         draft.set_prefill_scores(scores, len(seq.prompt_ids))
         draft.commit(len(seq.prompt_ids))
@@ -100,7 +107,7 @@ class SpecDecoder:
     # ------------------------------------------------------------------ lossy
     def generate_lossy(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        reqs = [self._start(s, with_full=False) for s in seqs]
+        reqs = [self._start(s, with_full=False, index=i) for i, s in enumerate(seqs)]
         t1 = time.perf_counter()
         while active := [r for r in reqs if not r.seq.finished]:
             logits = self.engine.decode_step([r.seq.all_ids[-1] for r in active], [r.position for r in active],
@@ -114,7 +121,7 @@ class SpecDecoder:
     # ------------------------------------------------------------------ vericache
     def generate_vericache(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        reqs = [self._start(s, with_full=True) for s in seqs]
+        reqs = [self._start(s, with_full=True, index=i) for i, s in enumerate(seqs)]
         t1 = time.perf_counter()
         while active := [r for r in reqs if not r.seq.finished]:
             self.round(active)
