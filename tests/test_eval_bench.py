@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from vericache.cli import main
-from vericache.eval.functional import function_parses
+from vericache.eval.long_tasks import function_parses
 
 
 def test_function_parses_judges_the_function_only():
@@ -16,20 +16,23 @@ def test_function_parses_judges_the_function_only():
 
 
 def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
-    rc = main(["eval", "--compressors", "snapkv:ratio=0.125", "--n", "2", "--context", "512", "--max-tokens", "16",
-               "--json", "--plot", str(tmp_path / "q.png"), "--record", str(tmp_path / "B.md")])
+    rc = main(["eval", "--model", "tiny", "--compressors", "snapkv:ratio=0.125", "--n", "2", "--context-min", "400",
+               "--context-max", "600", "--json", "--plot", str(tmp_path / "q.png"), "--record", str(tmp_path / "B.md"),
+               "--checkpoint", str(tmp_path / "rows.jsonl")])
     assert rc == 0
     rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    veri = rows["vericache snapkv:ratio=0.125"]
-    assert veri["code_exact_match_with_full"] == 1.0
-    assert veri["toolcall_argument_em"] == rows["full"]["toolcall_argument_em"]
-    assert rows["lossy snapkv:ratio=0.125"]["compression_ratio"] < 0.5
+    veri, lossy = rows["vericache snapkv:ratio=0.125"], rows["lossy snapkv:ratio=0.125"]
+    assert veri["identical_to_full"] == 1.0 and veri["code_match_full"] == 1.0
+    for metric in ("needle_accuracy", "tool_json_valid", "code_parse_rate"):
+        assert veri[metric] == rows["full"][metric]
+    assert lossy["kv_kept"] < 0.5 and veri["mean_acceptance_length"] >= 1
     assert (tmp_path / "q.png").stat().st_size > 1000
     assert "Command: `vericache eval" in (tmp_path / "B.md").read_text()
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # resumable checkpoint
 
 
 def test_bench_decode_command(tmp_path, capsys):
-    rc = main(["bench", "decode", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
+    rc = main(["bench", "decode", "--model", "tiny", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
                "--context", "600", "--max-tokens", "12", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png")])
     assert rc == 0
     rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
@@ -39,7 +42,7 @@ def test_bench_decode_command(tmp_path, capsys):
 
 
 def test_bench_throughput_command(tmp_path, capsys):
-    rc = main(["bench", "throughput", "--requests", "4", "--context", "300", "--max-tokens", "10",
+    rc = main(["bench", "throughput", "--model", "tiny", "--requests", "4", "--context", "300", "--max-tokens", "10",
                "--device-budget", "0.6", "--link-gbps", "8", "--resident-layers", "3", "--json",
                "--plot", str(tmp_path / "t.png")])
     assert rc == 0

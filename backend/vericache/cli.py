@@ -119,18 +119,18 @@ def _cmd_eval_model(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from vericache.bench.common import markdown_table, record
-    from vericache.eval.functional import plot_functional, run_functional_eval
+    from vericache.eval.long_eval import FULL_GRID, QUICK_GRID, QUALITY, plot_long_eval, run_long_eval
 
-    configs = args.compressors.split(";") if args.compressors else None
-    rows = run_functional_eval(args.model, configs, n=args.n, context_tokens=args.context,
-                               max_tokens=args.max_tokens, log=(lambda m: None) if args.json else print)
-    cols = ["config", "compression_ratio", "code_parse_rate", "code_exact_match_with_full", "toolcall_argument_em"]
+    configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else FULL_GRID)
+    rows = run_long_eval(args.model, configs, n=args.n, lo=args.context_min, hi=args.context_max,
+                         checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True))
+    cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length"]
     table = markdown_table(rows, cols)
     print(json.dumps({"rows": rows}) if args.json else table)
     if args.plot:
-        plot_functional(rows, args.plot)
-    record(args.record, "Functional quality: full vs lossy vs VeriCache",
-           table + (f"\n\n![quality]({Path(args.plot).name})" if args.plot else ""), args.argv)
+        plot_long_eval(rows, args.plot)
+    record(args.record, f"Functional quality on {args.model}: full vs lossy vs VeriCache",
+           table + (f"\n\n![quality vs throughput]({Path(args.plot).name})" if args.plot else ""), args.argv)
     return 0
 
 
@@ -239,13 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--metrics-port", type=int, default=8002)
     tr.set_defaults(func=_cmd_triton_server)
 
-    q = sub.add_parser("eval", help="code and tool-call quality: full vs lossy vs vericache per compressor")
+    q = sub.add_parser("eval", help="long-context code, needle and tool-call quality: full vs lossy vs vericache")
     q.add_argument("--model", default=DEFAULT_MODEL)
-    q.add_argument("--compressors", default=None, help="';'-separated specs (default: every method at 1/2, 1/4, "
-                                                        "1/8 and 4/2 bits)")
-    q.add_argument("--n", type=int, default=8, help="tasks per workload")
-    q.add_argument("--context", type=int, default=1536)
-    q.add_argument("--max-tokens", type=int, default=48)
+    q.add_argument("--grid", default="full", choices=["full", "quick"],
+                   help="full: SnapKV/StreamingLLM/H2O at 1/4, 1/8, 1/16, KIVI-2, SnapKV 1/8 + KIVI-2; quick: three")
+    q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid)")
+    q.add_argument("--n", type=int, default=20, help="cases per task (code, needle, tool)")
+    q.add_argument("--context-min", type=int, default=2048)
+    q.add_argument("--context-max", type=int, default=6144)
+    q.add_argument("--checkpoint", default=None, help="JSON-lines file of finished rows (resumable)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--plot", default=None)
     q.add_argument("--record", default=None)

@@ -52,15 +52,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer=None) -> str:
-    """The tokenizer's chat template (tokenizer_config.json) when it has one, rendered in a jinja2
-    sandbox with ``add_generation_prompt``; otherwise (the bundled model) a documented plain-text
-    template: '### <Role>:\\n<content>\\n' per message, then '### Assistant:\\n'."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """The prompt text for chat ``messages``: the model's own template (see ``vericache.chat``)."""
+    from vericache.chat import render_chat
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=[m.model_dump() for m in messages],
-                                                add_generation_prompt=True, **tokenizer.special)
-    parts = [f"### {m.role.capitalize()}:\n{m.content}\n" for m in messages]
-    return "".join(parts) + "### Assistant:\n"
+    return render_chat(tokenizer, [m.model_dump() for m in messages])

@@ -1,0 +1,135 @@
+"""``vericache eval``: what lossy KV compression breaks on a real model, and that VeriCache does not.
+
+Every prompt is prefilled once (exact) and that prefill is shared by full-KV decoding and by every
+compressor in lossy and VeriCache mode, so the grid costs one prefill per prompt. Rows: full,
+then per compressor lossy and VeriCache, each with its quality, decode tokens/s and (VeriCache)
+acceptance length. Rows are appended to ``checkpoint`` (JSON lines) as they finish, and a rerun
+with the same checkpoint skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from vericache.engine.engine import Engine
+from vericache.eval import long_tasks as lt
+from vericache.llm import LLM
+from vericache.model.registry import DEFAULT_MODEL
+from vericache.sampling import SamplingParams
+
+FULL_GRID = [f"{m}:ratio={r}" for m in ("snapkv", "streaming", "h2o") for r in (0.25, 0.125, 0.0625)] + [
+    "kivi:bits=2", "snapkv:ratio=0.125+kivi:bits=2"]
+QUICK_GRID = ["snapkv:ratio=0.125", "streaming:ratio=0.125", "kivi:bits=2"]
+QUALITY = ("code_parse_rate", "code_match_full", "needle_accuracy", "tool_json_valid", "tool_args_match_full")
+
+
+def build_tasks(tok, n: int, lo: int, hi: int) -> list[lt.LongTask]:
+    return lt.code_tasks(tok, n, lo, hi) + lt.needle_tasks(tok, n, lo, hi) + lt.tool_tasks(tok, n, lo, hi)
+
+
+def score(tasks: list[lt.LongTask], outs, full_outs) -> dict:
+    def rate(flags: list[bool]) -> float:
+        return round(sum(flags) / len(flags), 3) if flags else 0.0
+
+    by = {k: [(t, o, f) for t, o, f in zip(tasks, outs, full_outs) if t.kind == k] for k in ("code", "needle", "tool")}
+    calls = [(lt.parse_call(o.text), lt.parse_call(f.text)) for _, o, f in by["tool"]]
+    return {
+        "code_parse_rate": rate([lt.function_parses(t.head, o.text) for t, o, _ in by["code"]]),
+        "code_match_full": rate([o.token_ids == f.token_ids for _, o, f in by["code"]]),
+        "needle_accuracy": rate([lt.first_number(o.text) == t.answer for t, o, _ in by["needle"]]),
+        "tool_json_valid": rate([c is not None for c, _ in calls]),
+        "tool_args_match_full": rate([c is not None and ref is not None and c == ref for c, ref in calls]),
+        "identical_to_full": rate([o.token_ids == f.token_ids for o, f in zip(outs, full_outs)]),
+    }
+
+
+def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, n: int = 20, lo: int = 2048,
+                  hi: int = 6144, batch: int = 10, checkpoint: str | None = None, log=print) -> list[dict]:
+    llm = LLM(model, device="cpu", dtype="float32")
+    tasks = build_tasks(llm.tokenizer, n, lo, hi)
+    configs = configs or FULL_GRID
+    log(f"{len(tasks)} tasks ({n} code, {n} needle, {n} tool), contexts {lo}-{hi} tokens, "
+        f"{len(configs)} compressors x (lossy, vericache) + full")
+    done = {}
+    if checkpoint and Path(checkpoint).exists():
+        for line in Path(checkpoint).read_text().splitlines():
+            row = json.loads(line)
+            done[row["config"]] = row
+    labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
+    # per config: outputs and decode time accumulate over prompt batches (bounded memory)
+    outs: dict[str, list] = {k: [] for k in labels}
+    secs: dict[str, float] = {k: 0.0 for k in labels}
+    prefill_s, t0 = 0.0, time.perf_counter()
+    for b in range(0, len(tasks), batch):
+        part = tasks[b : b + batch]
+        eng = Engine(llm.loaded)
+
+        def seqs():
+            return [eng.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(part)]
+
+        shared = [eng.shared_prefill(s) for s in seqs()]
+        prefill_s += sum(p.seconds for p in shared)
+        for label in labels:
+            if label in done and label != "full":  # full is always rerun: every row is scored against it
+                continue
+            mode, _, spec = label.partition(" ")
+            e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25")
+            t = time.perf_counter()
+            outs[label] += e.generate(seqs(), mode, prefills=shared)
+            secs[label] += time.perf_counter() - t
+        log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + len(part)}/{len(tasks)} done "
+            f"(prefill so far {prefill_s:.0f} s)")
+        del shared
+    rows = []
+    for label in labels:
+        if label in done:
+            rows.append(done[label])
+            continue
+        mode, _, spec = label.partition(" ")
+        res = outs[label]
+        tokens = sum(max(len(o.token_ids) - 1, 0) for o in res)
+        row = {"config": label, "mode": mode, "compressor": spec, **score(tasks, res, outs["full"] or res),
+               "decode_tokens_per_s": round(tokens / secs[label], 2) if secs[label] else 0.0,
+               "kv_kept": round(sum(o.stats.get("compression_ratio", 1.0) for o in res) / len(res), 4)}
+        if mode == "vericache":
+            rounds = sum(o.stats["rounds"] for o in res)
+            row["mean_acceptance_length"] = round(tokens / rounds, 2) if rounds else 0.0
+        rows.append(row)
+        if checkpoint:
+            with open(checkpoint, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        log(json.dumps(row))
+    return rows
+
+
+def plot_long_eval(rows: list[dict], path: str) -> None:
+    """Quality (mean of code match, needle accuracy, tool-argument match) vs decode tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def quality(r: dict) -> float:
+        return (r["code_match_full"] + r["needle_accuracy"] + r["tool_args_match_full"]) / 3
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    full = next(r for r in rows if r["mode"] == "full")
+    ax.scatter([full["decode_tokens_per_s"]], [quality(full)], marker="*", s=200, color="black", label="full KV", zorder=3)
+    methods = sorted({r["compressor"].split(":")[0] if "+" not in r["compressor"] else r["compressor"]
+                      for r in rows if r["mode"] != "full"})
+    for i, method in enumerate(methods):
+        color = plt.cm.tab10(i % 10)
+        for mode, style in (("lossy", "--x"), ("vericache", "-o")):
+            pts = sorted((r["decode_tokens_per_s"], quality(r)) for r in rows if r["mode"] == mode and
+                         (r["compressor"] == method or r["compressor"].split(":")[0] == method and "+" not in r["compressor"]))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=f"{mode} {method}")
+    ax.set_xlabel("decode tokens/s (batched, this CPU)")
+    ax.set_ylabel("quality: mean of code = full, needle, tool args = full")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("Lossy KV compression loses quality as it compresses; VeriCache keeps full-KV quality")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
