@@ -44,3 +44,14 @@ def test_prompt_file(tmp_path):
     r = run("generate", "--prompt-file", str(f), "--max-tokens", "3", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompt_tokens"] > 0
+
+
+def test_demo_runs_three_modes_and_vericache_equals_full(capsys):
+    from vericache.cli import main
+
+    assert main(["demo", "--model", "tiny", "--context", "600", "--compressor", "snapkv:ratio=0.125"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["full"], ["lossy"], ["vericache"])}
+    assert set(rows) == {"full", "lossy", "vericache"}
+    assert "identical to full" in rows["vericache"] and "tokens/round" in rows["vericache"]
+    assert "task 2, vericache completion (== full KV)" in out

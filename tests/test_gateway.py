@@ -27,10 +27,10 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30):
+    def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30, model_name="tiny"):
         eng = Engine(llm.loaded, mode="vericache", compressor=SPEC)
         self.service = EngineService(ServingEngine(eng, device_budget=budget), max_queue=max_queue)
-        self.app = create_app(self.service, model_name="tiny", api_key=api_key)
+        self.app = create_app(self.service, model_name=model_name, api_key=api_key)
         self.port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -216,3 +216,24 @@ def test_chat_template_from_tokenizer_config(tmp_path, llm):
            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl, "bos_token": "<s>"}))
     assert chat_prompt(msgs, Tokenizer(tmp_path / "tokenizer.json")) == "<s><|system|>be brief\n<|user|>hi\n<|assistant|>"
+
+
+def test_chat_on_the_real_model_uses_its_template_and_stops_at_im_end(smollm):
+    """SmolLM2 behind the gateway, the official openai client: the prompt is the model's ChatML
+    template, the answer is the full-KV answer (VeriCache mode), and it ends at <|im_end|>."""
+    from vericache.chat import render_chat
+
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    s = Server(smollm, model_name="smollm2-135m")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0)
+    finally:
+        s.close()
+    prompt = render_chat(smollm.tokenizer, messages)
+    assert prompt.startswith("<|im_start|>system\nYou answer briefly.<|im_end|>\n") and \
+        prompt.endswith("<|im_start|>assistant\n")
+    ref = smollm.generate(prompt, SamplingParams(max_tokens=48))[0]
+    assert r.choices[0].message.content == ref.text and "Paris" in ref.text
+    assert r.choices[0].finish_reason == "stop" and r.model_extra["vericache"]["mode"] == "vericache"

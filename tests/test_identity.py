@@ -87,3 +87,19 @@ def test_lossy_mode_is_really_lossy(llm, lossy_prompts, spec):
     lossy = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
     assert any(o.token_ids != ref.token_ids for o, ref in zip(lossy, full))
     assert all(o.stats["compression_ratio"] < 0.5 for o in lossy)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.1", "h2o:ratio=0.1", "streaming:ratio=0.1", "kivi:bits=2",
+                                  "snapkv:ratio=0.1+kivi:bits=2"])
+def test_shared_prefill_equals_own_prefill_in_every_mode(llm, identity_prompts, spec):
+    """One exact prefill reused by full, lossy and vericache gives what each mode's own prefill gives."""
+    eng = Engine(llm.loaded, compressor=spec)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    prompts = identity_prompts[:2]
+    shared = [eng.shared_prefill(eng.new_sequence(i, p, params)) for i, p in enumerate(prompts)]
+    for mode in ("full", "lossy", "vericache"):
+        own = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode)
+        reused = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode, prefills=shared)
+        assert [o.token_ids for o in reused] == [o.token_ids for o in own], mode
+    with pytest.raises(ValueError, match="2 prefills for 1 requests"):
+        eng.generate([eng.new_sequence(0, prompts[0], params)], "full", prefills=shared)

@@ -1,5 +1,5 @@
-"""A real Triton Inference Server (the nvidia-pytriton wheel's, on CPU) serving model_repository/,
-reached with tritonclient over gRPC streaming."""
+"""A real Triton Inference Server (the nvidia-pytriton wheel's, on CPU) serving model_repository/ (the
+real default model, SmolLM2-135M-Instruct), reached with tritonclient over gRPC streaming."""
 
 from __future__ import annotations
 
@@ -95,23 +95,23 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_streamed_text_equals_the_embedded_engine(triton, llm):
+def test_streamed_text_equals_the_embedded_engine(triton, smollm):
     prompt = "def read_config(path):\n"
     texts, error = _stream(triton["grpc"], _inputs(prompt, 16))
     assert error is None and len(texts) >= 2  # deltas, not one blob
-    assert "".join(texts) == llm.generate(prompt, SamplingParams(max_tokens=16))[0].text
+    assert "".join(texts) == smollm.generate(prompt, SamplingParams(max_tokens=16))[0].text
 
 
-def test_unary_style_request_returns_whole_text(triton, llm):
+def test_unary_style_request_returns_whole_text(triton, smollm):
     texts, error = _stream(triton["grpc"], _inputs("import os\n", 8, stream=False))
-    assert error is None and texts == [llm.generate("import os\n", SamplingParams(max_tokens=8))[0].text]
+    assert error is None and texts == [smollm.generate("import os\n", SamplingParams(max_tokens=8))[0].text]
 
 
-def test_per_request_options(triton, llm):
+def test_per_request_options(triton, smollm):
     """A full-mode request and a request with its own compressor and draft length, on the same model
     instance: both equal the full-KV text; an unknown compressor is INVALID_ARG."""
     prompt = "class Cache:\n"
-    ref = llm.generate(prompt, SamplingParams(max_tokens=12))[0].text
+    ref = smollm.generate(prompt, SamplingParams(max_tokens=12))[0].text
     for extra in ({"mode": "full"}, {"compressor": "kivi:bits=2", "draft_len": 3}):
         texts, error = _stream(triton["grpc"], _inputs(prompt, 12, **extra))
         assert error is None and "".join(texts) == ref, extra
@@ -154,7 +154,7 @@ def _gateway(triton_grpc: str):
     from vericache_gateway.app import create_app
     from vericache_gateway.backends import TritonBackend
 
-    app = create_app(TritonBackend(triton_grpc), model_name="tiny")
+    app = create_app(TritonBackend(triton_grpc), model_name="smollm2-135m")
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -163,21 +163,40 @@ def _gateway(triton_grpc: str):
     return server, f"http://127.0.0.1:{port}"
 
 
-def test_gateway_over_triton_streams_the_same_text(triton, llm):
+def test_gateway_over_triton_streams_the_same_text(triton, smollm):
     import openai
 
     server, url = _gateway(triton["grpc"])
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        chunks = list(client.completions.create(model="tiny", prompt="def main():\n", max_tokens=12, temperature=0,
+        chunks = list(client.completions.create(model="smollm2-135m", prompt="def main():\n", max_tokens=12, temperature=0,
                                                 stream=True))
         text = "".join(c.choices[0].text for c in chunks)
-        assert text == llm.generate("def main():\n", SamplingParams(max_tokens=12))[0].text
+        assert text == smollm.generate("def main():\n", SamplingParams(max_tokens=12))[0].text
         assert chunks[-1].choices[0].finish_reason == "length"
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}, timeout=30)
+        r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "x", "max_tokens": 0}, timeout=30)
         assert r.status_code == 400
     finally:
         server.should_exit = True
+
+
+def test_chat_completion_over_triton_uses_the_models_template(triton, smollm):
+    """The official openai client -> gateway -> Triton: the ChatML prompt, the full-KV answer, and
+    generation ending at <|im_end|>."""
+    import openai
+
+    from vericache.chat import render_chat
+
+    messages = [{"role": "user", "content": "Name one primary color. Answer in one word."}]
+    server, url = _gateway(triton["grpc"])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0)
+    finally:
+        server.should_exit = True
+    ref = smollm.generate(render_chat(smollm.tokenizer, messages), SamplingParams(max_tokens=40))[0]
+    assert r.choices[0].message.content == ref.text and ref.finish_reason == "stop"
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
 
 
 def test_gateway_503_while_triton_is_down_then_recovers(tmp_path):
@@ -186,13 +205,13 @@ def test_gateway_503_while_triton_is_down_then_recovers(tmp_path):
     proc = None
     try:
         assert httpx.get(url + "/health", timeout=10).status_code == 503
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         proc = start_triton(http_port=http, grpc_port=grpc, metrics_port=metrics, workdir=tmp_path)
         deadline = time.time() + 180
         while time.time() < deadline and httpx.get(url + "/health", timeout=10).status_code != 200:
             time.sleep(0.5)
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x = ", "max_tokens": 3}, timeout=60)
+        r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "x = ", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # no gateway restart
     finally:
         server.should_exit = True

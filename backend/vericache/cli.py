@@ -92,7 +92,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vericache.demo import run_demo
 
-    run_demo(args.model, device=args.device, dtype=args.dtype)
+    run_demo(args.model, device=args.device, dtype=args.dtype, context=args.context, compressor=args.compressor)
     return 0
 
 
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the Quickstart demo: full vs lossy vs VeriCache on the real model")
     _add_model_args(d)
+    d.add_argument("--context", type=int, default=4096, help="prompt length of each task, in tokens")
+    d.add_argument("--compressor", default="streaming:ratio=0.125")
     d.set_defaults(func=_cmd_demo)
 
     t = sub.add_parser("train-tiny", help="train the bundled model (resumable)")

@@ -1,42 +1,53 @@
-"""``vericache demo``: the Quickstart. One long prompt decoded in full, lossy and vericache modes."""
+"""``vericache demo``: the Quickstart. Two real long-context tasks on the real model, decoded with
+the full KV, with a lossy compressed KV, and with VeriCache over that same compressed KV."""
 
 from __future__ import annotations
 
-from vericache.bench.common import code_prompt
 from vericache.engine.engine import Engine
+from vericache.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 
-DEMO_COMPRESSOR = "snapkv:ratio=0.125"
+DEMO_COMPRESSOR = "streaming:ratio=0.125"
+
+
+def _first_line(text: str) -> str:
+    line = text.strip("\n").split("\n", 1)[0]
+    return line if len(line) <= 38 else line[:35] + "..."
 
 
 def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
-             context: int = 4096, max_tokens: int = 96, compressor: str = DEMO_COMPRESSOR) -> dict:
+             context: int = 4096, compressor: str = DEMO_COMPRESSOR) -> dict:
     llm = LLM(model, device=device, dtype=dtype)
-    prompt = code_prompt(llm.tokenizer, context)  # held-out standard-library code
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    print(f"model {llm.loaded.path.name} on {llm.loaded.device} ({llm.loaded.dtype}); prompt: {len(prompt)} tokens "
-          f"of held-out Python; compressor: {compressor}")
+    tok = llm.tokenizer
+    needle = lt.needle_tasks(tok, 1, context - 64, context, seed=3)[0]
+    code = lt.code_tasks(tok, 1, context - 64, context, seed=5)[0]
+    tasks = [needle, code]
+    print(f"model {model} on {llm.loaded.device} ({llm.loaded.dtype}); compressor {compressor}")
+    print(f"task 1: a value hidden in a {len(needle.prompt_ids)}-token Python file; asked in chat for it "
+          f"(right answer: {needle.answer})")
+    print(f"task 2: complete `{code.head.splitlines()[0].strip()}` after {len(code.prompt_ids)} tokens of its source file")
+    print(f"\n{'mode':>9} {'tok/s':>6} {'vs full':>7} {'KV kept':>7}  {'task 1 answer':<38} {'task 2':<15} notes")
     outs = {}
     for mode in ("full", "lossy", "vericache"):
         eng = Engine(llm.loaded, mode=mode, compressor=compressor)
-        outs[mode] = eng.generate([eng.new_sequence(0, prompt, params)])[0]
-    full = outs["full"]
-    for mode, out in outs.items():
-        st = out.stats
-        same = "identical to full" if out.token_ids == full.token_ids else \
-            f"DIFFERS from full at token {next(i for i, (a, b) in enumerate(zip(out.token_ids, full.token_ids)) if a != b)}"
-        line = f"{mode:>9}: {st['decode_tokens_per_s']:7.1f} tok/s  ({st['decode_tokens_per_s'] / full.stats['decode_tokens_per_s']:.2f}x full)  {same}"
-        if mode != "full":
-            line += f"  KV kept: {st['compression_ratio']:.1%} of full bytes"
+        seqs = [eng.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(tasks)]
+        outs[mode] = eng.generate(seqs)
+    full_speed = outs["full"][0].stats["decode_tokens_per_s"]
+    for mode, (ans, comp) in outs.items():
+        st = ans.stats
+        same = [o.token_ids == f.token_ids for o, f in zip(outs[mode], outs["full"])]
+        right = "right" if lt.first_number(ans.text) == needle.answer else "WRONG"
+        parses = "parses" if lt.function_parses(code.head, comp.text) else "SYNTAX ERROR"
+        notes = "identical to full" if all(same) else "DIFFERS from full"
         if mode == "vericache":
-            line += (f"  acceptance {st['acceptance_rate']:.0%}, {st['mean_acceptance_length']:.1f} tokens/round "
-                     f"over {st['rounds']} rounds")
-        print(line)
-    print("---- vericache output (== full-KV output) ----")
-    print(outs["vericache"].text)
-    if outs["lossy"].token_ids != full.token_ids:
-        print("---- lossy output (drifted) ----")
-        print(outs["lossy"].text)
+            notes += f"; {st['mean_acceptance_length']:.1f} tokens/round, acceptance {st['acceptance_rate']:.0%}"
+        print(f"{mode:>9} {st['decode_tokens_per_s']:6.1f} {st['decode_tokens_per_s'] / full_speed:6.2f}x "
+              f"{st.get('compression_ratio', 1.0):7.1%}  {right + ': ' + _first_line(ans.text):<38} {parses:<15} {notes}")
+    for mode in ("vericache", "lossy"):
+        if mode == "lossy" and outs["lossy"][1].token_ids == outs["full"][1].token_ids:
+            continue
+        print(f"\n---- task 2, {mode} completion{' (== full KV)' if mode == 'vericache' else ' (drifted)'} ----")
+        print(code.head + outs[mode][1].text)
     return outs
