@@ -28,7 +28,11 @@ def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
     assert lossy["kv_kept"] < 0.5 and veri["mean_acceptance_length"] >= 1
     assert (tmp_path / "q.png").stat().st_size > 1000
     assert "Command: `vericache eval" in (tmp_path / "B.md").read_text()
-    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # resumable checkpoint
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # (batch, config) records: resumable
+    assert main(["eval", "--model", "tiny", "--compressors", "snapkv:ratio=0.125", "--n", "2", "--context-min", "400",
+                 "--context-max", "600", "--json", "--checkpoint", str(tmp_path / "rows.jsonl")]) == 0
+    again = {r["config"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert again == rows and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # nothing rerun
 
 
 def test_bench_decode_command(tmp_path, capsys):

@@ -3,8 +3,8 @@
 Every prompt is prefilled once (exact) and that prefill is shared by full-KV decoding and by every
 compressor in lossy and VeriCache mode, so the grid costs one prefill per prompt. Rows: full,
 then per compressor lossy and VeriCache, each with its quality, decode tokens/s and (VeriCache)
-acceptance length. Rows are appended to ``checkpoint`` (JSON lines) as they finish, and a rerun
-with the same checkpoint skips them.
+acceptance length. Each (prompt batch, config) is appended to ``checkpoint`` (JSON lines) as it
+finishes, and a rerun with the same checkpoint skips what is there.
 """
 
 from __future__ import annotations
@@ -45,24 +45,38 @@ def score(tasks: list[lt.LongTask], outs, full_outs) -> dict:
     }
 
 
+def _output_record(o) -> dict:
+    keep = ("compression_ratio", "rounds", "decode_tokens_per_s")
+    return {"token_ids": o.token_ids, "text": o.text, "stats": {k: o.stats[k] for k in keep if k in o.stats}}
+
+
+class _Saved:
+    """A finished output read back from the checkpoint (what scoring needs of a RequestOutput)."""
+
+    def __init__(self, rec: dict) -> None:
+        self.token_ids, self.text, self.stats = rec["token_ids"], rec["text"], rec["stats"]
+
+
 def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, n: int = 20, lo: int = 2048,
-                  hi: int = 6144, batch: int = 10, checkpoint: str | None = None, log=print) -> list[dict]:
+                  hi: int = 6144, batch: int = 20, checkpoint: str | None = None, log=print) -> list[dict]:
     llm = LLM(model, device="cpu", dtype="float32")
     tasks = build_tasks(llm.tokenizer, n, lo, hi)
     configs = configs or FULL_GRID
+    labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
     log(f"{len(tasks)} tasks ({n} code, {n} needle, {n} tool), contexts {lo}-{hi} tokens, "
         f"{len(configs)} compressors x (lossy, vericache) + full")
-    done = {}
+    # checkpoint: one JSON line per (prompt batch, config) with its outputs and decode seconds
+    done: dict[tuple[int, str], dict] = {}
     if checkpoint and Path(checkpoint).exists():
         for line in Path(checkpoint).read_text().splitlines():
-            row = json.loads(line)
-            done[row["config"]] = row
-    labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
-    # per config: outputs and decode time accumulate over prompt batches (bounded memory)
-    outs: dict[str, list] = {k: [] for k in labels}
-    secs: dict[str, float] = {k: 0.0 for k in labels}
-    prefill_s, t0 = 0.0, time.perf_counter()
+            rec = json.loads(line)
+            if rec.get("model") == model and rec.get("n") == n and rec.get("contexts") == [lo, hi]:
+                done[(rec["batch"], rec["config"])] = rec
+    t0 = time.perf_counter()
     for b in range(0, len(tasks), batch):
+        todo = [lab for lab in labels if (b, lab) not in done]
+        if not todo:
+            continue
         part = tasks[b : b + batch]
         eng = Engine(llm.loaded)
 
@@ -70,38 +84,39 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
             return [eng.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(part)]
 
         shared = [eng.shared_prefill(s) for s in seqs()]
-        prefill_s += sum(p.seconds for p in shared)
-        for label in labels:
-            if label in done and label != "full":  # full is always rerun: every row is scored against it
-                continue
+        log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + 1}-{b + len(part)}: prefilled once "
+            f"({sum(p.seconds for p in shared):.0f} s), {len(todo)} configs to run")
+        for label in todo:
             mode, _, spec = label.partition(" ")
             e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25")
             t = time.perf_counter()
-            outs[label] += e.generate(seqs(), mode, prefills=shared)
-            secs[label] += time.perf_counter() - t
-        log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + len(part)}/{len(tasks)} done "
-            f"(prefill so far {prefill_s:.0f} s)")
+            res = e.generate(seqs(), mode, prefills=shared)
+            rec = {"model": model, "n": n, "contexts": [lo, hi], "batch": b, "config": label,
+                   "seconds": time.perf_counter() - t, "outputs": [_output_record(o) for o in res]}
+            done[(b, label)] = rec
+            if checkpoint:
+                with open(checkpoint, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            log(f"[{time.perf_counter() - t0:6.0f} s]   {label}: {rec['seconds']:.1f} s")
         del shared
-    rows = []
-    for label in labels:
-        if label in done:
-            rows.append(done[label])
-            continue
-        mode, _, spec = label.partition(" ")
-        res = outs[label]
-        tokens = sum(max(len(o.token_ids) - 1, 0) for o in res)
-        row = {"config": label, "mode": mode, "compressor": spec, **score(tasks, res, outs["full"] or res),
-               "decode_tokens_per_s": round(tokens / secs[label], 2) if secs[label] else 0.0,
-               "kv_kept": round(sum(o.stats.get("compression_ratio", 1.0) for o in res) / len(res), 4)}
-        if mode == "vericache":
-            rounds = sum(o.stats["rounds"] for o in res)
-            row["mean_acceptance_length"] = round(tokens / rounds, 2) if rounds else 0.0
-        rows.append(row)
-        if checkpoint:
-            with open(checkpoint, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        log(json.dumps(row))
-    return rows
+    return [_row(label, tasks, labels, done, batch) for label in labels]
+
+
+def _row(label: str, tasks, labels, done, batch: int) -> dict:
+    def outputs(lab: str) -> list:
+        return [_Saved(o) for b in range(0, len(tasks), batch) for o in done[(b, lab)]["outputs"]]
+
+    mode, _, spec = label.partition(" ")
+    res, full = outputs(label), outputs("full")
+    secs = sum(done[(b, label)]["seconds"] for b in range(0, len(tasks), batch))
+    tokens = sum(max(len(o.token_ids) - 1, 0) for o in res)
+    row = {"config": label, "mode": mode, "compressor": spec, **score(tasks, res, full),
+           "decode_tokens_per_s": round(tokens / secs, 2) if secs else 0.0,
+           "kv_kept": round(sum(o.stats.get("compression_ratio", 1.0) for o in res) / len(res), 4)}
+    if mode == "vericache":
+        rounds = sum(o.stats["rounds"] for o in res)
+        row["mean_acceptance_length"] = round(tokens / rounds, 2) if rounds else 0.0
+    return row
 
 
 def plot_long_eval(rows: list[dict], path: str) -> None:

@@ -49,7 +49,7 @@ def _chat(tok, messages: list[dict]) -> list[int]:
     return tok.encode(render_chat(tok, messages))
 
 
-def code_tasks(tok, n: int, lo: int, hi: int, seed: int = 11, max_tokens: int = 64) -> list[LongTask]:
+def code_tasks(tok, n: int, lo: int, hi: int, seed: int = 11, max_tokens: int = 48) -> list[LongTask]:
     rng = random.Random(seed)
     cands = []
     for text in _files():
@@ -82,7 +82,7 @@ def _code_tokens(tok, rng: random.Random, n_tokens: int, files: list[str]) -> li
     return ids[:n_tokens]
 
 
-def needle_tasks(tok, n: int, lo: int, hi: int, seed: int = 12, max_tokens: int = 20) -> list[LongTask]:
+def needle_tasks(tok, n: int, lo: int, hi: int, seed: int = 12, max_tokens: int = 16) -> list[LongTask]:
     rng = random.Random(seed)
     files = _files()
     tasks = []
@@ -116,7 +116,7 @@ def _request(call: dict) -> str:
     return f"Search {a['path']} for '{a['query']}'."
 
 
-def tool_tasks(tok, n: int, lo: int, hi: int, seed: int = 13, max_tokens: int = 40) -> list[LongTask]:
+def tool_tasks(tok, n: int, lo: int, hi: int, seed: int = 13, max_tokens: int = 32) -> list[LongTask]:
     rng = random.Random(seed)
     files = _files()
     tasks = []
