@@ -82,7 +82,7 @@ def _code_tokens(tok, rng: random.Random, n_tokens: int, files: list[str]) -> li
     return ids[:n_tokens]
 
 
-def needle_tasks(tok, n: int, lo: int, hi: int, seed: int = 12, max_tokens: int = 16) -> list[LongTask]:
+def needle_tasks(tok, n: int, lo: int, hi: int, seed: int = 12, max_tokens: int = 24) -> list[LongTask]:
     rng = random.Random(seed)
     files = _files()
     tasks = []
