@@ -103,3 +103,5 @@ def test_shared_prefill_equals_own_prefill_in_every_mode(llm, identity_prompts, 
         assert [o.token_ids for o in reused] == [o.token_ids for o in own], mode
     with pytest.raises(ValueError, match="2 prefills for 1 requests"):
         eng.generate([eng.new_sequence(0, prompts[0], params)], "full", prefills=shared)
+    with pytest.raises(ValueError, match="this prefill is of"):  # a prefill of another prompt
+        eng.generate([eng.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])

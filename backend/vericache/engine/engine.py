@@ -39,7 +39,11 @@ class SharedPrefill:
     prompt_len: int
     seconds: float
 
-    def reset(self) -> FullKVCache:
+    def reset(self, seq: Sequence) -> FullKVCache:
+        """The full cache, back at the end of the prompt, for ``seq`` (which must have this prompt)."""
+        if len(seq.prompt_ids) != self.prompt_len:
+            raise ValueError(f"request {seq.request_id} has a {len(seq.prompt_ids)}-token prompt; "
+                             f"this prefill is of {self.prompt_len} tokens")
         self.full.truncate(self.prompt_len)
         return self.full
 
@@ -147,7 +151,7 @@ class Engine:
         caches = {}
         for i, seq in enumerate(seqs):
             if prefills is not None:
-                caches[seq.request_id], logits = prefills[i].reset(), prefills[i].logits
+                caches[seq.request_id], logits = prefills[i].reset(seq), prefills[i].logits
             else:
                 caches[seq.request_id] = self.new_cache(seq)
                 logits = self.prefill(seq.prompt_ids, [caches[seq.request_id]])

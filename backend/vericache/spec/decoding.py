@@ -90,7 +90,7 @@ class SpecDecoder:
         draft = CompressedKVCache(self.compressor, eng.cfg, dev, dt, capacity=cap)
         if self.prefills is not None:  # the exact prefill was done once, for every mode and compressor
             shared = self.prefills[index]
-            full, logits = shared.reset(), shared.logits
+            full, logits = shared.reset(seq), shared.logits
             draft.load_prefill(full, shared.queries)
             context, full = full, (full if with_full else None)
         else:
