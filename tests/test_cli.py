@@ -12,13 +12,13 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_generate_json(llm):
+def test_generate_json_runs_the_default_real_model(smollm):
     r = run("generate", "--prompt", "def add(a, b):", "--max-tokens", "6", "--json", "--device", "cpu",
             "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "token_ids", "prompt_tokens", "finish_reason", "stats"}
-    api = llm.generate("def add(a, b):", __import__("vericache").SamplingParams(max_tokens=6))[0]
+    api = smollm.generate("def add(a, b):", __import__("vericache").SamplingParams(max_tokens=6))[0]
     assert out["token_ids"] == api.token_ids
     assert out["prompt_tokens"] == len(api.prompt_token_ids)
 
@@ -41,7 +41,7 @@ def test_errors_are_one_line_without_traceback(tmp_path):
 def test_prompt_file(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("import os\n")
-    r = run("generate", "--prompt-file", str(f), "--max-tokens", "3", "--json")
+    r = run("generate", "--prompt-file", str(f), "--max-tokens", "3", "--json", "--model", "tiny")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompt_tokens"] > 0
 

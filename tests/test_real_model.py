@@ -46,7 +46,9 @@ def test_every_compressor_from_one_shared_prefill(smollm, prompts, full_referenc
     shared = [eng.shared_prefill(s) for s in _seqs(eng, prompts)]
     assert [o.token_ids for o in eng.generate(_seqs(eng, prompts), "full", prefills=shared)] == full_reference
     drifted = 0
-    for spec in COMPRESSORS:
+    # kvzip's scorer re-reads the context in a second forward (a second prefill per request): it runs
+    # in the identity matrix on `tiny`; here every other method and the composition do
+    for spec in [c for c in COMPRESSORS if not c.startswith("kvzip")]:
         e = Engine(smollm.loaded, compressor=spec)
         veri = e.generate(_seqs(e, prompts), "vericache", prefills=shared)
         assert [o.token_ids for o in veri] == full_reference, spec

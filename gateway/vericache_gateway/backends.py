@@ -134,7 +134,7 @@ class TritonBackend:
 
     async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
                        disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
-        text = self.tokenizer.decode(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)  # chat markup must reach the model
 
         async def requests():
             yield {"model_name": self.triton_model, "inputs": self._inputs(text, params, options)}

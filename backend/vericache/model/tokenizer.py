@@ -54,8 +54,10 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; with ``skip_special_tokens=False`` markup such as ``<|im_start|>`` stays,
+        so ``encode(decode(ids, False)) == ids`` (a prompt can travel as text)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
