@@ -79,18 +79,14 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
             continue
         part = tasks[b : b + batch]
         eng = Engine(llm.loaded)
-
-        def seqs():
-            return [eng.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(part)]
-
-        shared = [eng.shared_prefill(s) for s in seqs()]
+        shared = [eng.shared_prefill(s) for s in _sequences(eng, part)]
         log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + 1}-{b + len(part)}: prefilled once "
             f"({sum(p.seconds for p in shared):.0f} s), {len(todo)} configs to run")
         for label in todo:
             mode, _, spec = label.partition(" ")
             e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25")
             t = time.perf_counter()
-            res = e.generate(seqs(), mode, prefills=shared)
+            res = e.generate(_sequences(e, part), mode, prefills=shared)
             rec = {"model": model, "n": n, "contexts": [lo, hi], "batch": b, "config": label,
                    "seconds": time.perf_counter() - t, "outputs": [_output_record(o) for o in res]}
             done[(b, label)] = rec
@@ -100,6 +96,10 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
             log(f"[{time.perf_counter() - t0:6.0f} s]   {label}: {rec['seconds']:.1f} s")
         del shared
     return [_row(label, tasks, labels, done, batch) for label in labels]
+
+
+def _sequences(eng: Engine, tasks: list[lt.LongTask]) -> list:
+    return [eng.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(tasks)]
 
 
 def _row(label: str, tasks, labels, done, batch: int) -> dict:
