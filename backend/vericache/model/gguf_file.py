@@ -25,7 +25,7 @@ from vericache.config import ModelConfigError
 # the ggml types we dequantize (all through gguf.quants.dequantize)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-# llama.cpp tensor names -> Hugging Face Llama names ("{i}" is the block index)
+# llama.cpp tensor names -> Hugging Face Llama names (per block: blk.<i>.<part>.weight)
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
