@@ -61,11 +61,11 @@ def test_tight_budget_batching(llm, serving_prompts, serving_reference, mode, sc
     assert all(r.state == S.FINISHED for r in srv.requests.values())
     if mode == "vericache":
         assert {S.PREFILL, S.DRAFTING, S.FINISHED} <= states
-        assert srv.link.stats.bytes_moved > 0 and all(r.rounds > 0 for r in srv.requests.values())
+        assert srv.link.stats.bytes_moved > 0 and all(r.round.rounds > 0 for r in srv.requests.values())
         if scheduler != "naive":  # transfers outlive a step while others draft (naive waits inside it)
             assert S.TRANSFERRING in states
         else:  # naive verifies layer by layer as the transfer lands
-            assert srv.early_verifies > 0
+            assert srv.instruments.early_verifies > 0
     if mode == "full":  # the budget holds only some requests' full KV: the rest waited
         assert S.WAITING in states
 
@@ -98,7 +98,7 @@ def test_preemption_returns_blocks_and_keeps_identity(llm, serving_prompts, serv
     """A budget that the compressed caches outgrow forces preemption and recomputation."""
     srv = S.ServingEngine(Engine(llm.loaded, mode="lossy", compressor="streaming:ratio=1.0"),
                           device_budget=_full_kv_bytes(llm, 1200), prefill_chunk=256)
-    srv._device_bytes_needed = lambda seq: 1  # admit everything: growth must be handled by preemption
+    srv.memory.needed = srv.memory.transient = lambda req: 1  # admit everything: growth must be handled by preemption
     ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
     states = set()
     for _ in range(3000):
@@ -168,9 +168,11 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
     link = EmulatedLink(gbps=1)
     srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
                           device_budget=1 << 30, link=link)
-    assert srv._draft_to_cover_link() == 0  # nothing measured yet
+    from vericache.engine.schedules import Staggered
+
+    assert Staggered._draft_to_cover_link(srv) == 0  # nothing measured yet
     link.stats.add(1_000_000, 0.0, 0.01)     # measured: 100 MB/s
-    srv.activity.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
+    srv.instruments.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
     rid = srv.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
     req = srv.requests[rid]
     req.state, req.full = S.TRANSFERRING, FullKVCache(llm.loaded.config, "cpu", torch.float32, 1000)
@@ -183,8 +185,8 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
             return False
 
     req.transfer = Pending()
-    backlog_s = srv._transfer_bytes(req) / 100e6
-    assert srv._draft_to_cover_link() == int(backlog_s / 0.002)
+    backlog_s = srv.memory.verify_buffer_bytes(req) / 100e6
+    assert Staggered._draft_to_cover_link(srv) == int(backlog_s / 0.002)
     link.close()
 
 
@@ -213,8 +215,8 @@ def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_refe
     assert reqs[4].opts.compressor.spec() == srv.eng.compressor.spec()  # unset fields: the server's
     for i in (0, 1, 2, 4):
         assert reqs[i].seq.output_ids == serving_reference[i], i
-    assert reqs[1].rounds == 0 and reqs[3].rounds == 0 and all(reqs[i].rounds > 0 for i in (0, 2, 4))
-    assert reqs[0].drafted <= 4 * reqs[0].rounds
+    assert reqs[1].round.rounds == 0 and reqs[3].round.rounds == 0 and all(reqs[i].round.rounds > 0 for i in (0, 2, 4))
+    assert reqs[0].round.drafted <= 4 * reqs[0].round.rounds
     assert srv.link is not None and srv.link.stats.bytes_moved > 0
     assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
 
@@ -261,7 +263,7 @@ def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_
         assert len(flying) <= 1, flying
         groups_seen |= {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING}
     assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference
-    assert len(groups_seen) >= 2 and srv.mean_groups > 1
+    assert len(groups_seen) >= 2 and srv.instruments.mean_groups > 1
 
 
 @pytest.mark.parametrize("resident", [3, 6])
@@ -278,7 +280,7 @@ def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompt
             srv.step()
         assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
         assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
-        rounds = sum(srv.requests[i].rounds for i in ids)
+        rounds = sum(srv.requests[i].round.rounds for i in ids)
         moved[r] = srv.link.stats.bytes_moved / rounds
         srv.link.close()
     if resident == n_layers:

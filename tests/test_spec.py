@@ -12,7 +12,7 @@ import torch
 from vericache import SamplingParams
 from vericache.engine.engine import Engine
 from vericache.engine.sequence import Sequence
-from vericache.spec.adaptive import DraftLengthPolicy
+from vericache.drafting.adaptive import DraftLengthPolicy
 
 SPEC = "snapkv:ratio=0.1"
 

@@ -148,6 +148,9 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
                         metrics.lab(metrics.itl, **labels).observe((now - last) / len(delta.token_ids))
                     last = now
                     metrics.lab(metrics.generation_tokens, **labels).inc(len(delta.token_ids))
+                if delta.finished and delta.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {delta.stats.get('error', 'engine error')}",
+                                   "server_error")
                 yield delta
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -159,24 +162,27 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
             await source.aclose()  # leaving early aborts the request in the backend
 
     async def _sse(deltas, rid: str, chat: bool, include_usage: bool, n_prompt: int):
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name}
         first, n_out = True, 0
-        async for delta in deltas:
-            n_out += len(delta.token_ids)
-            if chat:
-                d = {"content": delta.text} if not first else {"role": "assistant", "content": delta.text}
-                choice = {"index": 0, "delta": d, "finish_reason": delta.finish_reason}
-            else:
-                choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
-            first = False
-            chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-            if delta.finished:
-                chunk["vericache"] = delta.stats
-            yield f"data: {json.dumps(chunk)}\n\n"
-            if delta.finished and include_usage:
-                usage = _usage({"completion_tokens": n_out, **delta.stats}, n_prompt)
-                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
+        try:
+            async for delta in deltas:
+                n_out += len(delta.token_ids)
+                if chat:
+                    d = {"content": delta.text} if not first else {"role": "assistant", "content": delta.text}
+                    choice = {"index": 0, "delta": d, "finish_reason": delta.finish_reason}
+                else:
+                    choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
+                first = False
+                chunk = {**head, "choices": [choice]}
+                if delta.finished:
+                    chunk["vericache"] = delta.stats
+                yield f"data: {json.dumps(chunk)}\n\n"
+                if delta.finished and include_usage:
+                    usage = _usage({"completion_tokens": n_out, **delta.stats}, n_prompt)
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+        except APIError as exc:  # the headers are sent: the error goes in the stream, OpenAI-shaped
+            yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param))}\n\n"
         yield "data: [DONE]\n\n"
 
     def _response(rid, chat, text, reason, stats, n_prompt):
@@ -226,8 +232,9 @@ def _sink(m: Metrics):
             for pos in range(f["accepted"]):
                 m.lab(m.accepted_per_pos, position=str(pos), **labels).inc()
             m.lab(m.acceptance_length, **labels).observe(f["accepted"] + 1)
-        elif event == "phase" and f["kind"] in ("draft", "verify"):
-            m.lab(m.draft_step if f["kind"] == "draft" else m.verify_step).observe(f["seconds"])
+        elif event == "phase" and ("draft" in f["kind"] or "verify" in f["kind"]):
+            # one forward per step: a step with a verification counts as a verify step
+            m.lab(m.verify_step if "verify" in f["kind"] else m.draft_step).observe(f["seconds"])
     return sink
 
 

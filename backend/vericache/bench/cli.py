@@ -26,12 +26,12 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     rows = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
-                            with_transformers=not args.no_transformers,
+                            with_transformers=not args.no_transformers, dtype=args.dtype,
                             log=(lambda m: None) if args.json else print)
     if args.plot:
         plot_decode(rows, args.plot)
     print(json.dumps({"rows": rows}) if args.json else decode_markdown(rows))
-    title = f"Decode: {', '.join(modes)} (CPU, fp32, batch 1, {torch.get_num_threads()} threads)"
+    title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
     plot_md = f"\n\n![decode]({Path(args.plot).name})" if args.plot else ""
     record(args.record, title, decode_markdown(rows) + plot_md, args.argv)
     return 0
@@ -45,17 +45,38 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = run_throughput(args.model, args.requests, args.context, args.max_tokens, args.device_budget,
+    budget = args.device_budget_gb * 1e9 if args.device_budget_gb is not None else args.device_budget
+    res = run_throughput(args.model, args.requests, args.context, args.max_tokens, budget,
                          args.link_gbps, args.compressor, device=args.device, resident_layers=args.resident_layers,
-                         log=(lambda m: None) if args.json else print)
+                         dtype=args.dtype, calibration=args.calibration, log=(lambda m: None) if args.json else print)
     if args.plot:
         plot_timeline(res["timelines"], args.plot, res["link"])
-    cols = ["mode", "tokens_per_s", "x_full", "identical_to_full", "link_utilization", "compute_utilization",
-            "mean_acceptance_length", "link_bytes", "early_verifies", "mean_groups", "wall_s"]
+    cols = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "x_naive",
+            "identical_to_full", "link_utilization", "compute_utilization", "mean_acceptance_length", "link_bytes",
+            "preemptions", "early_verifies", "mean_groups", "wall_s"]
     table = markdown_table(res["rows"], cols)
-    print(json.dumps({"rows": res["rows"], "link": res["link"]}) if args.json else table)
+    print(json.dumps({k: v for k, v in res.items() if k != "timelines"}) if args.json else table)
     plot_md = f"\n\n![timeline]({Path(args.plot).name})" if args.plot else ""
     record(args.record, f"Throughput under a device budget (link: {res['link']})", table + plot_md, args.argv)
+    return 0
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    import torch
+
+    from vericache.bench.batch import batch_markdown, run_batch
+    from vericache.bench.common import record
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m for m in args.modes.split(",") if m]
+    res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
+                    args.draft_len, args.device, log=(lambda m: None) if args.json else print)
+    table = batch_markdown(res)
+    print(json.dumps(res) if args.json else table)
+    title = (f"Batch decode, all KV in one memory: {args.requests} x {args.context} tokens, "
+             f"{res['model']}, weights {res['weights']}, {torch.get_num_threads()} threads")
+    record(args.record, title, table, args.argv)
     return 0
 
 
@@ -92,6 +113,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
+    b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
     b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
@@ -104,7 +126,12 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--device-budget", type=float, default=0.25,
                    help="device KV budget: a fraction (<= 1) of all requests' full KV, or bytes")
+    t.add_argument("--device-budget-gb", type=float, default=None,
+                   help="device KV budget in GB (overrides --device-budget)")
     t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
+    t.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
+    t.add_argument("--calibration", default=None,
+                   help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
     t.add_argument("--compressor", default="snapkv:ratio=0.125")
     t.add_argument("--resident-layers", type=int, default=0,
                    help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
@@ -114,6 +141,21 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--plot", default=None, help="timeline PNG of link and compute per mode")
     t.add_argument("--record", default=None)
     t.set_defaults(func=_cmd_throughput)
+
+    bt = bsub.add_parser("batch", help="N long requests decoded together, all KV in one memory (shared prefill)")
+    bt.add_argument("--model", default=DEFAULT_MODEL)
+    bt.add_argument("--requests", type=int, default=16)
+    bt.add_argument("--context", type=int, default=8000)
+    bt.add_argument("--max-tokens", type=int, default=128)
+    bt.add_argument("--modes", default="full,lossy,vericache", help="comma-separated: full,lossy,vericache")
+    bt.add_argument("--compressor", default="snapkv:ratio=0.125")
+    bt.add_argument("--draft-len", default="auto", type=_draft_len)
+    bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; KV stays fp32)")
+    bt.add_argument("--device", default=None)
+    bt.add_argument("--threads", type=int, default=0)
+    bt.add_argument("--json", action="store_true")
+    bt.add_argument("--record", default=None)
+    bt.set_defaults(func=_cmd_batch)
 
     sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
     sv.add_argument("--url", default="http://127.0.0.1:8000")

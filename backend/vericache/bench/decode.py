@@ -17,7 +17,9 @@ from vericache.sampling import SamplingParams
 
 
 def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype: torch.dtype) -> float:
-    from transformers import AutoModelForCausalLM  # dev extra: only this benchmark needs it
+    from transformers import (
+        AutoModelForCausalLM,  # dev extra: only this benchmark needs it
+    )
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     ids = torch.tensor([prompt])
@@ -34,10 +36,41 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
+@torch.inference_mode()
+def kernel_seconds(llm, keys: int, repeat: int = 5) -> float:
+    """The kernels of one decode step, timed alone: every weight matmul at one row (LM head
+    included) plus one-query attention over ``keys`` keys in every layer."""
+    from vericache.kv.attention import attend_all
+
+    m, cfg, dt = llm.loaded.model, llm.loaded.config, llm.loaded.kv_dtype
+    x = torch.randn(1, cfg.hidden_size, dtype=llm.loaded.dtype)
+    xo = torch.randn(1, cfg.num_attention_heads * cfg.head_dim, dtype=llm.loaded.dtype)
+    xi = torch.randn(1, cfg.intermediate_size, dtype=llm.loaded.dtype)
+    q = torch.randn(cfg.num_attention_heads, 1, cfg.head_dim, dtype=dt)
+    k = torch.randn(cfg.num_key_value_heads, max(keys, 1), cfg.head_dim, dtype=dt)
+    v = torch.randn_like(k)
+
+    def step():
+        for layer in m.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(xo)
+            mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(xi)
+            attend_all(q, k, v)
+        m.lm_head(x)
+
+    step()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    return (time.perf_counter() - t) / repeat
+
+
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
-                     draft_len: int | str = "auto", with_transformers: bool = True, log=print) -> list[dict]:
-    """Decode tokens/s of each mode on the same prompt, side by side, one context at a time."""
-    llm = LLM(model, device="cpu", dtype="float32", compressor=compressor, draft_len=draft_len)
+                     draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
+                     device: str = "cpu", log=print) -> list[dict]:
+    """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; for
+    full and lossy, ``overhead`` = measured step time / the step's kernels timed alone."""
+    llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
@@ -56,12 +89,18 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             if ref is not None:
                 row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
                 row["identical_to_full"] = out.token_ids == ref.token_ids
+            if mode in ("full", "lossy") and st["decode_tokens_per_s"] > 0 and device == "cpu":
+                kept = ctx if mode == "full" else int((ctx + max_tokens / 2) * st.get("compression_ratio", 1.0))
+                kernels = kernel_seconds(llm, kept)
+                row["step_ms"] = round(1e3 / st["decode_tokens_per_s"], 2)
+                row["kernels_ms"] = round(kernels * 1e3, 2)
+                row["overhead"] = round(row["step_ms"] / row["kernels_ms"], 2)
             rows.append(row)
             log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
                 + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
                 + (f", mean acceptance length {row['mean_acceptance_length']}" if mode == "vericache" else ""))
         if with_transformers:
-            hf = hf_decode_tokens_per_s(str(llm.loaded.path), prompt, max_tokens, torch.float32)
+            hf = hf_decode_tokens_per_s(str(llm.loaded.path), prompt, max_tokens, llm.loaded.dtype)
             row = {"context": ctx, "mode": "transformers-generate (full KV)", "tokens_per_s": round(hf, 1)}
             if ref is not None:
                 row["ratio_to_full"] = round(hf / ref.stats["decode_tokens_per_s"], 2)
@@ -71,7 +110,7 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
 
 
 COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "ratio_to_full", "identical_to_full",
-           "mean_acceptance_length", "acceptance_rate", "compression_ratio"]
+           "mean_acceptance_length", "acceptance_rate", "compression_ratio", "step_ms", "kernels_ms", "overhead"]
 
 
 def decode_markdown(rows: list[dict]) -> str:

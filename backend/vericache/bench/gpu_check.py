@@ -92,6 +92,36 @@ def step_times(contexts: list[int], k: int = 32, compressor: str = "snapkv:ratio
     return rows
 
 
+FAMILIES = ("snapkv:ratio=0.125", "streaming:ratio=0.125", "h2o:ratio=0.125", "kvzip:ratio=0.25", "kivi:bits=2",
+            "int4", "fp8", "snapkv:ratio=0.125+kivi:bits=2")
+
+
+def identity_on_cuda(context: int = 2048, max_tokens: int = 48) -> list[dict]:
+    """VeriCache == full KV, token for token, on CUDA for every compressor family (bf16)."""
+    from vericache.bench.common import code_prompt
+    from vericache.llm import LLM
+    from vericache.sampling import SamplingParams
+
+    llm = LLM(DEFAULT_MODEL, device="cuda")
+    eng, params = llm.engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompt = code_prompt(llm.tokenizer, context)
+    ref = eng.generate([eng.new_sequence(0, prompt, params)], "full")[0]
+    rows = []
+    for spec in FAMILIES:
+        eng.compressor = eng.defaults.compressor = parse_spec(spec)
+        out = eng.generate([eng.new_sequence(0, prompt, params)], "vericache")[0]
+        rows.append({"compressor": spec, "identical_to_full": out.token_ids == ref.token_ids,
+                     "mean_acceptance_length": out.stats.get("mean_acceptance_length")})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def parse_spec(spec: str):
+    from vericache.compress.registry import parse_compressor
+
+    return parse_compressor(spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="gpu_check_out")
@@ -107,8 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     report["copy"] = copy_bandwidth()
     print(json.dumps(report["copy"]), flush=True)
     report["steps"] = step_times([int(c) for c in args.contexts.split(",")])
+    report["identity"] = identity_on_cuda()
 
+    from vericache.bench.batch import run_batch
+    from vericache.bench.decode import run_decode_bench
     from vericache.bench.throughput import plot_timeline, run_throughput
+
+    report["decode"] = run_decode_bench(DEFAULT_MODEL, [8000], 96, ["full", "lossy", "vericache"],
+                                        "snapkv:ratio=0.125", with_transformers=False, dtype="bfloat16", device="cuda")
+    report["batch"] = run_batch(DEFAULT_MODEL, 16, 8000, 128, ["full", "lossy", "vericache"], "snapkv:ratio=0.125",
+                                device="cuda")["rows"]
     from vericache.sim.cost_model import GPUS, MODELS, SimConfig, simulate
 
     res = run_throughput(DEFAULT_MODEL, 16, 8192, 128, 0.25, 0.0, "snapkv:ratio=0.125", device="cuda", resident_layers=3)

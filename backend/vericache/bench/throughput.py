@@ -8,34 +8,47 @@ bytes at the configured bandwidth, so every link figure from this command on CPU
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
-from vericache.bench.common import code_prompt
+from vericache.bench.batch import decode_all, distinct_prompts
 from vericache.engine.engine import Engine
 from vericache.engine.serving import ServingEngine
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache.sim.calibrate import default_path, load, predict
 
 MODES = ("full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped")
 
 
 def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, device_budget: float,
                    link_gbps: float, compressor: str, device: str | None = None, modes=MODES,
-                   resident_layers: int = 0, log=print) -> dict:
-    """The modes side by side on the same requests; ``resident_layers`` > 0 adds vericache-resident
-    (staggered, with that many layers of every request's full KV kept on the device)."""
-    llm = LLM(model, device=device, dtype="float32" if device in (None, "cpu") else None)
-    ids = code_prompt(llm.tokenizer, context * n_requests + n_requests)
-    prompts = [ids[i * context : (i + 1) * context] for i in range(n_requests)]
-    per_pos = llm.loaded.config.kv_bytes_per_position(llm.loaded.dtype.itemsize)
+                   resident_layers: int = 0, dtype: str | None = None, calibration: str | None = None,
+                   log=print) -> dict:
+    """The modes side by side on the same requests, decode only (each prompt is prefilled once and
+    shared). ``device_budget``: bytes of KV the device may hold (> 1) or a fraction (<= 1) of all
+    requests' full KV. ``resident_layers`` > 0 adds vericache-resident (staggered, with that many
+    layers of every request's full KV kept on the device)."""
+    llm = LLM(model, device=device, dtype=dtype)
+    prompts = distinct_prompts(llm.tokenizer, n_requests, context)
+    per_pos = llm.loaded.config.kv_bytes_per_position(llm.loaded.kv_dtype.itemsize)
     all_full = n_requests * (context + max_tokens + 1) * per_pos
     budget = int(device_budget * all_full) if device_budget <= 1 else int(device_budget)
-    log(f"{n_requests} requests x {context} tokens, {max_tokens} new each; full KV of all: {all_full / 1e6:.1f} MB; "
-        f"device budget {budget / 1e6:.1f} MB; link {link_gbps} Gbit/s "
-        f"({'emulated' if llm.loaded.device.type == 'cpu' else 'real PCIe'})")
+    cuda = llm.loaded.device.type == "cuda"
+    log(f"{n_requests} requests x {context} tokens, {max_tokens} new each; full KV of all: {all_full / 1e9:.2f} GB; "
+        f"device budget {budget / 1e9:.2f} GB; link {link_gbps} Gbit/s ({'real PCIe' if cuda else 'emulated'})")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    base = Engine(llm.loaded, mode="full", compressor=compressor)
+    t0, prefills = time.perf_counter(), []
+    for i, p in enumerate(prompts):
+        prefills.append(base.shared_prefill(base.new_sequence(i, p, params)))
+        log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
+    cal_path = calibration or default_path(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."))
+    cal = load(Path(cal_path)) if not cuda else None
+    if cal is None and not cuda:
+        log(f"no calibration at {cal_path}: run `vericache sim --calibrate` for predicted_tokens_per_s")
     rows, timelines, reference = [], {}, None
     if resident_layers:
         modes = tuple(modes) + ("vericache-resident",)
@@ -45,56 +58,57 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
         scheduler = "staggered" if scheduler == "resident" else scheduler
         link = None
         if engine_mode == "vericache":
-            link = CudaLink(llm.loaded.device) if llm.loaded.device.type == "cuda" else EmulatedLink(link_gbps)
-        srv = ServingEngine(Engine(llm.loaded, mode=engine_mode, compressor=compressor), device_budget=budget,
-                            scheduler=scheduler, link=link, resident_layers=resident)
+            link = CudaLink(llm.loaded.device) if cuda else EmulatedLink(link_gbps)
+        eng = Engine(llm.loaded, mode=engine_mode, compressor=compressor)
+        srv = ServingEngine(eng, device_budget=budget, scheduler=scheduler, link=link, resident_layers=resident)
+        seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(prompts)]
         try:
-            rids = [srv.add_request(p, params) for p in prompts]
+            res = decode_all(srv, seqs, None, prefills, log, mode)
         except ValueError as exc:  # e.g. one request's verification buffer exceeds the budget
             rows.append({"mode": mode, "tokens_per_s": 0.0, "error": str(exc)})
             log(f"{mode}: cannot run: {exc}")
             continue
-        t0 = time.perf_counter()
-        last_log = t0
-        while srv.has_unfinished():
-            srv.step()
-            if time.perf_counter() - last_log > 10:
-                done = sum(len(srv.requests[r].seq.output_ids) for r in rids)
-                log(f"  {mode}: {done}/{n_requests * max_tokens} tokens after {time.perf_counter() - t0:.0f} s")
-                last_log = time.perf_counter()
-        if llm.loaded.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        outs = [srv.requests[r].seq.output_ids for r in rids]
-        if mode == "full":
-            reference = outs
-        tokens = sum(len(o) for o in outs)
+        wall = res["decode_s"]
+        outs = [s.output_ids for s in seqs]
+        reference = outs if mode == "full" else reference
+        decoded = sum(len(o) - 1 for o in outs)
+        rounds = sum(s.stats.get("rounds", 0) for s in seqs)
+        drafted = sum(s.stats.get("drafted_tokens", 0) for s in seqs)
         link_busy = link.stats.busy_s if link is not None else 0.0
-        row = {"mode": mode, "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 2),
+        acceptance = decoded / rounds if rounds else 1.0
+        row = {"mode": mode, "tokens_per_s": round(decoded / wall, 2), "wall_s": round(wall, 2),
                "identical_to_full": outs == reference if reference is not None else None,
                "link_utilization": round(link_busy / wall, 3),
-               "compute_utilization": round(srv.activity.busy_s() / wall, 3),
+               "compute_utilization": round(srv.instruments.busy_s() / wall, 3),
                "link_bytes": link.stats.bytes_moved if link is not None else 0,
-               "mean_acceptance_length": _mean_acceptance(srv) if engine_mode == "vericache" else None,
-               "mean_groups": round(srv.mean_groups, 2) if scheduler == "grouped" else None,
-               "early_verifies": srv.early_verifies if engine_mode == "vericache" else None,
-               "rounds": sum(srv.requests[r].rounds for r in rids)}
+               "mean_acceptance_length": round(acceptance, 2) if rounds else None,
+               "mean_groups": round(srv.instruments.mean_groups, 2) if scheduler == "grouped" else None,
+               "early_verifies": srv.instruments.early_verifies if engine_mode == "vericache" else None,
+               "preemptions": srv.instruments.preemptions, "rounds": rounds}
+        if cal is not None and not resident:
+            comp = eng.compressor
+            kept = comp.nominal_ratio(llm.loaded.kv_dtype.itemsize) if comp.evicts else 1.0
+            row["predicted_tokens_per_s"] = round(predict(
+                cal, mode, n_requests, context + max_tokens // 2, budget, link_gbps * 1e9 / 8, kept, comp.window,
+                acceptance, drafted / rounds if rounds else 0.0), 2)
+            row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
-        log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
-            f"link {row['link_utilization']:.0%}, compute {row['compute_utilization']:.0%}")
-        timelines[mode] = (t0, srv.activity.intervals, list(link.stats.intervals) if link is not None else [])
+        log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
+            f"identical={row['identical_to_full']}, link {row['link_utilization']:.0%}, "
+            f"compute {row['compute_utilization']:.0%}")
+        t_start = srv.instruments.intervals[0][0] if srv.instruments.intervals else 0.0
+        timelines[mode] = (t_start, srv.instruments.intervals, list(link.stats.intervals) if link is not None else [])
         if link is not None:
             link.close()
-    full_tps = rows[0]["tokens_per_s"] if rows and rows[0]["mode"] == "full" else None
+    by_mode = {r["mode"]: r["tokens_per_s"] for r in rows}
     for r in rows:
-        r["x_full"] = round(r["tokens_per_s"] / full_tps, 2) if full_tps else None
-    return {"rows": rows, "timelines": timelines, "link": "emulated" if llm.loaded.device.type == "cpu" else "pcie"}
-
-
-def _mean_acceptance(srv: ServingEngine) -> float:
-    reqs = list(srv.requests.values())
-    rounds = sum(r.rounds for r in reqs)
-    return round(sum(r.accepted + r.rounds for r in reqs) / rounds, 2) if rounds else 0.0
+        r["x_full"] = round(r["tokens_per_s"] / by_mode["full"], 2) if by_mode.get("full") else None
+        if by_mode.get("vericache-naive") and r["mode"].startswith("vericache"):
+            r["x_naive"] = round(r["tokens_per_s"] / by_mode["vericache-naive"], 2)
+    return {"rows": rows, "timelines": timelines, "link": "pcie" if cuda else "emulated",
+            "device_budget_bytes": budget, "calibration": str(cal_path) if cal is not None else None}
 
 
 def plot_timeline(timelines: dict, path: str, link_kind: str) -> None:
@@ -104,10 +118,12 @@ def plot_timeline(timelines: dict, path: str, link_kind: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"prefill": "tab:gray", "decode": "tab:blue", "draft": "tab:green", "verify": "tab:red"}
+    # a step packs several kinds of rows: it is drawn in the colour of its costliest kind
+    main = lambda kinds: next(k for k in ("verify", "prefill", "decode", "draft") if k in kinds)  # noqa: E731
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.3 * len(timelines) + 0.8), squeeze=False)
     for ax, (mode, (t0, compute, link)) in zip(axes[:, 0], timelines.items()):
         for kind in colors:
-            spans = [(s - t0, e - s) for s, e, k in compute if k == kind]
+            spans = [(s - t0, e - s) for s, e, k in compute if main(k) == kind]
             if spans:
                 ax.broken_barh(spans, (10, 8), color=colors[kind], label=kind)
         if link:

@@ -25,7 +25,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes
     per = 8 // bits
     c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
 
@@ -33,7 +33,7 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed
     per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
@@ -96,7 +96,7 @@ class KIVI(QuantCompressor):
             codes.append(c)
             k_hat.append(dq)
             # the group's scale+zero (2 x D fp16) are shared by its t tokens: each row carries 1/t
-            shared_bytes.append(torch.full((h, t), 2 * d * 2 / t))
+            shared_bytes.append(torch.full((h, t), 2 * d * 2 / t, device=k.device))
         vrows, v_hat = _per_token_groups(v, self.group, self.bits, "v")
         rows = {"kcodes": pack_bits(torch.cat(codes, dim=1), self.bits), **vrows,
                 "kscale_bytes": torch.cat(shared_bytes, dim=1)}

@@ -1,7 +1,7 @@
-"""The batched generation loop: prefill, then decode until every request finishes.
+"""The engine's front: a loaded model, the default options, request checks and ``generate``.
 
-Full mode decodes one token per request per step over the full KV. The
-speculative modes (lossy, vericache) plug in through ``vericache.spec``.
+``generate`` adds the requests to a ``ServingEngine`` (the one step loop the server and the benches
+drive too) with every cache in one memory, and steps until all are done.
 """
 
 from __future__ import annotations
@@ -14,16 +14,22 @@ import torch
 
 from vericache.compress.base import Compressor
 from vericache.compress.registry import parse_compressor
-from vericache.engine.options import MODES, RequestOptions, ResolvedOptions, check_mode, resolve_options
+from vericache.drafting.adaptive import DraftLengthPolicy
+from vericache.engine.options import (
+    MODES,
+    RequestOptions,
+    ResolvedOptions,
+    check_mode,
+    resolve_options,
+)
 from vericache.engine.sequence import RequestOutput, Sequence
+from vericache.engine.serving import ServingEngine
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.loader import LoadedModel
-from vericache.sampling import SamplingParams, choose_token
-from vericache.spec.adaptive import DraftLengthPolicy
-from vericache.spec.decoding import SpecDecoder
+from vericache.sampling import SamplingParams
 
-__all__ = ["MODES", "DEFAULT_COMPRESSOR", "Engine", "SharedPrefill", "timing_stats"]
+__all__ = ["MODES", "DEFAULT_COMPRESSOR", "Engine", "SharedPrefill"]
 DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
 
 
@@ -39,11 +45,17 @@ class SharedPrefill:
     prompt_len: int
     seconds: float
 
-    def reset(self, seq: Sequence) -> FullKVCache:
-        """The full cache, back at the end of the prompt, for ``seq`` (which must have this prompt)."""
+    def check(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) != self.prompt_len:
             raise ValueError(f"request {seq.request_id} has a {len(seq.prompt_ids)}-token prompt; "
                              f"this prefill is of {self.prompt_len} tokens")
+        if self.full.capacity < self.prompt_len + seq.params.max_tokens + 1:
+            raise ValueError(f"this prefill has room for {self.full.capacity} positions; request "
+                             f"{seq.request_id} needs {self.prompt_len + seq.params.max_tokens + 1}")
+
+    def reset(self, seq: Sequence) -> FullKVCache:
+        """The full cache, back at the end of the prompt, for ``seq`` (which must have this prompt)."""
+        self.check(seq)
         self.full.truncate(self.prompt_len)
         return self.full
 
@@ -70,18 +82,18 @@ class Engine:
                  prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
         """Run requests to completion in ``mode`` (default: the engine's); ``prefills[i]``, when
         given, is seqs[i]'s prompt already prefilled (``shared_prefill``), reused instead of redone."""
-        mode = mode or self.mode
         if prefills is not None and len(prefills) != len(seqs):
             raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
-        if mode == "full":
-            return self.generate_full(seqs, prefills)
-        decoder = SpecDecoder(self, self.compressor, self.policy, prefills)
-        if mode == "lossy":
-            decoder.generate_lossy(seqs)
-        elif mode == "vericache":
-            decoder.generate_vericache(seqs)
-        else:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        opts = self.resolve(RequestOptions(mode=check_mode(mode or self.mode)))
+        srv = ServingEngine(self, offload=False, prefill_chunk=self.prefill_chunk)
+        ids = [seq.request_id for seq in seqs]
+        rids = [srv.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
+        while srv.has_unfinished():
+            srv.step()
+        for seq, rid, own_id in zip(seqs, rids, ids):
+            seq.request_id = own_id
+            if srv.requests[rid].error:
+                raise RuntimeError(f"request {own_id} failed: {srv.requests[rid].error}")
         return [s.to_output() for s in seqs]
 
     # ------------------------------------------------------------------ limits
@@ -110,17 +122,14 @@ class Engine:
         return Sequence(request_id, prompt_ids, params, self.tokenizer, self.tokenizer.eos_token_ids)
 
     def new_cache(self, seq: Sequence) -> FullKVCache:
-        return FullKVCache(self.cfg, self.loaded.device, self.loaded.dtype,
+        return FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype,
                            capacity=len(seq.prompt_ids) + seq.params.max_tokens + 1)
 
     # ------------------------------------------------------------------ forward helpers
     @torch.inference_mode()
     def prefill(self, ids: list[int], caches: Seq, start: int = 0) -> torch.Tensor:
-        """Run ``ids`` (positions start..) through the model in chunks; returns the last logits [V].
-
-        ``caches`` is a list of caches that all receive the same prompt (a full
-        cache, and in VeriCache mode the draft cache alongside).
-        """
+        """Run ``ids`` (positions start..) through the model in chunks over each of ``caches``;
+        returns the last logits [V] (of the first cache)."""
         dev = self.loaded.device
         logits = None
         for cache in caches:
@@ -132,46 +141,9 @@ class Engine:
         return logits
 
     @torch.inference_mode()
-    def decode_step(self, tokens: list[int], starts: list[int], caches: Seq) -> torch.Tensor:
-        """One token per sequence: tokens[i] at position starts[i]. Returns logits [B, V]."""
-        t = torch.tensor(tokens, device=self.loaded.device)
-        return self.model(t, starts, [1] * len(tokens), caches)
-
-    @torch.inference_mode()
     def shared_prefill(self, seq: Sequence, window: int = 64) -> SharedPrefill:
         """Prefill ``seq``'s prompt once over a full cache, keeping what any compressor needs."""
         t0 = time.perf_counter()
         full, recorder = self.new_cache(seq), QueryRecorder(self.cfg.num_hidden_layers, window)
         logits = self.prefill(seq.prompt_ids, [TeeCache(full, recorder)])
         return SharedPrefill(full, recorder.queries, logits, len(seq.prompt_ids), time.perf_counter() - t0)
-
-    # ------------------------------------------------------------------ full mode
-    def generate_full(self, seqs: list[Sequence], prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        caches = {}
-        for i, seq in enumerate(seqs):
-            if prefills is not None:
-                caches[seq.request_id], logits = prefills[i].reset(seq), prefills[i].logits
-            else:
-                caches[seq.request_id] = self.new_cache(seq)
-                logits = self.prefill(seq.prompt_ids, [caches[seq.request_id]])
-            seq.append(choose_token(logits, seq.params, seq.generator))
-        t1 = time.perf_counter()
-        while active := [s for s in seqs if not s.finished]:
-            logits = self.decode_step([s.all_ids[-1] for s in active],
-                                      [len(s.all_ids) - 1 for s in active],
-                                      [caches[s.request_id] for s in active])
-            for row, seq in zip(logits, active):
-                seq.append(choose_token(row, seq.params, seq.generator))
-        t2 = time.perf_counter()
-        for seq in seqs:
-            seq.stats.update(timing_stats(t1 - t0, t2 - t1, len(seq.output_ids)))
-            seq.stats["mode"] = "full"
-        return [s.to_output() for s in seqs]
-
-
-def timing_stats(prefill_s: float, decode_s: float, n_out: int) -> dict[str, float]:
-    """The first token comes from prefill; decode speed counts the tokens after it."""
-    decoded = max(n_out - 1, 0)
-    return {"prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6),
-            "decode_tokens_per_s": round(decoded / decode_s, 3) if decode_s > 0 else 0.0}

@@ -18,7 +18,8 @@ import torch
 
 from vericache.compress.base import Compressor, ScoreInputs
 from vericache.config import ModelConfig
-from vericache.kv.full import FullKVCache, attend_dense
+from vericache.kv.attention import attend_all, chunk_parts, merge
+from vericache.kv.full import FullKVCache
 
 
 class CompressedKVCache:
@@ -66,15 +67,11 @@ class CompressedKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1
         self.observe(layer, q, k, v)
-        end = self.residual.length
-        keys = torch.cat([self.store_k[layer], self.residual.k[layer, :, :end]], dim=1)    # [Hkv, K+R, D]
-        vals = torch.cat([self.store_v[layer], self.residual.v[layer, :, :end]], dim=1)
-        n_store = self.store_k[layer].shape[1]
-        key_pos = None
-        if q.shape[1] > 1:  # stored tokens precede every query; the residual part is causal
-            key_pos = torch.cat([torch.full((n_store,), -1, device=q.device),
-                                 torch.arange(self.res_start, self.res_start + end, device=q.device)])
-        return attend_dense(q, keys, vals, self._start, key_positions=key_pos)
+        # the stored tokens precede every query (unmasked); the residual is read where it lies
+        parts = chunk_parts(q, self.residual.k[layer], self.residual.v[layer], self._start - self.res_start)
+        if self.store_k[layer].shape[1]:
+            parts.insert(0, attend_all(q, self.store_k[layer], self.store_v[layer]))
+        return merge(parts)
 
     # ------------------------------------------------------------------ commits and compression
     def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor]) -> None:

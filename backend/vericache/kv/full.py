@@ -10,30 +10,9 @@ uses rather than for max_tokens up front.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vericache.config import ModelConfig
-
-
-def attend_dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                 key_positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of a query chunk over dense keys.
-
-    q: [Hq, T, D] at positions start..start+T-1; keys, values: [Hkv, S, D].
-    Key j sits at position ``key_positions[j]`` (default: j). Returns [Hq, T, D].
-    """
-    t, s = q.shape[1], keys.shape[1]
-    if key_positions is None and t == 1:
-        mask = None  # one query at the newest position sees every key
-    else:
-        kpos = key_positions if key_positions is not None else torch.arange(s, device=q.device)
-        qpos = torch.arange(start, start + t, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]                                  # [T, S]
-    # 4-D inputs reach the fused CPU/GPU kernels (3-D ones fall back to the slow math path, ~10x
-    # slower here); enable_gqa shares each KV head across its query group without copying K/V.
-    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                         enable_gqa=q.shape[0] != keys.shape[0])
-    return out[0]
+from vericache.kv.attention import attend_chunk
 
 
 class FullKVCache:
@@ -91,4 +70,4 @@ class FullKVCache:
         s, t = self._start, q.shape[1]
         self.k[layer, :, s : s + t] = k
         self.v[layer, :, s : s + t] = v
-        return attend_dense(q, self.k[layer, :, : s + t], self.v[layer, :, : s + t], s)
+        return attend_chunk(q, self.k[layer], self.v[layer], s)

@@ -33,6 +33,13 @@ class Transfer:
     cuda_events: list | None = None
     started_at: float = 0.0
     finished_at: float = 0.0
+    cancelled: bool = False
+    error: str | None = None        # the copy failed: every event is set so no one waits forever
+
+    def cancel(self) -> None:
+        """The request is gone: the copier skips this transfer if it has not started it (a CUDA
+        buffer is kept alive by ``record_stream`` until its copies finish)."""
+        self.cancelled = True
 
     def wait_layer(self, layer: int) -> None:
         if self.cuda_events is not None:
@@ -95,20 +102,34 @@ class EmulatedLink:
 
     def _run(self) -> None:
         while (t := self._queue.get()) is not None:
-            t.started_at = time.perf_counter()
-            deadline = t.started_at + self.latency_s
-            for layer in range(t.dst.k.shape[0]):
-                start, src = time.perf_counter(), t.first_layer + layer
-                t.dst.k[layer, :, : t.length] = t.src.k[src, :, : t.length]  # the real bytes move
-                t.dst.v[layer, :, : t.length] = t.src.v[src, :, : t.length]
-                nbytes = 2 * t.src.k[src, :, : t.length].numel() * t.src.k.element_size()
-                deadline += nbytes / self.bytes_per_s
-                if (pause := deadline - time.perf_counter()) > 0:
-                    time.sleep(pause)
-                self.stats.add(nbytes, start, time.perf_counter())
-                t.layer_ready[layer].set()
-            t.finished_at = time.perf_counter()
-            t.done.set()
+            try:
+                if not t.cancelled:
+                    with torch.inference_mode():  # the buffers are inference tensors
+                        self._move(t)
+            except Exception as exc:  # noqa: BLE001 - the engine fails this request; the link goes on
+                t.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                for ev in t.layer_ready:
+                    ev.set()
+                t.finished_at = t.finished_at or time.perf_counter()
+                t.done.set()
+
+    def _move(self, t: Transfer) -> None:
+        t.started_at = time.perf_counter()
+        deadline = t.started_at + self.latency_s
+        for layer in range(t.dst.k.shape[0]):
+            if t.cancelled:
+                return
+            start, src = time.perf_counter(), t.first_layer + layer
+            t.dst.k[layer, :, : t.length] = t.src.k[src, :, : t.length]  # the real bytes move
+            t.dst.v[layer, :, : t.length] = t.src.v[src, :, : t.length]
+            nbytes = 2 * t.src.k[src, :, : t.length].numel() * t.src.k.element_size()
+            deadline += nbytes / self.bytes_per_s
+            if (pause := deadline - time.perf_counter()) > 0:
+                time.sleep(pause)
+            self.stats.add(nbytes, start, time.perf_counter())
+            t.layer_ready[layer].set()
+        t.finished_at = time.perf_counter()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -149,6 +170,8 @@ class CudaLink:
         t = Transfer(src, length, dst, first_layer, cuda_events=[])
         t.started_at = time.perf_counter()
         start = torch.cuda.Event(enable_timing=True)
+        # the buffer was zero-filled on the compute stream: the copies must come after that
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             for layer in range(dst.k.shape[0]):
@@ -157,6 +180,9 @@ class CudaLink:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.stream)
                 t.cuda_events.append(ev)
+        # the caching allocator must not hand the buffer out again before these copies finish
+        dst.k.record_stream(self.stream)
+        dst.v.record_stream(self.stream)
         with self._lock:
             self._pending.append((t, start, 2 * dst.k[:, :, :length].numel() * src.k.element_size()))
         return t

@@ -94,6 +94,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+        # attention (and the KV it stores) runs in cos.dtype: fp32 under bf16 weights on CPU
+        q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if caches is None:
             out = self._causal_no_cache(q, k, v, seq_lens)
@@ -105,7 +107,7 @@ class Attention(nn.Module):
                 start += t
             out = torch.cat(outs, dim=1)
         # out: [Hq, N, D] -> [N, Hq*D]
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        return self.o_proj(out.transpose(0, 1).reshape(n, -1).to(x.dtype))
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          seq_lens: Sequence[int]) -> torch.Tensor:
@@ -162,6 +164,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # dtype of attention and of the KV caches; None = the weights' dtype. On CPU bf16 weights
+        # run on AMX while attention stays fp32 (this CPU's bf16 attention kernels are ~10x slower).
+        self.attn_dtype: torch.dtype | None = None
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
                 caches: Sequence[AttentionCache] | None = None,
@@ -181,7 +186,8 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)                                # [N, hidden]
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)           # [N, D]
+        adt = self.attn_dtype or x.dtype
+        cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
         for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

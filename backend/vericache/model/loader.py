@@ -33,6 +33,11 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return DTYPES[dtype]
 
 
+def kv_dtype_for(weights: torch.dtype, device: torch.device) -> torch.dtype:
+    """Attention and KV dtype: the weights' on accelerators; fp32 on CPU, where fp32 attention is the fast one."""
+    return torch.float32 if device.type == "cpu" else weights
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.exists():
@@ -79,8 +84,13 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype          # the weights'
     name: str = ""  # what the user asked for: a model name, a directory or a .gguf file
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV caches hold and attention computes in (``kv_dtype_for``)."""
+        return self.model.attn_dtype or self.dtype
 
 
 def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
@@ -102,5 +112,6 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
         )
     model = model.to(device=dev, dtype=dt).eval()
     model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay fp32 whatever the weights are
+    model.attn_dtype = kv_dtype_for(dt, dev)
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
     return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path))

@@ -8,6 +8,7 @@ each request's own queue. Aborting frees the request's KV at the next loop turn 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,8 @@ from typing import Callable
 from vericache.engine.options import RequestOptions
 from vericache.engine.serving import FINISHED, ServingEngine
 from vericache.sampling import SamplingParams
+
+log = logging.getLogger("vericache.service")
 
 
 class QueueFull(RuntimeError):
@@ -67,6 +70,8 @@ class EngineService:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._draining = False
+        self._broken = False
+        self._step_errors = 0
         self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
         self._thread.start()
 
@@ -95,13 +100,14 @@ class EngineService:
         self._commands.put(("abort", rid))
 
     def num_running(self) -> int:
-        return sum(1 for r in list(self.serving.requests.values()) if r.state not in ("waiting", "finished", "aborted"))
+        return sum(1 for r in list(self.serving.requests.values()) if r.state != "waiting" and not r.done)
 
     def num_waiting(self) -> int:
         return sum(1 for r in list(self.serving.requests.values()) if r.state == "waiting")
 
     def healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        """False only when the engine cannot go on (its thread is gone or its steps keep failing)."""
+        return self._thread.is_alive() and not self._stop.is_set() and not self._broken
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish (up to ``drain_timeout``), then stop."""
@@ -124,14 +130,24 @@ class EngineService:
                 except queue.Empty:
                     pass
                 continue
-            n_phases = len(self.serving.activity.intervals)
-            outs = self.serving.step()
-            for start, end, kind in self.serving.activity.intervals[n_phases:]:
+            inst = self.serving.instruments
+            n_phases = len(inst.intervals)
+            try:
+                outs = self.serving.step()
+                self._step_errors = 0
+            except Exception:  # noqa: BLE001 - the engine's own bookkeeping broke: fail what runs, go on
+                log.exception("engine step failed")
+                self._step_errors += 1
+                outs = self.serving.fail_unfinished("the engine step failed; see the server log")
+                if self._step_errors >= 3:  # it keeps failing: the engine cannot go on (/health: 503)
+                    self._broken = True
+                    self._stop.set()
+            for start, end, kind in inst.intervals[n_phases:]:
                 self.metrics("phase", {"kind": kind, "seconds": end - start})
-            del self.serving.activity.intervals[:]  # a long-running server keeps no history
-            for rid, drafted, accepted in self.serving.round_log:
+            del inst.intervals[:]  # a long-running server keeps no history
+            for rid, drafted, accepted in inst.round_log:
                 self.metrics("round", {"drafted": drafted, "accepted": accepted, **self._labels(rid)})
-            self.serving.round_log.clear()
+            inst.round_log.clear()
             for o in outs:
                 self._deliver(o)
 
@@ -185,10 +201,13 @@ class EngineService:
         self._texts[o.request_id] = prev + text_delta
         stats = {}
         if o.finished:
-            stats = {**self._labels(o.request_id), "rounds": req.rounds, "drafted_tokens": req.drafted,
-                     "accepted_tokens": req.accepted, "prompt_tokens": len(req.seq.prompt_ids),
+            rs = req.round
+            stats = {**self._labels(o.request_id), "rounds": rs.rounds, "drafted_tokens": rs.drafted,
+                     "accepted_tokens": rs.accepted, "prompt_tokens": len(req.seq.prompt_ids),
                      "completion_tokens": len(req.seq.output_ids),
                      "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
+            if o.error:
+                stats["error"] = o.error
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
             del self._streams[o.request_id], self._texts[o.request_id]
             self.serving.requests.pop(o.request_id, None)  # finished requests are not kept forever

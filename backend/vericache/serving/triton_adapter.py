@@ -22,6 +22,10 @@ from vericache.sampling import SamplingParams
 from vericache.serving.service import EngineService, RequestStream
 
 
+class GenerationFailed(RuntimeError):
+    """The engine failed this request (a step raised for it): Triton answers with an error response."""
+
+
 class InvalidInput(ValueError):
     """Maps to Triton's INVALID_ARG."""
 
@@ -118,6 +122,8 @@ class TritonAdapter:
                     self.service.abort(job.stream.id)
                     return
                 continue
+            if d.finished and d.finish_reason == "error":
+                raise GenerationFailed(f"generation failed: {d.stats.get('error', 'engine error')}")
             text += d.text
             ids += d.token_ids
             if job.streaming and (d.text or d.finished):

@@ -6,8 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
-from vericache.sim.cost_model import (GPUS, MODELS, PCIE, SimConfig, explain, gpus_needed, simulate,
-                                      tensor_parallel)
+from vericache.sim.cost_model import (
+    GPUS,
+    MODELS,
+    PCIE,
+    SimConfig,
+    explain,
+    gpus_needed,
+    simulate,
+    tensor_parallel,
+)
 
 
 def sim_config(gpu: str, link: str, model: str, context: int, n_gpus: int = 0, **kw) -> SimConfig:
@@ -63,12 +71,35 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None)
     p.add_argument("--record", default=None, help="append the table and the command to this markdown file")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's rates (weight step, attention bandwidth and compute, link) with "
+                        "--calib-model and store them for `bench throughput`'s predicted_tokens_per_s")
+    p.add_argument("--calib-model", default=None, help="model to calibrate with (default: the default model)")
+    p.add_argument("--calib-dtype", default=None, help="weights dtype to calibrate (float32 or bfloat16)")
+    p.add_argument("--calib-out", default=None, help="where to store the calibration (default: the cache dir)")
     p.set_defaults(func=_cmd_sim)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from vericache.model.registry import DEFAULT_MODEL
+    from vericache.sim.calibrate import calibrate, default_path, save
+
+    model = args.calib_model or DEFAULT_MODEL
+    dtype = args.calib_dtype or "float32"
+    cal = calibrate(model, dtype, log=(lambda m: None) if args.json else print)
+    path = Path(args.calib_out) if args.calib_out else default_path(model, dtype)
+    save(cal, path)
+    print(json.dumps({**asdict(cal), "path": str(path)}) if args.json else f"stored in {path}")
+    return 0
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     from vericache.bench.common import markdown_table
 
+    if args.calibrate:
+        return _cmd_calibrate(args)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
     if bad:

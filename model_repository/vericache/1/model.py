@@ -6,7 +6,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from vericache.serving.triton_adapter import InvalidInput, TritonAdapter
+from vericache.serving.triton_adapter import GenerationFailed, InvalidInput, TritonAdapter
 
 INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "random_seed", "stop_words",
           "mode", "compressor", "draft_len")
@@ -60,9 +60,14 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         last = None
-        for out in self.adapter.responses(job, cancelled=request.is_cancelled):
-            last = out
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+        try:
+            for out in self.adapter.responses(job, cancelled=request.is_cancelled):
+                last = out
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+        except GenerationFailed as exc:
+            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INTERNAL)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         if last is None or request.is_cancelled():
             self.cancelled.increment(1)
         else:

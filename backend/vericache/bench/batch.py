@@ -1,0 +1,93 @@
+"""``vericache bench batch``: many long requests decoded together, all KV in one memory.
+
+No tiers and no link: the CPU analogue of self-speculative decoding on one GPU (MagicDec's
+setting), where a draft step reads the weights plus the compressed KV and a verification reads
+the full KV once for a whole round. Each prompt is prefilled once (exactly) and that prefill is
+shared by every mode, so only the decode is timed, side by side in one process.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vericache.bench.common import code_prompt, markdown_table
+from vericache.engine.memory import KVMemory
+from vericache.engine.serving import ServingEngine
+from vericache.llm import LLM
+from vericache.sampling import SamplingParams
+
+COLUMNS = ["mode", "tokens_per_s", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
+           "kv_resident_x_full", "decode_s", "steps"]
+
+
+def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
+    """``n`` prompts of ``context`` tokens, each a different stretch of real code."""
+    ids = code_prompt(tokenizer, context + 997 * n)
+    return [ids[997 * i : 997 * i + context] for i in range(n)]
+
+
+def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str) -> dict:
+    """Add every sequence with its shared prefill, step to the end; time and peak resident bytes."""
+    rids = [srv.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
+    t0, last, steps, peak = time.perf_counter(), time.perf_counter(), 0, 0
+    while srv.has_unfinished():
+        srv.step()
+        steps += 1
+        peak = max(peak, sum(KVMemory.resident_bytes(r) for r in srv.requests.values() if not r.done))
+        if time.perf_counter() - last > 15:
+            done = sum(len(s.output_ids) for s in seqs)
+            log(f"  {label}: {done} tokens after {time.perf_counter() - t0:.0f} s")
+            last = time.perf_counter()
+    failed = [srv.requests[r].error for r in rids if srv.requests[r].error]
+    if failed:
+        raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0]}")
+    return {"decode_s": time.perf_counter() - t0, "steps": steps, "kv_resident_bytes": peak}
+
+
+def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
+              dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
+    eng, tok = llm.engine, llm.tokenizer
+    prompts = distinct_prompts(tok, n_requests, context)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    log(f"{n_requests} requests x {context} tokens, {max_tokens} new each, {llm.loaded.name} "
+        f"(weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}) on {llm.loaded.device}; compressor {compressor}")
+    t0, prefills = time.perf_counter(), []
+    for i, p in enumerate(prompts):
+        prefills.append(eng.shared_prefill(eng.new_sequence(i, p, params)))
+        log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
+    rows, reference = [], None
+    for mode in modes:
+        seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+        opts = eng.resolve(None if mode == eng.mode else _options(mode))
+        srv = ServingEngine(eng, offload=False)
+        res = decode_all(srv, seqs, opts, prefills, log, mode)
+        outs = [s.output_ids for s in seqs]
+        reference = outs if mode == "full" else reference
+        decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
+        rounds = sum(s.stats.get("rounds", 0) for s in seqs)
+        row = {"mode": mode, "tokens_per_s": round(decoded / res["decode_s"], 2), "decode_s": round(res["decode_s"], 2),
+               "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
+               "identical_to_full": outs == reference if reference is not None else None,
+               "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
+               "compressor": "" if mode == "full" else compressor}
+        rows.append(row)
+        log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
+            f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
+            + (f", {row['mean_acceptance_length']} tokens/round" if rounds else ""))
+    full = next((r for r in rows if r["mode"] == "full"), None)
+    for r in rows:
+        r["x_full"] = round(r["tokens_per_s"] / full["tokens_per_s"], 2) if full else None
+        r["kv_resident_x_full"] = round(r["kv_resident_bytes"] / full["kv_resident_bytes"], 3) if full else None
+    return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."),
+            "prefill_s": round(time.perf_counter() - t0 - sum(r["decode_s"] for r in rows), 1), "rows": rows}
+
+
+def _options(mode: str):
+    from vericache.engine.options import RequestOptions
+
+    return RequestOptions(mode=mode)
+
+
+def batch_markdown(res: dict) -> str:
+    return markdown_table(res["rows"], COLUMNS)

@@ -1,0 +1,65 @@
+"""One engine step's forward: every kind of row packed into a single pass.
+
+Prefill chunks, decode rows (full, lossy), draft rows and verification chunks of different
+requests go through the model together, so the weights are read once per step whatever the mix.
+Each row attends through its own cache object (``model.llama.AttentionCache``); only the rows
+that are sampled from get logits (the LM head over a whole prefill chunk would be wasted work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vericache.engine.request import Request
+
+PREFILL, DECODE, DRAFT, VERIFY = "prefill", "decode", "draft", "verify"
+
+
+@dataclass
+class Row:
+    req: Request
+    kind: str                 # PREFILL, DECODE, DRAFT or VERIFY
+    tokens: list[int]
+    start: int                # position of tokens[0]
+    cache: object
+    logits_for: str           # "last", "all" or "none"
+    logits: torch.Tensor | None = None   # [1, V] ("last") or [len(tokens), V] ("all") after run()
+
+
+class StepBatch:
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+
+    def add(self, req: Request, kind: str, tokens: list[int], start: int, cache: object,
+            logits_for: str = "last") -> None:
+        self.rows.append(Row(req, kind, tokens, start, cache, logits_for))
+
+    @property
+    def kinds(self) -> str:
+        """The kinds of work in this step, for timelines ("draft+verify")."""
+        return "+".join(k for k in (PREFILL, DECODE, DRAFT, VERIFY) if any(r.kind == k for r in self.rows))
+
+    def of(self, kind: str) -> list[Row]:
+        return [r for r in self.rows if r.kind == kind]
+
+    def run(self, model, device: torch.device) -> None:
+        """One forward over all rows; fills each row's ``logits``."""
+        tokens, index, offset = [], [], 0
+        for row in self.rows:
+            tokens.extend(row.tokens)
+            n = len(row.tokens)
+            if row.logits_for == "all":
+                index.extend(range(offset, offset + n))
+            elif row.logits_for == "last":
+                index.append(offset + n - 1)
+            offset += n
+        logits = model(torch.tensor(tokens, device=device), [r.start for r in self.rows],
+                       [len(r.tokens) for r in self.rows], [r.cache for r in self.rows],
+                       logits_index=torch.tensor(index, dtype=torch.long, device=device))           # [len(index), V]
+        at = 0
+        for row in self.rows:
+            n = {"all": len(row.tokens), "last": 1}.get(row.logits_for, 0)
+            row.logits = logits[at : at + n] if n else None
+            at += n

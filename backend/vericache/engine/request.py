@@ -1,0 +1,84 @@
+"""A request inside the engine: its sequence, options, caches, state and counters.
+
+States and their transitions (``ALLOWED``), each exercised by the tests:
+  waiting -> prefill -> decoding (full, lossy) | drafting (vericache)
+  drafting -> transferring -> drafting          (a verification round whose full KV crosses a link)
+  any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
+  any state -> finished | aborted | failed      (KV freed at once; failed: a step raised for it)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vericache.drafting.round import RoundState
+from vericache.engine.options import ResolvedOptions
+from vericache.engine.sequence import Sequence
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache
+from vericache.kv.link import Transfer
+
+WAITING, PREFILL, DECODING, DRAFTING, TRANSFERRING = "waiting", "prefill", "decoding", "drafting", "transferring"
+FINISHED, ABORTED, FAILED = "finished", "aborted", "failed"
+DONE = (FINISHED, ABORTED, FAILED)
+_ENDS = {FINISHED, ABORTED, FAILED}
+ALLOWED = {
+    WAITING: {PREFILL} | _ENDS,
+    PREFILL: {DECODING, DRAFTING, WAITING} | _ENDS,
+    DECODING: {WAITING} | _ENDS,
+    DRAFTING: {TRANSFERRING, WAITING} | _ENDS,
+    TRANSFERRING: {DRAFTING, WAITING} | _ENDS,
+}
+
+
+@dataclass
+class Request:
+    id: int
+    seq: Sequence
+    opts: ResolvedOptions
+    policy_state: object = None
+    prefill: object = None                     # a SharedPrefill to load instead of prefilling
+    state: str = WAITING
+    full: FullKVCache | None = None            # device tier (full mode, or vericache without tiers) or host
+    draft: CompressedKVCache | None = None     # device tier
+    resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
+    prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
+    done_ids: int = 0                          # tokens already in the caches (prefill progress)
+    round: RoundState = field(default_factory=RoundState)
+    group: int = 0                             # grouped schedule: the phase group of the current round
+    transfer: Transfer | None = None
+    emitted: int = 0          # output tokens already returned by step()
+    reported: bool = False    # the final StepOutput has been returned
+    error: str | None = None  # why the request failed
+    draft_bytes_read: int = 0
+    verify_bytes_read: int = 0
+    added_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def mode(self) -> str:
+        return self.opts.mode
+
+    @property
+    def position(self) -> int:
+        """Position of the last token (the one no cache holds yet)."""
+        return len(self.seq.prompt_ids) + len(self.seq.output_ids) - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.seq.output_ids[-1] if self.seq.output_ids else self.seq.prompt_ids[-1]
+
+    @property
+    def done(self) -> bool:
+        return self.state in DONE
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None   # "stop", "length", "abort" or "error"
+    error: str | None = None
