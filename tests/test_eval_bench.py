@@ -45,12 +45,32 @@ def test_bench_decode_command(tmp_path, capsys):
     assert rows["vericache"]["tokens_per_s"] > 0 and (tmp_path / "d.png").exists()
 
 
-def test_bench_throughput_command(tmp_path, capsys):
-    rc = main(["bench", "throughput", "--model", "tiny", "--requests", "4", "--context", "300", "--max-tokens", "10",
-               "--device-budget", "0.6", "--link-gbps", "8", "--resident-layers", "3", "--json",
-               "--plot", str(tmp_path / "t.png")])
+def test_bench_batch_command(tmp_path, capsys):
+    rc = main(["bench", "batch", "--model", "tiny", "--requests", "3", "--context", "300", "--max-tokens", "12",
+               "--compressor", "snapkv:ratio=0.25", "--json", "--record", str(tmp_path / "B.md")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in out["rows"]}
+    assert set(rows) == {"full", "lossy", "vericache"}
+    assert rows["vericache"]["identical_to_full"] and rows["full"]["identical_to_full"]
+    assert rows["vericache"]["mean_acceptance_length"] >= 1 and rows["full"]["mean_acceptance_length"] is None
+    assert all(r["tokens_per_s"] > 0 and r["kv_resident_bytes"] > 0 for r in rows.values())
+    # vericache holds the full KV and the compressed one: more resident bytes than full alone
+    assert rows["vericache"]["kv_resident_bytes"] > rows["full"]["kv_resident_bytes"]
+    assert "bench batch" in (tmp_path / "B.md").read_text()
+
+
+def test_bench_throughput_command(tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    assert main(["sim", "--calibrate", "--calib-model", "tiny", "--calib-out", str(cal), "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    assert stored["step_b"] > 0 and stored["attn_bytes_per_s"] > 0 and 0.5 < stored["link_efficiency"] <= 1.2
+    rc = main(["bench", "throughput", "--model", "tiny", "--requests", "4", "--context", "300", "--max-tokens", "10",
+               "--device-budget", "0.6", "--link-gbps", "8", "--resident-layers", "3", "--json",
+               "--calibration", str(cal), "--plot", str(tmp_path / "t.png")])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(r["predicted_tokens_per_s"] > 0 for r in out["rows"] if r["mode"] != "vericache-resident")
     rows = {r["mode"]: r for r in out["rows"]}
     assert set(rows) == {"full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped",
                          "vericache-resident"}

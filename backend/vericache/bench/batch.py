@@ -17,7 +17,7 @@ from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 
 COLUMNS = ["mode", "tokens_per_s", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
-           "kv_resident_x_full", "decode_s", "steps"]
+           "kv_resident_x_full", "decode_s", "load_s", "steps"]
 
 
 def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
@@ -26,9 +26,17 @@ def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
     return [ids[997 * i : 997 * i + context] for i in range(n)]
 
 
-def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str) -> dict:
-    """Add every sequence with its shared prefill, step to the end; time and peak resident bytes."""
+def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True) -> dict:
+    """Add every sequence with its shared prefill, step to the end; time and peak resident bytes.
+
+    With ``from_first_tokens`` the decode is timed from the step after every request has its first
+    token (loading the shared prefill into a draft cache and compressing the prompt belong to the
+    prefill); otherwise from the first step (requests that wait for admission are part of it)."""
     rids = [srv.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
+    t_load = time.perf_counter()
+    while from_first_tokens and srv.has_unfinished() and not all(s.output_ids for s in seqs):
+        srv.step()
+    before = sum(len(s.output_ids) for s in seqs)
     t0, last, steps, peak = time.perf_counter(), time.perf_counter(), 0, 0
     while srv.has_unfinished():
         srv.step()
@@ -41,7 +49,8 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str) -> dic
     failed = [srv.requests[r].error for r in rids if srv.requests[r].error]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0]}")
-    return {"decode_s": time.perf_counter() - t0, "steps": steps, "kv_resident_bytes": peak}
+    return {"decode_s": time.perf_counter() - t0, "steps": steps, "kv_resident_bytes": peak,
+            "load_s": t0 - t_load, "decoded": sum(len(s.output_ids) for s in seqs) - before}
 
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
@@ -66,7 +75,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         reference = outs if mode == "full" else reference
         decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
         rounds = sum(s.stats.get("rounds", 0) for s in seqs)
-        row = {"mode": mode, "tokens_per_s": round(decoded / res["decode_s"], 2), "decode_s": round(res["decode_s"], 2),
+        row = {"mode": mode, "tokens_per_s": round(res["decoded"] / res["decode_s"], 2),
+               "decode_s": round(res["decode_s"], 2), "load_s": round(res["load_s"], 2),
                "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
                "identical_to_full": outs == reference if reference is not None else None,
                "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,

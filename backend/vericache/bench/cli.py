@@ -9,6 +9,13 @@ from pathlib import Path
 from vericache.model.registry import DEFAULT_MODEL
 
 
+def _progress(args: argparse.Namespace):
+    """Progress lines: on stdout, or on stderr when stdout carries the JSON result."""
+    import sys
+
+    return (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
@@ -27,7 +34,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     rows = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
                             with_transformers=not args.no_transformers, dtype=args.dtype,
-                            log=(lambda m: None) if args.json else print)
+                            log=_progress(args))
     if args.plot:
         plot_decode(rows, args.plot)
     print(json.dumps({"rows": rows}) if args.json else decode_markdown(rows))
@@ -48,7 +55,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     budget = args.device_budget_gb * 1e9 if args.device_budget_gb is not None else args.device_budget
     res = run_throughput(args.model, args.requests, args.context, args.max_tokens, budget,
                          args.link_gbps, args.compressor, device=args.device, resident_layers=args.resident_layers,
-                         dtype=args.dtype, calibration=args.calibration, log=(lambda m: None) if args.json else print)
+                         dtype=args.dtype, calibration=args.calibration, log=_progress(args))
     if args.plot:
         plot_timeline(res["timelines"], args.plot, res["link"])
     cols = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "x_naive",
@@ -71,7 +78,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
-                    args.draft_len, args.device, log=(lambda m: None) if args.json else print)
+                    args.draft_len, args.device, log=_progress(args))
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
     title = (f"Batch decode, all KV in one memory: {args.requests} x {args.context} tokens, "
@@ -90,7 +97,7 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
         raise ValueError("give --requests N or --duration SECONDS")
     res = asyncio.run(run_load(args.url.rstrip("/"), args.model, args.concurrency, args.requests, args.duration,
                                args.max_tokens, args.request_rate, args.cancel_prob, args.seed, args.server_pid,
-                               log=(lambda m: None) if args.json else print))
+                               log=_progress(args)))
     text = json.dumps(res, indent=None if args.json else 2)
     print(text)
     record(args.record, "Serving load" + (" (soak)" if args.duration else ""), f"```json\n{json.dumps(res, indent=2)}\n```",

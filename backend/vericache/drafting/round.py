@@ -55,28 +55,31 @@ class RoundState:
         self.started, self.k, self.drafts, self.qs = False, 0, [], []
 
 
-def draft_token(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """The drafter's choice from logits [V]: argmax when greedy, else a draw (with its distribution q)."""
+def draft_token(seq: Sequence, logits: torch.Tensor, argmax: int | None = None) -> tuple[int, torch.Tensor | None]:
+    """The drafter's choice from logits [V]: argmax when greedy (``argmax`` if already known), else a
+    draw (with its distribution q)."""
     if seq.params.greedy:
-        return int(logits.argmax()), None
+        return (int(logits.argmax()) if argmax is None else argmax), None
     q = probs_from_logits(logits[None], seq.params)[0]
     return sample_token(q, seq.generator), q
 
 
-def add_draft(seq: Sequence, rs: RoundState, logits: torch.Tensor) -> None:
+def add_draft(seq: Sequence, rs: RoundState, logits: torch.Tensor, argmax: int | None = None) -> None:
     """One draft step's result for this request: logits [V] at its newest draft position."""
-    token, q = draft_token(seq, logits)
+    token, q = draft_token(seq, logits, argmax)
     rs.drafts.append(token)
     rs.qs.append(q)
 
 
-def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q: list) -> int:
+def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q: list,
+                 targets: list[int] | None = None) -> int:
     """Append accepted draft tokens and the verifier's token; returns m, the accepted draft count.
 
-    target_logits: [k+1, V], the verifier's logits at the last token and at each draft token.
+    target_logits: [k+1, V], the verifier's logits at the last token and at each draft token;
+    ``targets``: their argmax, when already known.
     """
     params = seq.params
-    if params.greedy:  # one argmax over the chunk: no per-row device sync
+    if params.greedy and targets is None:  # one argmax over the chunk: no per-row device sync
         targets = target_logits.argmax(dim=-1).tolist()
     for i, d in enumerate(draft):
         if params.greedy:
@@ -96,12 +99,12 @@ def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q
 
 def finish_round(seq: Sequence, rs: RoundState, target_logits: torch.Tensor, start: int,
                  full: FullKVCache, draft: CompressedKVCache,
-                 write_back: Callable[[int, int], None] | None = None) -> int:
+                 write_back: Callable[[int, int], None] | None = None, targets: list[int] | None = None) -> int:
     """Accept against the verifier's logits [k+1, V] for the chunk at ``start``, then commit both
     caches to the accepted positions. ``write_back(start, keep)``, when given, first copies the
     verified positions from the buffer the verification wrote (a device buffer) into ``full``
     (their home tier). Returns m, the accepted count."""
-    m = accept_draft(seq, target_logits, rs.drafts, rs.qs)
+    m = accept_draft(seq, target_logits, rs.drafts, rs.qs, targets)
     keep = start + 1 + m
     if write_back is not None:
         write_back(start, keep)

@@ -26,6 +26,7 @@ class Row:
     cache: object
     logits_for: str           # "last", "all" or "none"
     logits: torch.Tensor | None = None   # [1, V] ("last") or [len(tokens), V] ("all") after run()
+    argmax: list[int] | None = None      # the greedy choice of each logits row (one device sync a step)
 
 
 class StepBatch:
@@ -58,8 +59,9 @@ class StepBatch:
         logits = model(torch.tensor(tokens, device=device), [r.start for r in self.rows],
                        [len(r.tokens) for r in self.rows], [r.cache for r in self.rows],
                        logits_index=torch.tensor(index, dtype=torch.long, device=device))           # [len(index), V]
+        top = logits.argmax(dim=-1).tolist()
         at = 0
         for row in self.rows:
             n = {"all": len(row.tokens), "last": 1}.get(row.logits_for, 0)
-            row.logits = logits[at : at + n] if n else None
+            row.logits, row.argmax = (logits[at : at + n], top[at : at + n]) if n else (None, None)
             at += n

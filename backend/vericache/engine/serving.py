@@ -273,11 +273,12 @@ class ServingEngine:
         if req.draft is not None:  # lossy: the drafter's own K/V are final
             req.draft_bytes_read += req.draft.nbytes()
             req.draft.commit(req.position + 1)
-        req.seq.append(choose_token(row.logits[0], req.seq.params, req.seq.generator))
+        params = req.seq.params
+        req.seq.append(row.argmax[0] if params.greedy else choose_token(row.logits[0], params, req.seq.generator))
 
     def _after_draft(self, req: Request, row) -> None:
         req.draft_bytes_read += req.draft.nbytes()
-        add_draft(req.seq, req.round, row.logits[0])
+        add_draft(req.seq, req.round, row.logits[0], row.argmax[0])
 
     def _after_verify(self, req: Request, row) -> None:
         rs, start = req.round, req.position
@@ -285,7 +286,7 @@ class ServingEngine:
         if isinstance(row.cache, StreamedKV):
             write_back = lambda s, e: self._write_back(req, row.cache, s, e)  # noqa: E731
         req.verify_bytes_read += req.full.nbytes()
-        m = finish_round(req.seq, rs, row.logits, start, req.full, req.draft, write_back)
+        m = finish_round(req.seq, rs, row.logits, start, req.full, req.draft, write_back, row.argmax)
         self.instruments.round_log.append((req.id, len(rs.drafts), m))
         req.opts.policy.update(req.policy_state, len(rs.drafts), m)
         rs.reset()

@@ -42,10 +42,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference implementations do, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32 as the reference implementations do, then cast back (one fused kernel).
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -85,15 +83,35 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights (``fuse``)
+
+    def fuse(self) -> None:
+        """One [Hq*D + 2*Hkv*D, hidden] matmul instead of three (inference): q/k/v_proj become views
+        of the fused weight, so memory and the state dict are unchanged."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight.detach() for p in projs])
+        b = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
+        at = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(w[at : at + n], requires_grad=False)
+            if b is not None:
+                p.bias = nn.Parameter(b[at : at + n], requires_grad=False)
+            at += n
+        self.qkv = (w, b)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 seq_lens: Sequence[int],
                 caches: Sequence[AttentionCache] | None) -> torch.Tensor:
         # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+        n, dq, dkv = x.shape[0], self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([dq, dkv, dkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(n, self.n_heads, self.head_dim).transpose(0, 1)
+        k = k.reshape(n, self.n_kv, self.head_dim).transpose(0, 1)
+        v = v.reshape(n, self.n_kv, self.head_dim).transpose(0, 1)
         # attention (and the KV it stores) runs in cos.dtype: fp32 under bf16 weights on CPU
         q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -136,8 +154,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fused weights (``fuse``)
+
+    def fuse(self) -> None:
+        """One matmul for gate and up (inference); the two projections become views of it."""
+        w = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        n = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+        self.gate_up = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -167,6 +197,12 @@ class Transformer(nn.Module):
         # dtype of attention and of the KV caches; None = the weights' dtype. On CPU bf16 weights
         # run on AMX while attention stays fp32 (this CPU's bf16 attention kernels are ~10x slower).
         self.attn_dtype: torch.dtype | None = None
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
                 caches: Sequence[AttentionCache] | None = None,

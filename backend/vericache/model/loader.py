@@ -113,5 +113,6 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     model = model.to(device=dev, dtype=dt).eval()
     model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay fp32 whatever the weights are
     model.attn_dtype = kv_dtype_for(dt, dev)
+    model.fuse_projections()
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
     return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path))

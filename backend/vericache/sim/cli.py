@@ -83,12 +83,13 @@ def add_sim_parser(sub) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from vericache.bench.cli import _progress
     from vericache.model.registry import DEFAULT_MODEL
     from vericache.sim.calibrate import calibrate, default_path, save
 
     model = args.calib_model or DEFAULT_MODEL
     dtype = args.calib_dtype or "float32"
-    cal = calibrate(model, dtype, log=(lambda m: None) if args.json else print)
+    cal = calibrate(model, dtype, log=_progress(args))
     path = Path(args.calib_out) if args.calib_out else default_path(model, dtype)
     save(cal, path)
     print(json.dumps({**asdict(cal), "path": str(path)}) if args.json else f"stored in {path}")
