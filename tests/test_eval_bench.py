@@ -64,7 +64,7 @@ def test_bench_throughput_command(tmp_path, capsys):
     cal = tmp_path / "cal.json"
     assert main(["sim", "--calibrate", "--calib-model", "tiny", "--calib-out", str(cal), "--json"]) == 0
     stored = json.loads(capsys.readouterr().out)
-    assert stored["step_b"] > 0 and stored["attn_bytes_per_s"] > 0 and 0.5 < stored["link_efficiency"] <= 1.2
+    assert stored["step_row"] > 0 and stored["step_seq"] > 0 and stored["attn_bytes_per_s"] > 0 and 0.5 < stored["link_efficiency"] <= 1.2
     rc = main(["bench", "throughput", "--model", "tiny", "--requests", "4", "--context", "300", "--max-tokens", "10",
                "--device-budget", "0.6", "--link-gbps", "8", "--resident-layers", "3", "--json",
                "--calibration", str(cal), "--plot", str(tmp_path / "t.png")])

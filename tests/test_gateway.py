@@ -237,3 +237,29 @@ def test_chat_on_the_real_model_uses_its_template_and_stops_at_im_end(smollm):
     ref = smollm.generate(prompt, SamplingParams(max_tokens=48))[0]
     assert r.choices[0].message.content == ref.text and "Paris" in ref.text
     assert r.choices[0].finish_reason == "stop" and r.model_extra["vericache"]["mode"] == "vericache"
+
+
+def test_an_engine_fault_is_a_500_and_the_server_goes_on(llm, server, client, monkeypatch):
+    """A step that raises fails only its requests: an OpenAI-shaped 500 (streamed or not), /health
+    stays 200, and the next request is served, equal to the engine's output."""
+    bad = "zqxjkv zqxjkv"
+    sentinel = llm.tokenizer.encode(bad)[0]
+    model = server.service.serving.eng.model
+    forward = model.forward
+
+    def faulty(tokens, *args, **kwargs):
+        if bool((tokens == sentinel).any()):
+            raise RuntimeError("injected fault")
+        return forward(tokens, *args, **kwargs)
+    monkeypatch.setattr(model, "forward", faulty)
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": bad, "max_tokens": 4, "stream": stream})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "injected fault" in err["message"]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    prompt = "def main():\n"
+    ok = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    assert ok.choices[0].text == llm.generate(prompt, SamplingParams(max_tokens=6))[0].text
+    assert server.service.num_running() == 0

@@ -30,8 +30,8 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_f
     """Add every sequence with its shared prefill, step to the end; time and peak resident bytes.
 
     With ``from_first_tokens`` the decode is timed from the step after every request has its first
-    token (loading the shared prefill into a draft cache and compressing the prompt belong to the
-    prefill); otherwise from the first step (requests that wait for admission are part of it)."""
+    token; otherwise from the first step (requests that wait for admission are part of it). Either
+    way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode."""
     rids = [srv.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
     t_load = time.perf_counter()
     while from_first_tokens and srv.has_unfinished() and not all(s.output_ids for s in seqs):
@@ -49,8 +49,10 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_f
     failed = [srv.requests[r].error for r in rids if srv.requests[r].error]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0]}")
-    return {"decode_s": time.perf_counter() - t0, "steps": steps, "kv_resident_bytes": peak,
-            "load_s": t0 - t_load, "decoded": sum(len(s.output_ids) for s in seqs) - before}
+    # loading shared prefills inside the timed span (requests admitted later) is prefill work too
+    load_in_span = sum(e - s for s, e, k in srv.instruments.intervals if k == "load" and s >= t0)
+    return {"decode_s": time.perf_counter() - t0 - load_in_span, "steps": steps, "kv_resident_bytes": peak,
+            "load_s": t0 - t_load + load_in_span, "decoded": sum(len(s.output_ids) for s in seqs) - before}
 
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,

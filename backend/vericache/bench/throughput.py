@@ -119,7 +119,7 @@ def plot_timeline(timelines: dict, path: str, link_kind: str) -> None:
 
     colors = {"prefill": "tab:gray", "decode": "tab:blue", "draft": "tab:green", "verify": "tab:red"}
     # a step packs several kinds of rows: it is drawn in the colour of its costliest kind
-    main = lambda kinds: next(k for k in ("verify", "prefill", "decode", "draft") if k in kinds)  # noqa: E731
+    main = lambda kinds: next((k for k in ("verify", "prefill", "decode", "draft") if k in kinds), "prefill")  # noqa: E731
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.3 * len(timelines) + 0.8), squeeze=False)
     for ax, (mode, (t0, compute, link)) in zip(axes[:, 0], timelines.items()):
         for kind in colors:

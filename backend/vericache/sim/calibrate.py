@@ -1,8 +1,9 @@
 """``vericache sim --calibrate``: this machine's measured rates, and the cost model on them.
 
 Measured with the real model and kernels (the same code the engine runs):
-- ``weights``: seconds of one forward over ``rows`` one-token rows with (almost) no KV, fitted as
-  ``a + b * rows`` (a: reading the weights once and per-layer overhead; b: the per-row matmul work);
+- ``step``: seconds of one forward with (almost) no KV, fitted as ``a + s * seqs + r * rows`` (a:
+  reading the weights once; s: each sequence's per-layer work outside the matmuls, its cache calls;
+  r: each row's matmul work), from one-row sequences (decode) and one many-row sequence (a chunk);
 - ``attention``: one-query attention over long KV gives the KV read bandwidth (bytes/s); a chunk of
   queries over the same KV gives the compute rate (query-key pairs per second) that bounds
   verification;
@@ -30,14 +31,16 @@ class Calibration:
     weights_dtype: str
     threads: int
     step_a: float            # seconds per forward (weights read once, per-layer overhead)
-    step_b: float            # seconds per row
+    step_seq: float          # seconds per sequence in the forward (its per-layer cache calls)
+    step_row: float          # seconds per row (token) in the forward
     attn_bytes_per_s: float  # KV bytes read per second by one-query attention
     attn_pairs_per_s: float  # query-key pairs (all layers, all query heads) per second, chunked queries
     link_efficiency: float   # achieved / nominal bytes per second of the emulated link
     kv_bytes_per_position: int
 
-    def step_s(self, rows: int) -> float:
-        return self.step_a + self.step_b * rows
+    def step_s(self, seqs: int, rows: int | None = None) -> float:
+        """A forward over ``seqs`` sequences with ``rows`` tokens in all (default: one each)."""
+        return self.step_a + self.step_seq * seqs + self.step_row * (seqs if rows is None else rows)
 
     def attention_s(self, n_seqs: int, keys: float, queries: int = 1) -> float:
         """``n_seqs`` sequences, each ``queries`` queries over ``keys`` keys (all layers)."""
@@ -68,23 +71,25 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     llm = LLM(model, device="cpu", dtype=dtype)
     m, cfg, kv_dt = llm.loaded.model, llm.loaded.config, llm.loaded.kv_dtype
 
-    def step(rows: int) -> float:
-        caches = [FullKVCache(cfg, "cpu", kv_dt, capacity=4) for _ in range(rows)]
-        toks = torch.zeros(rows, dtype=torch.long)
+    def forward_s(seqs: int, rows_each: int) -> float:
+        caches = [FullKVCache(cfg, "cpu", kv_dt, capacity=rows_each + 1) for _ in range(seqs)]
+        toks = torch.zeros(seqs * rows_each, dtype=torch.long)
+        last = torch.arange(rows_each - 1, seqs * rows_each, rows_each)  # the engine's logits rows
 
         def run():
             for c in caches:
                 c.truncate(0)
-            m(toks, [0] * rows, [1] * rows, caches)
+            m(toks, [0] * seqs, [rows_each] * seqs, caches, logits_index=last)
         return _time(run)
 
-    rows = [1, 8, 32, 128]
-    times = [step(r) for r in rows]
-    mean_r, mean_t = sum(rows) / len(rows), sum(times) / len(times)
-    b = sum((r - mean_r) * (t - mean_t) for r, t in zip(rows, times)) / sum((r - mean_r) ** 2 for r in rows)
-    a = mean_t - b * mean_r
-    log(f"weights: {times[0] * 1e3:.1f} ms at 1 row, {times[-1] * 1e3:.1f} ms at {rows[-1]} rows "
-        f"(fit {a * 1e3:.1f} ms + {b * 1e3:.3f} ms/row)")
+    seqs = [1, 8, 32, 96]
+    per_seq = _slope(seqs, [forward_s(n, 1) for n in seqs])           # s + r
+    chunk = [1, 16, 64]
+    times = [forward_s(1, r) for r in chunk]
+    row = _slope(chunk, times)                                          # r
+    a = times[0] - per_seq
+    log(f"forward: {times[0] * 1e3:.1f} ms for one token; +{per_seq * 1e3:.2f} ms per one-token sequence, "
+        f"+{row * 1e3:.3f} ms per row of a chunk")
 
     from vericache.kv.attention import attend_all
 
@@ -110,7 +115,12 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     link.close()
     log(f"link: {eff:.0%} of nominal")
     return Calibration(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."), torch.get_num_threads(),
-                       a, b, bw, pairs, eff, per_pos)
+                       a, per_seq - row, row, bw, pairs, eff, per_pos)
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
 def save(cal: Calibration, path: Path) -> None:
@@ -140,8 +150,8 @@ def predict(cal: Calibration, mode: str, n: int, context: int, budget_bytes: flo
     draft_step = cal.step_s(n) + cal.attention_s(n, draft_keys)
     if mode == "lossy":
         return n / draft_step
-    k = draft_len
-    verify = n * (cal.step_b * (k + 1)) + cal.attention_s(n, context, math.ceil(k + 1))
+    k = draft_len  # each request's chunk of k + 1 rows rides in a step beside the others' draft rows
+    verify = n * (cal.step_seq + cal.step_row * (k + 1)) + cal.attention_s(n, context, math.ceil(k + 1))
     compute = k * draft_step + verify
     link = n * full_req / (link_bytes_per_s * cal.link_efficiency)
     round_s = compute + link if mode.endswith("naive") else max(compute, link)
