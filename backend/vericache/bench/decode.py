@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from vericache.bench.common import code_prompt, markdown_table
 from vericache.llm import LLM
@@ -50,11 +51,18 @@ def kernel_seconds(llm, keys: int, repeat: int = 5) -> float:
     k = torch.randn(cfg.num_key_value_heads, max(keys, 1), cfg.head_dim, dtype=dt)
     v = torch.randn_like(k)
 
-    def step():
+    def step():  # the matmuls the forward runs: fused q/k/v and gate/up when the model has them
         for layer in m.model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(xo)
-            mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(xi)
+            if a.qkv is not None:
+                F.linear(x, *a.qkv)
+            else:
+                a.q_proj(x), a.k_proj(x), a.v_proj(x)
+            if mlp.gate_up is not None:
+                F.linear(x, mlp.gate_up)
+            else:
+                mlp.gate_proj(x), mlp.up_proj(x)
+            a.o_proj(xo), mlp.down_proj(xi)
             attend_all(q, k, v)
         m.lm_head(x)
 
