@@ -44,8 +44,9 @@ def test_dashboard_and_rules_only_query_exported_metrics(llm):
     try:
         import httpx
 
-        httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "def f():\n", "max_tokens": 12},
-                   timeout=60)
+        # greedy: a sampled first token may be EOS (no draft, no round), which would leave metrics unset
+        httpx.post(s.url + "/v1/completions",
+                   json={"model": "tiny", "prompt": "def f():\n", "max_tokens": 12, "temperature": 0}, timeout=60)
         httpx.post(s.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
         exported = set(re.findall(r"^(vericache_[a-z_]+)", httpx.get(s.url + "/metrics").text, re.M))
     finally:

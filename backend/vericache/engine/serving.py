@@ -129,10 +129,6 @@ class ServingEngine:
             self._wait_if_idle(batch)
         return self.collect_outputs()
 
-    @property
-    def activity(self) -> Instruments:  # the name the benches' timelines use
-        return self.instruments
-
     # ------------------------------------------------------------------ admit
     def _admit(self) -> None:
         running = [r for r in self.requests.values() if r.state not in (WAITING, *DONE)]
@@ -172,7 +168,7 @@ class ServingEngine:
             if not rs.complete and self.schedule.may_draft(self, r):
                 tok = rs.drafts[-1] if rs.drafts else r.last_token
                 batch.add(r, DRAFT, [tok], r.position + len(rs.drafts), r.draft)
-            elif not self.memory.is_offloaded(r):  # the full KV is in place: verify now
+            elif rs.complete and not self.memory.is_offloaded(r):  # the full KV is in place: verify now
                 batch.add(r, VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
         return batch
 
