@@ -22,7 +22,7 @@ from vericache.kv.link import Transfer
 WAITING, PREFILL, DECODING, DRAFTING, TRANSFERRING = "waiting", "prefill", "decoding", "drafting", "transferring"
 FINISHED, ABORTED, FAILED = "finished", "aborted", "failed"
 DONE = (FINISHED, ABORTED, FAILED)
-_ENDS = {FINISHED, ABORTED, FAILED}
+_ENDS = set(DONE)
 ALLOWED = {
     WAITING: {PREFILL} | _ENDS,
     PREFILL: {DECODING, DRAFTING, WAITING} | _ENDS,
@@ -65,6 +65,11 @@ class Request:
     def position(self) -> int:
         """Position of the last token (the one no cache holds yet)."""
         return len(self.seq.prompt_ids) + len(self.seq.output_ids) - 1
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill puts in the caches: the prompt, and a re-admitted request's output but its last."""
+        return self.seq.prompt_ids + self.seq.output_ids[:-1]
 
     @property
     def last_token(self) -> int:

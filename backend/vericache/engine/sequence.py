@@ -47,10 +47,6 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def append(self, token: int) -> bool:
         """Add one generated token; returns True when the request has just finished."""
         if self.finished:

@@ -65,7 +65,7 @@ class ServingEngine:
             raise ValueError(f"resident_layers must be an integer in [0, {n_layers}], got {resident_layers!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
-        self.eng, self.mode = engine, engine.mode
+        self.eng = engine
         self.schedule = make_schedule(scheduler)
         self.scheduler = scheduler
         # offload: vericache full KV in the host tier, brought over ``link`` for each verification;
@@ -73,7 +73,6 @@ class ServingEngine:
         self.memory = KVMemory(engine.cfg, engine.loaded.device, engine.loaded.kv_dtype, device_budget,
                                host_budget, offload, resident_layers)
         self.device, self.host = self.memory.device, self.memory.host
-        self.resident_layers = resident_layers
         self.link = link  # made on first use when None: the first offloaded vericache request needs it
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
         self.requests: dict[int, Request] = {}
@@ -174,14 +173,13 @@ class ServingEngine:
 
     def _plan_prefill(self, req: Request, batch: StepBatch, budget: int) -> int:
         """Add the request's next prefill chunk; returns the tokens planned."""
-        seq = req.seq
         if req.done_ids == 0 and req.full is None and req.draft is None:
             self.memory.allocate(req)
             if req.prefill is not None:  # an exact prefill made elsewhere: load it
                 self._load_shared_prefill(req)
                 if req.state != PREFILL:
                     return 0
-        ids = seq.prompt_ids + seq.output_ids[:-1]  # re-admitted: its output so far is recomputed too
+        ids = req.prefill_ids
         n = min(budget, len(ids) - req.done_ids)
         full = req.prefill_buf or req.full
         cache = {"full": full, "lossy": req.draft}.get(req.mode) or TeeCache(full, req.draft)
@@ -253,15 +251,15 @@ class ServingEngine:
             req.full.v[:, :, :n].copy_(req.prefill_buf.v[:, :, :n])
         if req.draft is not None:
             comp = req.opts.compressor
-            ids = seq.prompt_ids + seq.output_ids[:-1]
+            ids = req.prefill_ids
             scores = comp.on_prefill(eng.model, context or req.draft.residual, ids, eng.tokenizer)
             req.draft.set_prefill_scores(scores, n)
             req.draft.commit(n)  # compression starts once the whole prompt is in (an exact prefill)
         if req.resident is not None:  # the resident layers go up once
             src = req.prefill_buf or req.full
             req.resident.begin(0, n)
-            req.resident.k[:, :, :n] = src.k[: self.resident_layers, :, :n]
-            req.resident.v[:, :, :n] = src.v[: self.resident_layers, :, :n]
+            req.resident.k[:, :, :n] = src.k[: self.memory.resident_layers, :, :n]
+            req.resident.v[:, :, :n] = src.v[: self.memory.resident_layers, :, :n]
         req.prefill_buf = None
         if not seq.output_ids:
             seq.append(choose_token(logits, seq.params, seq.generator))
@@ -296,7 +294,7 @@ class ServingEngine:
 
     def _write_back(self, req: Request, view: StreamedKV, start: int, keep: int) -> None:
         """The verified positions, written on the device, back to the host tier."""
-        res = self.resident_layers
+        res = self.memory.resident_layers
         req.full.begin(start, keep - start)
         req.full.k[res:, :, start:keep] = view.buf.k[:, :, start:keep]
         req.full.v[res:, :, start:keep] = view.buf.v[:, :, start:keep]
@@ -320,8 +318,8 @@ class ServingEngine:
         self.device.resize(key, nbytes)
         n_layers = self.eng.cfg.num_hidden_layers
         buf = FullKVCache(self.eng.cfg, self.eng.loaded.device, self.eng.loaded.kv_dtype,
-                          capacity=req.full.length + req.round.k + 1, layers=n_layers - self.resident_layers)
-        req.transfer = self.link.submit(req.full, req.full.length, buf, first_layer=self.resident_layers)
+                          capacity=req.full.length + req.round.k + 1, layers=n_layers - self.memory.resident_layers)
+        req.transfer = self.link.submit(req.full, req.full.length, buf, first_layer=self.memory.resident_layers)
         self._set(req, TRANSFERRING)
         return True
 
@@ -335,7 +333,7 @@ class ServingEngine:
             return True
         if self.scheduler == "naive":  # nothing else runs meanwhile: verify layer by layer, in turn
             return req is min(self.in_state(TRANSFERRING), key=lambda r: r.id)
-        ahead = self.resident_layers + done  # layers the forward can do without waiting
+        ahead = self.memory.resident_layers + done  # layers the forward can do without waiting
         rates = self.measured_rates()
         if rates is None or self.instruments.verify_layer_s <= 0 or ahead == 0:
             return False
