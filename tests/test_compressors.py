@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vericache.compress.base import Composed
-from vericache.compress.quant import pack_bits, unpack_bits
+from vericache.kv.quantized import pack_bits, unpack_bits
 from vericache.compress.registry import METHODS, describe_methods, parse_compressor
 from vericache.kv.compressed import CompressedKVCache
 
@@ -54,7 +54,7 @@ def test_bit_packing_roundtrip(bits):
 
 def _filled_cache(llm, spec: str, n: int, seed: int = 0) -> CompressedKVCache:
     model = llm.loaded.model
-    cache = CompressedKVCache(parse_compressor(spec), model.config, "cpu", torch.float32)
+    cache = CompressedKVCache(parse_compressor(spec), model.config, "cpu", torch.float32, capacity=2048)
     ids = torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         model(ids, [0], [n], [cache])
@@ -102,7 +102,7 @@ def test_quantization_error_is_small_but_nonzero(llm, method, max_rel_err):
         model(torch.randint(0, 4000, (300,), generator=torch.Generator().manual_seed(3)), [0], [300], [exact])
     n = cache.res_start
     ref = exact.v[0, :, :n]
-    rel = ((cache.store_v[0] - ref).norm() / ref.norm()).item()
+    rel = ((cache.dequantized(0)[1] - ref).norm() / ref.norm()).item()
     assert 0 < rel < max_rel_err  # live, and a quantizer rather than noise
     assert torch.equal(cache.residual.k[0, :, : cache.residual.length], exact.k[0, :, n:300])  # residual exact
 

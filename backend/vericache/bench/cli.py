@@ -68,6 +68,24 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_attention(args) -> int:
+    import torch
+
+    from vericache.bench.attention import attention_markdown, plot_attention, run_attention
+    from vericache.bench.common import record
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run_attention(args.model, args.context, [c for c in args.compressors.split(",") if c], args.repeats,
+                        args.dtype, args.device, log=_progress(args))
+    print(json.dumps(res, indent=None if args.json else 2))
+    if args.plot:
+        plot_attention(res, args.plot)
+    record(args.record, "Attention over compressed KV", attention_markdown(res)
+           + (f"\n\n![attention]({Path(args.plot).name})" if args.plot else ""), args.argv)
+    return 0
+
+
 def _cmd_batch(args: argparse.Namespace) -> int:
     import torch
 
@@ -163,6 +181,20 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--record", default=None)
     bt.set_defaults(func=_cmd_batch)
+
+    at = bsub.add_parser("attention", help="per compressor: KV bytes a draft step reads, attention time, GB/s")
+    at.add_argument("--model", default=DEFAULT_MODEL)
+    at.add_argument("--context", type=int, default=8000)
+    at.add_argument("--compressors", default="snapkv:ratio=0.125,kivi:bits=2,kivi:bits=4,int4,int8,fp8,"
+                    "snapkv:ratio=0.125+kivi:bits=2", help="comma-separated compressor specs")
+    at.add_argument("--repeats", type=int, default=10)
+    at.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
+    at.add_argument("--device", default=None)
+    at.add_argument("--threads", type=int, default=0)
+    at.add_argument("--json", action="store_true")
+    at.add_argument("--plot", default=None, help="write a PNG here")
+    at.add_argument("--record", default=None)
+    at.set_defaults(func=_cmd_attention)
 
     sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
     sv.add_argument("--url", default="http://127.0.0.1:8000")

@@ -7,10 +7,11 @@ during decoding, not only at prefill.
 
 - Eviction methods rank tokens: they write only ``score`` (higher = keep);
   the cache keeps the top ``ratio`` of all tokens seen, per KV head.
-- Quantization methods write ``encode``: K/V of a batch of tokens -> stored
-  rows (the codes and their scales, whose bytes are what we report) and the
-  dequantised K/V the draft attention reads.
-- ``a+b`` composes one eviction and one quantization method (``Composed``).
+- Quantization methods write ``layouts``: how K and V are stored (``kv.quantized.Layout``: codes
+  and scales; its encode, its reference dequantization and its attention-kernel format). The
+  draft attention reads the codes as stored.
+- ``a+b`` composes one eviction and one quantization method (``Composed``): the kept tokens are
+  stored quantized.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ import torch
 
 @dataclass
 class ScoreInputs:
-    """What an eviction scorer sees for one layer.
+    """What an eviction scorer sees: every layer at once, layers folded into heads (H = L * Hkv).
 
-    keys: [Hkv, S, D] candidate keys (dequantised), positions: [Hkv, S];
-    queries: [Hq, W, D] the most recent observed queries (rotated);
-    state: a per-layer dict the scorer may keep across compression events
-    (rows are gathered alongside the kept tokens when the key is in ``row_state``).
+    keys: [H, S, D] candidate keys (dequantised, fp32), positions: [H, S];
+    queries: [L * Hq, W, D] the most recent observed queries (rotated);
+    state: a dict the scorer may keep across compression events (entries named ``row:*`` are
+    [H, S] and are gathered alongside the kept tokens).
     """
-    layer: int
     keys: torch.Tensor
     positions: torch.Tensor
     queries: torch.Tensor
@@ -77,12 +77,21 @@ class Compressor:
         """[Hkv, S] importance of each candidate; higher is kept."""
         raise NotImplementedError
 
-    def nominal_ratio(self, elem_bytes: int) -> float:
-        """Expected compressed/full bytes, for admission control (the real ratio is measured)."""
-        bits = getattr(self, "bits", None)
-        if self.quantizes and bits:
-            return min(1.0, bits / (8 * elem_bytes) * 1.25)  # codes plus ~25% for scales
-        return getattr(self, "ratio", 0.5)
+    def nominal_ratio(self, elem_bytes: int, head_dim: int = 64) -> float:
+        """Stored/full bytes per token (the cost model's figure; admission uses the exact layout)."""
+        if not self.quantizes:
+            return getattr(self, "ratio", 1.0)
+        stored = sum(layout.bytes_per_token(head_dim) for layout in self.layouts())
+        return stored / (2 * head_dim * elem_bytes)
+
+    def layouts(self):
+        """(K layout, V layout) of a quantization method; None when tokens stay in full precision."""
+        return None
+
+    @property
+    def align(self) -> int:
+        """Tokens move into the store in multiples of this (whole position groups of the K layout)."""
+        return max(layout.align for layout in self.layouts()) if self.quantizes else 1
 
     @property
     def needs_whole_prompt(self) -> bool:
@@ -92,11 +101,6 @@ class Compressor:
     def on_prefill(self, model, full_cache, prompt_ids: list[int], tokenizer) -> dict[int, torch.Tensor] | None:
         """Optional extra prefill work (KVzip); returns per-layer [Hkv, P] prompt scores."""
         return None
-
-    # -- quantization -----------------------------------------------------------------------
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """k, v: [Hkv, n, D] -> (rows {name: [Hkv, n, ...]}, k_hat, v_hat); identity by default."""
-        return {"k": k, "v": v}, k, v
 
     def spec(self) -> str:
         params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.init)
@@ -145,8 +149,11 @@ class Composed(Compressor):
     def keep_budget(self, total_tokens: int) -> int:
         return self.evictor.keep_budget(total_tokens)
 
-    def nominal_ratio(self, elem_bytes: int) -> float:
-        return self.evictor.nominal_ratio(elem_bytes) * self.quantizer.nominal_ratio(elem_bytes)
+    def nominal_ratio(self, elem_bytes: int, head_dim: int = 64) -> float:
+        return self.evictor.nominal_ratio(elem_bytes) * self.quantizer.nominal_ratio(elem_bytes, head_dim)
+
+    def layouts(self):
+        return self.quantizer.layouts()
 
     def score(self, inp: ScoreInputs) -> torch.Tensor:
         return self.evictor.score(inp)
@@ -157,9 +164,6 @@ class Composed(Compressor):
 
     def on_prefill(self, model, full_cache, prompt_ids, tokenizer):
         return self.evictor.on_prefill(model, full_cache, prompt_ids, tokenizer)
-
-    def encode(self, k, v):
-        return self.quantizer.encode(k, v)
 
     def spec(self) -> str:
         return f"{self.evictor.spec()}+{self.quantizer.spec()}"

@@ -13,8 +13,8 @@ import torch
 
 from vericache.config import ModelConfig
 from vericache.engine.request import Request
-from vericache.kv.blocks import BlockPool
-from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.blocks import BlockPool, storage_bytes
+from vericache.kv.compressed import CompressedKVCache, planned_bytes
 from vericache.kv.full import FullKVCache
 
 UNLIMITED = 1 << 62
@@ -45,19 +45,17 @@ class KVMemory:
         full = self.capacity(req) * self.per_pos
         if req.mode == "full":
             return full
-        comp = req.opts.compressor
-        draft = int(full * comp.nominal_ratio(self.dtype.itemsize)) + 2 * comp.window * self.per_pos
+        draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req))
         if req.mode == "lossy":
             return draft
         return draft + (full - self.streamed(full) if self.offload else full)
 
     def transient(self, req: Request) -> int:
-        """Device bytes held only for a while: the uncompressed prompt in a draft cache's residual
-        until the prefill is compressed, or a verification buffer (offloaded vericache)."""
-        if req.mode == "full":
-            return 0
-        prompt = len(req.seq.prompt_ids) * self.per_pos
-        return max(prompt, self.streamed(self.capacity(req) * self.per_pos) if self.is_offloaded(req) else 0)
+        """Device bytes held only for a while: the uncompressed prompt in a lossy draft cache's
+        residual until the prefill is compressed, or a verification buffer (offloaded vericache)."""
+        if req.mode == "lossy":
+            return len(req.prefill_ids) * self.per_pos
+        return self.streamed(self.capacity(req) * self.per_pos) if self.is_offloaded(req) else 0
 
     def is_offloaded(self, req: Request) -> bool:
         return self.offload and req.mode == "vericache"
@@ -97,7 +95,9 @@ class KVMemory:
         total = 0
         if req.full is not None and not self.is_offloaded(req):
             total += req.full.nbytes()
-        for cache in (req.draft, req.resident, req.prefill_buf):
+        if req.draft is not None:  # everything it allocated (its store is allocated up front)
+            total += req.draft.resident_bytes()
+        for cache in (req.resident, req.prefill_buf):
             if cache is not None:
                 total += cache.nbytes()
         return total
@@ -130,15 +130,5 @@ def _tensors(*caches) -> list[torch.Tensor]:
         if isinstance(c, FullKVCache):
             out += [c.k, c.v]
         elif isinstance(c, CompressedKVCache):
-            out += [c.residual.k, c.residual.v, *c.store_k, *c.store_v, *c.store_pos,
-                    *(t for rows in c.store_rows for t in rows.values()), *(q for q in c.queries if q is not None)]
+            out += c.tensors()
     return out
-
-
-def storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())

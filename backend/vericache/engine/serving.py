@@ -225,8 +225,8 @@ class ServingEngine:
                     DRAFT: self._after_draft, VERIFY: self._after_verify}
         for row in batch.rows:
             req = row.req
-            if req.done:
-                continue  # aborted meanwhile
+            if req.done or req.state == WAITING:
+                continue  # aborted, or preempted by an earlier row's growth in this step
             try:
                 handlers[row.kind](req, row)
                 if req.seq.finished:
@@ -254,7 +254,9 @@ class ServingEngine:
             ids = req.prefill_ids
             scores = comp.on_prefill(eng.model, context or req.draft.residual, ids, eng.tokenizer)
             req.draft.set_prefill_scores(scores, n)
-            req.draft.commit(n)  # compression starts once the whole prompt is in (an exact prefill)
+            # compression starts once the whole prompt is in (an exact prefill); beside a full
+            # cache the draft cache takes the prompt's K/V from it
+            req.draft.commit(n, source=context)
         if req.resident is not None:  # the resident layers go up once
             src = req.prefill_buf or req.full
             req.resident.begin(0, n)

@@ -1,48 +1,110 @@
 """The compressed KV cache of one sequence: what the drafter (and lossy mode) attends over.
 
-Layout per layer:
-- a *store* of compressed tokens: dequantised K/V [Hkv, K, D] (what attention reads), their
-  positions [Hkv, K] (each KV head keeps its own token set under eviction), and the rows the
-  compressor produced (codes, scales: what ``nbytes`` counts);
-- a *residual* of the most recent tokens in full precision, positions res_start.. (shared by heads).
+Layout, every tensor allocated once for the request (all layers in one tensor each):
+- a *store* of compressed tokens, ``count`` per KV head: full-precision K/V for eviction methods,
+  or the quantizer's codes and scales (``tok``: per token; ``grp``: per position group, KIVI keys).
+  Under eviction each KV head keeps its own token set, with positions ``pos`` [L, Hkv, C] int32.
+  The draft attention reads the store as it is (quantized: ``kv.quantized.attend_quantized``).
+- a *residual* of the most recent tokens in full precision, positions res_start.. (shared by heads),
+  sized to the window plus a draft round. In lossy mode it also holds the prompt while the prompt
+  is prefilled (then shrinks); beside a full cache (vericache) the prompt is read from there.
+- the last ``window`` queries per layer (eviction scorers read them).
 
-Tokens move from the residual to the store in batches, and only once they are *committed*
-(verified by the full model, or accepted as-is in lossy mode), so speculative draft tokens can
-always be rolled back. Eviction re-scores at every move, so the kept budget tracks
-``ratio`` x tokens seen as the sequence grows.
+Tokens move from the residual to the store in batches (whole position groups, at least
+``window``), only once they are *committed* (verified by the full model, or accepted as-is in
+lossy mode), so speculative draft tokens can always be rolled back. Eviction re-scores at every
+move, all layers in one call, so the kept budget tracks ``ratio`` x tokens seen.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from vericache.compress.base import Compressor, ScoreInputs
 from vericache.config import ModelConfig
 from vericache.kv.attention import attend_all, chunk_parts, merge
+from vericache.kv.blocks import storage_bytes
 from vericache.kv.full import FullKVCache
+from vericache.kv.quantized import attend_quantized
+
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def store_capacity(comp: Compressor, capacity: int) -> int:
+    """Tokens per KV head the store can ever hold for a sequence of ``capacity`` positions."""
+    return comp.keep_budget(capacity) if comp.evicts else capacity
+
+
+def residual_capacity(comp: Compressor) -> int:
+    """Committed tokens not yet moved (< 2 * window + align) plus a draft round's speculative ones."""
+    return 2 * comp.window + comp.align + 64
+
+
+def store_spec(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity: int) -> Spec:
+    """Every store tensor's name -> (shape, dtype): what ``CompressedKVCache`` allocates."""
+    n_layers, hkv, hq, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    c = store_capacity(comp, capacity)
+    spec: Spec = {}
+    if comp.quantizes:
+        for p, layout in zip("kv", comp.layouts()):
+            for f, (w, dt) in layout.token_fields(d).items():
+                spec[f"{p}.tok.{f}"] = ((n_layers, hkv, c, w), dt)
+            for f, (w, dt) in layout.group_fields(d).items():
+                spec[f"{p}.grp.{f}"] = ((n_layers, hkv, -(-capacity // layout.group), w), dt)
+    else:
+        spec["k.tok.x"] = spec["v.tok.x"] = ((n_layers, hkv, c, d), dtype)
+    if comp.evicts:
+        spec["pos"] = ((n_layers, hkv, c), torch.int32)
+    spec["queries"] = ((n_layers, hq, comp.window, d), dtype)
+    return spec
+
+
+def planned_bytes(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity: int) -> int:
+    """Bytes a compressed cache of ``capacity`` positions allocates (admission charges this)."""
+    spec = store_spec(comp, cfg, dtype, capacity)
+    store = sum(math.prod(shape) * dt.itemsize for shape, dt in spec.values())
+    return store + residual_capacity(comp) * cfg.kv_bytes_per_position(dtype.itemsize)
 
 
 class CompressedKVCache:
     def __init__(self, compressor: Compressor, cfg: ModelConfig, device: torch.device | str,
                  dtype: torch.dtype, capacity: int = 256) -> None:
-        self.compressor = compressor
-        self.cfg = cfg
-        n_layers, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.compressor, self.cfg, self.dtype = compressor, cfg, dtype
         self.window = compressor.window
-        empty = torch.zeros(hkv, 0, d, device=device, dtype=dtype)
-        self.store_k = [empty] * n_layers
-        self.store_v = [empty] * n_layers
-        self.store_pos = [torch.zeros(hkv, 0, dtype=torch.long, device=device)] * n_layers
-        self.store_rows: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layers)]
-        self.state: list[dict] = [{} for _ in range(n_layers)]
-        self.queries: list[torch.Tensor | None] = [None] * n_layers      # [Hq, <=window, D]
-        # the residual is a FullKVCache whose slot i holds position res_start + i
-        self.residual = FullKVCache(cfg, device, dtype, capacity=max(capacity, 2 * self.window + 64))
+        self.layouts = compressor.layouts() if compressor.quantizes else None
+        self.capacity = capacity
+        spec = store_spec(compressor, cfg, dtype, capacity)
+        t = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
+        self.pos: torch.Tensor | None = t.pop("pos", None)          # [L, Hkv, C] int32
+        self.queries = t.pop("queries")                            # [L, Hq, W, D], the last W in order
+        self.fields = t                                            # "k.tok.codes" -> [L, Hkv, C, w], ...
+        self.count = 0                                             # tokens per KV head in the store
+        self.q_seen = 0                                            # queries observed (by the last layer)
+        self.state: dict[str, torch.Tensor] = {}                   # the scorer's (all layers)
+        self.residual = FullKVCache(cfg, device, dtype, capacity=residual_capacity(compressor))
         self.res_start = 0
         self.committed = 0
         self.prompt_len = 0
         self._start = 0
-        self._store_bytes = 0  # recomputed when the store changes, not on every step
+        self._parts = [self._layer_parts(layer) for layer in range(cfg.num_hidden_layers)]
+        n_l, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        per_token = sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items() if ".tok." in n)
+        self._token_bytes = n_l * hkv * (per_token + (4 if self.pos is not None else 0))
+        self._group_bytes = {p: n_l * hkv * sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items()
+                                                if n.startswith(f"{p}.grp.")) for p in "kv"}
+
+    def _layer_parts(self, layer: int) -> tuple[dict, dict]:
+        """Views of one layer's store, K and V: {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}."""
+        def part(p: str) -> dict:
+            out: dict = {"tok": {}, "grp": {}}
+            for name, x in self.fields.items():
+                prefix, kind, field = name.split(".")
+                if prefix == p:
+                    out[kind][field] = x[layer]
+            return out
+        return part("k"), part("v")
 
     # ------------------------------------------------------------------ the forward's interface
     @property
@@ -55,125 +117,183 @@ class CompressedKVCache:
         self.residual.begin(start - self.res_start, count)
         self._start = start
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V and remember the queries without attending (prefill alongside a full cache)."""
-        s, t = self._start - self.res_start, q.shape[1]
-        self.residual.k[layer, :, s : s + t] = k
-        self.residual.v[layer, :, s : s + t] = v
-        prev = self.queries[layer]
-        recent = q if prev is None else torch.cat([prev, q], dim=1)
-        self.queries[layer] = recent[:, -self.window :].clone()
+    def observe(self, layer: int, q: torch.Tensor) -> None:
+        """Remember the latest queries [Hq, T, D] of a layer (the eviction scorers' observation window)."""
+        w, t = self.window, q.shape[1]
+        buf = self.queries[layer]                                                      # [Hq, W, D]
+        if t >= w:
+            buf.copy_(q[:, -w:])
+        else:
+            buf[:, : w - t] = buf[:, t:].clone()
+            buf[:, w - t :] = q
+        if layer == self.cfg.num_hidden_layers - 1:
+            self.q_seen += t
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1
-        self.observe(layer, q, k, v)
+        s, t = self._start - self.res_start, q.shape[1]
+        self.residual.k[layer, :, s : s + t] = k
+        self.residual.v[layer, :, s : s + t] = v
+        self.observe(layer, q)
         # the stored tokens precede every query (unmasked); the residual is read where it lies
-        parts = chunk_parts(q, self.residual.k[layer], self.residual.v[layer], self._start - self.res_start)
-        if self.store_k[layer].shape[1]:
-            parts.insert(0, attend_all(q, self.store_k[layer], self.store_v[layer]))
+        parts = chunk_parts(q, self.residual.k[layer], self.residual.v[layer], s)
+        if self.count:
+            kp, vp = self._parts[layer]
+            if self.layouts is None:
+                parts.insert(0, attend_all(q, kp["tok"]["x"][:, : self.count], vp["tok"]["x"][:, : self.count]))
+            else:
+                pos = None if self.pos is None else self.pos[layer]
+                parts.insert(0, attend_quantized(q, self.layouts, kp, vp, self.count, pos))
         return merge(parts)
 
     # ------------------------------------------------------------------ commits and compression
     def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor]) -> None:
-        """Take an exact prefill made elsewhere: the K/V of ``full``'s positions and each layer's last
-        queries [Hq, >=window, D] (what ``observe`` would have kept during that prefill)."""
+        """Take an exact prefill made elsewhere: ``full``'s positions (into the residual, which grows
+        for the while) and each layer's last queries [Hq, >=window, D] (what ``observe`` would have
+        kept). ``commit`` then compresses them."""
         n = full.length
-        if self.length or n > self.residual.capacity:
-            raise ValueError(f"load_prefill needs an empty cache with room for {n} positions")
+        if self.length or self.committed:
+            raise ValueError("load_prefill needs an empty cache")
         self.residual.begin(0, n)
         self.residual.k[:, :, :n] = full.k[:, :, :n]
         self.residual.v[:, :, :n] = full.v[:, :, :n]
-        self.queries = [q[:, -self.window :].clone() for q in queries]
+        for layer, q in enumerate(queries):
+            self.observe(layer, q)
 
     def set_prefill_scores(self, scores: dict[int, torch.Tensor] | None, prompt_len: int) -> None:
+        """KVzip's per-layer [Hkv, P] prompt scores, kept as one [L * Hkv, P] tensor."""
         self.prompt_len = prompt_len
-        for layer, s in (scores or {}).items():
-            self.state[layer]["prefill_scores"] = s
+        if scores:
+            self.state["prefill_scores"] = torch.cat([scores[i] for i in range(len(scores))])
 
     def commit(self, upto: int, source: FullKVCache | None = None) -> None:
         """Positions < upto are final; later (speculative) positions are dropped.
 
-        With ``source``, the K/V of newly committed positions are copied from the full cache,
-        so the drafter keeps tracking the full model rather than its own approximation.
+        With ``source`` (a full cache holding every position < upto), committed K/V come from
+        there, so the drafter keeps tracking the full model rather than its own approximation.
         """
         if upto < self.committed:
             raise ValueError(f"cannot commit up to {upto}: already committed {self.committed}")
-        lo, hi = self.committed - self.res_start, upto - self.res_start
-        if source is not None:
-            self.residual.begin(lo, hi - lo)
-            self.residual.k[:, :, lo:hi] = source.k[:, :, self.committed : upto]
-            self.residual.v[:, :, lo:hi] = source.v[:, :, self.committed : upto]
-        elif hi > self.residual.length:
+        if upto > self.capacity:
+            raise ValueError(f"cannot commit up to {upto}: the cache is sized for {self.capacity} positions")
+        rs, old = self.res_start, self.committed
+        if source is None and upto - rs > self.residual.length:
             raise ValueError(f"cannot commit up to {upto}: only {self.length} positions written")
-        self.residual.truncate(hi)
         self.committed = upto
-        self._maybe_compress()
+        n = self._movable(upto)
+        src_k, src_v = (source.k, source.v) if source is not None else (self.residual.k, self.residual.v)
+        if n:  # positions rs..rs+n leave the residual
+            off = rs if source is not None else 0
+            self._move(src_k[:, :, off : off + n], src_v[:, :, off : off + n], upto)
+        self.res_start = rs + n
+        keep = upto - self.res_start
+        if source is not None:  # committed positions not yet in the residual come from the source
+            first = self.res_start if n else old
+            self._place(source.k, source.v, first, first - self.res_start, upto - first)
+        elif n:  # shift the residual left by n
+            self._place(self.residual.k, self.residual.v, n, 0, keep)
+        self.residual.truncate(keep)
 
-    def _maybe_compress(self) -> None:
-        movable = self.committed - self.window - self.res_start
-        if movable < self.window:  # move in batches of at least `window` tokens
+    def _movable(self, upto: int) -> int:
+        """Tokens to move now: whole ``align`` groups, once at least ``window`` are past the window."""
+        movable = upto - self.window - self.res_start
+        n = movable // self.compressor.align * self.compressor.align
+        return n if movable >= self.window else 0
+
+    def _place(self, k: torch.Tensor, v: torch.Tensor, src: int, dst: int, n: int) -> None:
+        """Residual slots dst..dst+n := k/v[:, :, src..src+n] (shrinking a prefill-sized residual)."""
+        res, cap = self.residual, residual_capacity(self.compressor)
+        if res.capacity > cap and dst + n <= cap:
+            res = FullKVCache(self.cfg, res.k.device, self.dtype, capacity=cap)
+            res.begin(0, dst)
+            res.k[:, :, :dst] = self.residual.k[:, :, :dst]
+            res.v[:, :, :dst] = self.residual.v[:, :, :dst]
+        res.begin(dst, n)
+        res.k[:, :, dst : dst + n] = k[:, :, src : src + n].clone() if k is res.k else k[:, :, src : src + n]
+        res.v[:, :, dst : dst + n] = v[:, :, src : src + n].clone() if v is res.v else v[:, :, src : src + n]
+        self.residual = res
+
+    def _move(self, k: torch.Tensor, v: torch.Tensor, committed: int) -> None:
+        """Store positions res_start..res_start+n. k, v: [L, Hkv, n, D]."""
+        comp, rs, c = self.compressor, self.res_start, self.count
+        n = k.shape[2]
+        new = {"k.tok.x": k, "v.tok.x": v}
+        if self.layouts is not None:
+            new = {}
+            for p, layout, x in zip("kv", self.layouts, (k, v)):
+                tok, grp = layout.encode(x)
+                new |= {f"{p}.tok.{f}": y for f, y in tok.items()}
+                for f, y in grp.items():  # whole position groups: rs and n are multiples of the group
+                    self.fields[f"{p}.grp.{f}"][:, :, rs // layout.group : (rs + n) // layout.group] = y
+        if not comp.evicts:
+            for name, y in new.items():
+                self.fields[name][:, :, c : c + n] = y
+            self.count = c + n
             return
-        n, res_len = movable, self.residual.length
-        for layer in range(self.cfg.num_hidden_layers):
-            k = self.residual.k[layer, :, :n]
-            v = self.residual.v[layer, :, :n]
-            rows, k_hat, v_hat = self.compressor.encode(k.clone(), v.clone())
-            pos = torch.arange(self.res_start, self.res_start + n, device=k.device).expand(k.shape[0], n)
-            self.store_k[layer] = torch.cat([self.store_k[layer], k_hat], dim=1)
-            self.store_v[layer] = torch.cat([self.store_v[layer], v_hat], dim=1)
-            self.store_pos[layer] = torch.cat([self.store_pos[layer], pos], dim=1)
-            old = self.store_rows[layer]
-            self.store_rows[layer] = {name: torch.cat([old[name], r], dim=1) if name in old else r
-                                      for name, r in rows.items()}
-        # shift the residual left by n (clone: source and destination overlap)
-        self.residual.k[:, :, : res_len - n] = self.residual.k[:, :, n:res_len].clone()
-        self.residual.v[:, :, : res_len - n] = self.residual.v[:, :, n:res_len].clone()
-        self.residual.truncate(res_len - n)
-        self.res_start += n
-        if self.compressor.evicts:
-            self._evict()
-        self._store_bytes = self._count_store_bytes()
+        # eviction: the kept tokens then the new ones are candidates; keep the top budget per head
+        n_l, hkv = k.shape[:2]
+        positions = torch.arange(rs, rs + n, device=k.device, dtype=torch.int32).expand(n_l, hkv, n)
+        positions = torch.cat([self.pos[:, :, :c], positions], dim=2)                   # [L, Hkv, S]
+        keys = torch.cat([self._stored_keys(), k.float()], dim=2)                       # [L, Hkv, S, D]
+        w = min(self.q_seen, self.window)
+        queries = self.queries[:, :, self.window - w :].flatten(0, 1)                  # [L*Hq, w, D]
+        scores = comp.score(ScoreInputs(keys.flatten(0, 1), positions.flatten(0, 1).long(), queries,
+                                        self.state, self.prompt_len)).view(n_l, hkv, -1)
+        budget = max(comp.keep_budget(committed) - (committed - rs - n), 0)
+        keep = scores.topk(min(budget, c + n), dim=2).indices.sort(dim=2).values       # [L, Hkv, B]
+        b = keep.shape[2]
+        for name, y in new.items():
+            store = self.fields[name]
+            cand = torch.cat([store[:, :, :c], y], dim=2)
+            store[:, :, :b] = cand.gather(2, keep[..., None].expand(*keep.shape, cand.shape[3]))
+        self.pos[:, :, :b] = positions.gather(2, keep)
+        flat = keep.flatten(0, 1)
+        for name in [x for x in self.state if x.startswith("row:")]:
+            self.state[name] = self.state[name].gather(1, flat)
+        self.count = b
 
-    def _evict(self) -> None:
-        in_residual = self.committed - self.res_start
-        budget = max(self.compressor.keep_budget(self.committed) - in_residual, 0)
-        for layer in range(self.cfg.num_hidden_layers):
-            queries = self.queries[layer]
-            scores = self.compressor.score(ScoreInputs(layer, self.store_k[layer], self.store_pos[layer],
-                                                       queries, self.state[layer], self.prompt_len))
-            if self.store_k[layer].shape[1] <= budget:
-                continue
-            keep = scores.topk(budget, dim=1).indices.sort(dim=1).values                  # [Hkv, budget]
-            self._gather(layer, keep)
+    def _stored_keys(self) -> torch.Tensor:
+        """The store's keys in fp32: [L, Hkv, count, D] (dequantized for scoring)."""
+        c = self.count
+        if self.layouts is None:
+            return self.fields["k.tok.x"][:, :, :c].float()
+        tok = {name.split(".")[2]: x[:, :, :c] for name, x in self.fields.items() if name.startswith("k.tok.")}
+        grp = {name.split(".")[2]: x for name, x in self.fields.items() if name.startswith("k.grp.")}
+        pos = None if self.pos is None else self.pos[:, :, :c]
+        return self.layouts[0].decode(tok, grp, self.cfg.head_dim, pos)
 
-    def _gather(self, layer: int, keep: torch.Tensor) -> None:
-        def g(x: torch.Tensor) -> torch.Tensor:
-            idx = keep.view(*keep.shape, *([1] * (x.dim() - 2))).expand(*keep.shape, *x.shape[2:])
-            return x.gather(1, idx)
-
-        self.store_k[layer], self.store_v[layer] = g(self.store_k[layer]), g(self.store_v[layer])
-        self.store_pos[layer] = self.store_pos[layer].gather(1, keep)
-        self.store_rows[layer] = {name: g(r) for name, r in self.store_rows[layer].items()}
-        st = self.state[layer]
-        for name in [n for n in st if n.startswith("row:")]:
-            st[name] = st[name].gather(1, keep)
+    def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store of one layer as fp32 K, V [Hkv, count, D] (tests, inspection)."""
+        kp, vp = self._parts[layer]
+        if self.layouts is None:
+            return kp["tok"]["x"][:, : self.count].float(), vp["tok"]["x"][:, : self.count].float()
+        pos = None if self.pos is None else self.pos[layer, :, : self.count]
+        return tuple(layout.decode({f: x[:, : self.count] for f, x in part["tok"].items()}, part["grp"],
+                                   self.cfg.head_dim, pos) for layout, part in zip(self.layouts, (kp, vp)))
 
     # ------------------------------------------------------------------ accounting
-    def _count_store_bytes(self) -> int:
-        total = 0.0
-        for rows in self.store_rows:
-            for name, r in rows.items():
-                total += r.sum().item() if name.endswith("_bytes") else r.numel() * r.element_size()
-        return int(total)
-
     def nbytes(self) -> int:
-        """Bytes held: the compressor's rows (codes, scales) plus the full-precision residual."""
-        return self._store_bytes + self.residual.nbytes()
+        """Bytes a draft step reads: the stored tokens' codes and scales, the position groups in use
+        (KIVI keys) and the residual's valid positions."""
+        total = self.count * self._token_bytes + self.residual.nbytes()
+        for layout, p in zip(self.layouts or (), "kv"):
+            total += -(-self.res_start // layout.group) * self._group_bytes[p] if self._group_bytes[p] else 0
+        return total
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds."""
+        state = [x for x in self.state.values() if isinstance(x, torch.Tensor)]
+        return [*self.fields.values(), self.queries, self.residual.k, self.residual.v, *state,
+                *([self.pos] if self.pos is not None else [])]
+
+    def resident_bytes(self) -> int:
+        """Bytes of every storage the cache holds, each counted once (allocated, not only used)."""
+        return storage_bytes(self.tensors())
 
     def full_nbytes(self) -> int:
         """What a full cache of the same positions would hold, in the same dtype."""
         return self.length * self.residual.nbytes_per_position()
 
     def kept_tokens(self) -> int:
-        """Tokens visible to the first KV head of layer 0 (store + residual)."""
-        return self.store_k[0].shape[1] + self.residual.length
+        """Tokens visible to each KV head (store + residual)."""
+        return self.count + self.residual.length

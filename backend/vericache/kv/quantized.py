@@ -78,6 +78,11 @@ class Layout:
         """Per group of ``group`` positions and head (CHANNEL_GROUPS only)."""
         return {"scale": (d, torch.float16), "zero": (d, torch.float16)} if self.kind == CHANNEL_GROUPS else {}
 
+    def bytes_per_token(self, d: int) -> float:
+        """Stored bytes per token and head (group fields shared by ``group`` positions)."""
+        size = lambda fields: sum(w * dt.itemsize for w, dt in fields.values())  # noqa: E731
+        return size(self.token_fields(d)) + size(self.group_fields(d)) / self.group
+
     @property
     def align(self) -> int:
         """Positions move into the store in multiples of this (whole position groups)."""

@@ -1,5 +1,6 @@
-"""Prefill once, fill two caches: attention runs over the full cache (exact), and the
-compressed cache receives the same K/V and queries."""
+"""Prefill once, fill two caches: attention runs over the full cache (exact); the compressed
+cache only records the queries (its scorers' observation window) and takes the prompt's K/V from
+the full cache when the prefill is committed (``CompressedKVCache.commit(n, source=full)``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ class TeeCache:
 
     def begin(self, start: int, count: int) -> None:
         self.full.begin(start, count)
-        self.draft.begin(start, count)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.draft.observe(layer, q, k, v)
+        self.draft.observe(layer, q)
         return self.full.attend(layer, q, k, v)
 
 
@@ -33,7 +33,7 @@ class QueryRecorder:
     def begin(self, start: int, count: int) -> None:
         pass
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def observe(self, layer: int, q: torch.Tensor) -> None:
         prev = self.queries[layer]
         recent = q if prev is None else torch.cat([prev, q], dim=1)
         self.queries[layer] = recent[:, -self.window :].clone()

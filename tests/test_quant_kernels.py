@@ -1,0 +1,102 @@
+"""Quantized KV read as stored: the C++ kernel against dequantize-then-attend (fp32, 1e-5), and
+caches whose resident bytes are what admission and accounting charge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache import SamplingParams
+from vericache.engine import serving as S
+from vericache.engine.engine import Engine
+from vericache.engine.memory import KVMemory
+from vericache.engine.options import RequestOptions
+from vericache.kernels import cpu_kernels
+from vericache.kv.attention import attend_all
+from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout, attend_quantized
+
+LAYOUTS = {
+    "kivi2": (Layout(CHANNEL_GROUPS, 2, 32), Layout(TOKEN_GROUPS, 2, 32)),
+    "kivi4": (Layout(CHANNEL_GROUPS, 4, 32), Layout(TOKEN_GROUPS, 4, 32)),
+    "int4": (Layout(TOKEN_GROUPS, 4, 32),) * 2,
+    "int8-g16": (Layout(TOKEN_GROUPS, 8, 16),) * 2,
+    "fp8": (Layout(FP8),) * 2,
+}
+
+
+def test_the_kernel_builds_here():
+    """CPU attention over quantized KV never silently falls back: the extension must load."""
+    assert hasattr(cpu_kernels(), "attend_quantized")
+
+
+def _encoded(layouts, k, v):
+    (kt, kg), (vt, vg) = layouts[0].encode(k), layouts[1].encode(v)
+    return {"tok": kt, "grp": kg}, {"tok": vt, "grp": vg}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("n, t", [(1, 1), (31, 1), (32, 3), (33, 1), (65, 2), (200, 1), (1031, 4)])
+def test_kernel_matches_dequantize_then_attend(name, n, t):
+    layouts = LAYOUTS[name]
+    g = torch.Generator().manual_seed(n * 7 + t)
+    hkv, groups, d, stored = 3, 3, 64, -(-n // 32) * 32 + 32   # capacity past n: the kernel reads only n
+    k, v = torch.randn(hkv, stored, d, generator=g) * 2, torch.randn(hkv, stored, d, generator=g)
+    k[:, :, 5] += 8.0                                                 # an outlier channel, as real keys have
+    q = torch.randn(hkv * groups, t, d, generator=g)
+    kp, vp = _encoded(layouts, k, v)
+    out, lse = attend_quantized(q, layouts, kp, vp, n)
+    kd = layouts[0].decode({f: x[:, :n] for f, x in kp["tok"].items()}, kp["grp"], d)
+    vd = layouts[1].decode({f: x[:, :n] for f, x in vp["tok"].items()}, vp["grp"], d)
+    ref_out, ref_lse = attend_all(q, kd, vd)
+    assert (out - ref_out).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
+    assert (kd - k[:, :n]).abs().max() > 0                            # really quantized
+
+
+@pytest.mark.parametrize("name", ["kivi2", "int4", "fp8"])
+def test_kernel_reads_evicted_token_sets(name):
+    """Under eviction each head keeps its own positions; KIVI keys find their group by position."""
+    layouts = LAYOUTS[name]
+    g = torch.Generator().manual_seed(3)
+    hkv, d, seen, kept = 3, 64, 320, 77
+    k, v = torch.randn(hkv, seen, d, generator=g), torch.randn(hkv, seen, d, generator=g)
+    kp, vp = _encoded(layouts, k, v)
+    pos = torch.stack([torch.randperm(seen, generator=g)[:kept].sort().values for _ in range(hkv)]).int()
+    idx = pos.long()[..., None]
+    sub = lambda part: {"tok": {f: x.gather(1, idx.expand(-1, -1, x.shape[2])) for f, x in part["tok"].items()},  # noqa: E731
+                        "grp": part["grp"]}
+    kp_kept, vp_kept = sub(kp), sub(vp)
+    q = torch.randn(hkv * 3, 1, d, generator=g)
+    out, lse = attend_quantized(q, layouts, kp_kept, vp_kept, kept, pos)
+    ref = attend_quantized(q, layouts, kp_kept, vp_kept, kept, pos, use_kernel=False)
+    assert (out - ref[0]).abs().max().item() < 1e-5 and (lse - ref[1]).abs().max().item() < 1e-5
+
+
+SPECS = ["streaming:ratio=0.2", "snapkv:ratio=0.2", "h2o:ratio=0.2", "kvzip:ratio=0.2", "kivi:bits=2",
+         "kivi:bits=4", "int4", "int8", "fp8", "snapkv:ratio=0.125+kivi:bits=2"]
+
+
+@pytest.fixture(scope="module")
+def prompt_4k():
+    return torch.randint(1, 4000, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.mark.parametrize("mode", ["lossy", "vericache"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
+    """After a 4K prefill, the bytes of every storage a request's caches hold (each counted once)
+    equal what admission planned and what the device pool is charged, within 5%."""
+    srv = S.ServingEngine(Engine(llm.loaded, mode=mode, compressor=spec), offload=False, prefill_chunk=4096)
+    rid = srv.add_request(prompt_4k, SamplingParams(max_tokens=8, ignore_eos=True), RequestOptions(mode=mode))
+    req = srv.requests[rid]
+    while req.state in (S.WAITING, S.PREFILL):
+        srv.step()
+    resident = KVMemory.resident_bytes(req)
+    assert resident == pytest.approx(srv.memory.device_bytes(req), rel=0.05)
+    assert resident == pytest.approx(srv.memory.needed(req), rel=0.05)
+    full = len(prompt_4k) * srv.memory.per_pos
+    draft = req.draft.resident_bytes()
+    assert draft < (0.35 if "kivi:bits=2" in spec or "0.2" in spec else 0.6) * full   # really compressed
+    while srv.has_unfinished():
+        srv.step()
+    assert srv.device.used_blocks == 0
