@@ -92,6 +92,7 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             row = {"context": ctx, "mode": mode, "tokens_per_s": round(st["decode_tokens_per_s"], 1),
                    "compressor": "" if mode == "full" else st["compressor"],
                    "compression_ratio": st.get("compression_ratio", 1.0),
+                   "kv_resident_bytes": st.get("kv_resident_bytes"),
                    "mean_acceptance_length": st.get("mean_acceptance_length", ""),
                    "acceptance_rate": st.get("acceptance_rate", "")}
             if ref is not None:

@@ -86,7 +86,8 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
                "mean_acceptance_length": round(acceptance, 2) if rounds else None,
                "mean_groups": round(srv.instruments.mean_groups, 2) if scheduler == "grouped" else None,
                "early_verifies": srv.instruments.early_verifies if engine_mode == "vericache" else None,
-               "preemptions": srv.instruments.preemptions, "rounds": rounds}
+               "preemptions": srv.instruments.preemptions, "rounds": rounds,
+               "kv_resident_bytes": res["kv_resident_bytes"]}
         if cal is not None and not resident:
             comp = eng.compressor
             kept = comp.nominal_ratio(llm.loaded.kv_dtype.itemsize) if comp.evicts else 1.0

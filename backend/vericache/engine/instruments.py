@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from vericache.engine.memory import KVMemory
 from vericache.engine.request import Request
 
 
@@ -51,7 +52,8 @@ def request_stats(req: Request) -> dict:
     decode_s = end - req.first_token_at if req.first_token_at else 0.0
     st = {"mode": req.mode, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": n_out,
           "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6),
-          "decode_tokens_per_s": round(decoded / decode_s, 3) if decode_s > 0 else 0.0}
+          "decode_tokens_per_s": round(decoded / decode_s, 3) if decode_s > 0 else 0.0,
+          "kv_resident_bytes": KVMemory.resident_bytes(req)}  # every storage its caches hold, once
     if req.draft is not None:
         full_bytes = req.draft.full_nbytes()
         st.update({
