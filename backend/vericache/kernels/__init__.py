@@ -36,5 +36,11 @@ def cpu_kernels(verbose: bool = False):
     """The compiled CPU kernel module (built once per machine, then loaded from the cache)."""
     from torch.utils.cpp_extension import load
 
+    try:  # torch runs `ninja` from PATH; the PyPI package's binary works where the venv is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
     return load(name="vericache_quant_attention", sources=[str(SOURCE)], build_directory=str(_build_dir()),
                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
