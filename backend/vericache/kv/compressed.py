@@ -276,8 +276,8 @@ class CompressedKVCache:
         """Bytes a draft step reads: the stored tokens' codes and scales, the position groups in use
         (KIVI keys) and the residual's valid positions."""
         total = self.count * self._token_bytes + self.residual.nbytes()
-        for layout, p in zip(self.layouts or (), "kv"):
-            total += -(-self.res_start // layout.group) * self._group_bytes[p] if self._group_bytes[p] else 0
+        for layout, p in zip(self.layouts or (), "kv"):  # group bytes are 0 for layouts without groups
+            total += -(-self.res_start // layout.group) * self._group_bytes[p]
         return total
 
     def tensors(self) -> list[torch.Tensor]:
