@@ -39,7 +39,9 @@ def cpu_kernels(verbose: bool = False):
     try:  # torch runs `ninja` from PATH; the PyPI package's binary works where the venv is not on PATH
         import ninja
 
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        bin_dir = getattr(ninja, "BIN_DIR", None)
+        if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
     return load(name="vericache_quant_attention", sources=[str(SOURCE)], build_directory=str(_build_dir()),
