@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.kernels import cpu_kernels
 from vericache.kv.attention import Part, attend_all
 
 TOKEN_GROUPS, CHANNEL_GROUPS, FP8 = 0, 1, 2
@@ -134,8 +135,6 @@ def attend_quantized(q: torch.Tensor, layouts: tuple[Layout, Layout], k: dict, v
     hq, t, d = q.shape
     hkv = next(iter(k["tok"].values())).shape[0]
     if use_kernel and q.device.type == "cpu":
-        from vericache.kernels import cpu_kernels
-
         qf = q.reshape(hkv, (hq // hkv) * t, d).float().contiguous()              # [Hkv, G*T, D]
         args = []
         for layout, part in zip(layouts, (k, v)):
