@@ -135,6 +135,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.role == "verifier":
+        from vericache.serving.verifier_role import run_verifier
+        run_verifier(args.model, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
+                     args.metrics_port, args.device, args.dtype)
+        return 0
+    if args.role == "drafter" and not args.verifier:
+        raise ValueError("--role drafter needs --verifier grpc://host:port")
     try:
         from vericache_gateway.server import serve
     except ImportError as exc:
@@ -142,7 +149,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, backend=args.backend,
           triton_url=args.triton_url, mode=args.mode,
           compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
-          device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue)
+          device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
+          prefix_store=args.prefix_store, prefix_link=args.prefix_link,
+          verifier=args.verifier if args.role == "drafter" else None)
     return 0
 
 
@@ -231,6 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
     sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
     sv.add_argument("--max-queue", type=int, default=64)
+    sv.add_argument("--role", default="single", choices=["single", "drafter", "verifier"],
+                    help="single: one engine; drafter: vericache requests verified by --verifier; "
+                         "verifier: a gRPC verifier next to the prefix store (on --grpc-port)")
+    sv.add_argument("--verifier", default=None, help="grpc://host:port of the verifier (drafter role)")
+    sv.add_argument("--prefix-store", default=None, help="redis://host:port of the prefix KV store")
+    sv.add_argument("--prefix-link", default="local", help="label of the link to the store in metrics (slow, fast)")
+    sv.add_argument("--store-prefixes", action="store_true",
+                    help="verifier role: store the whole blocks of the prompts it serves")
+    sv.add_argument("--grpc-port", type=int, default=50051, help="verifier role: the gRPC port")
+    sv.add_argument("--metrics-port", type=int, default=0, help="verifier role: Prometheus port (0: none)")
     sv.set_defaults(func=_cmd_serve)
 
     tr = sub.add_parser("triton-server", help="start a real tritonserver on the VeriCache model repository")
@@ -258,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     from vericache.bench.cli import add_bench_parser
     from vericache.sim.cli import add_sim_parser
 
+    from vericache.remote.cli import add_remote_parsers
+
     add_bench_parser(sub)
     add_sim_parser(sub)
+    add_remote_parsers(sub)
     return parser
 
 

@@ -34,7 +34,7 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
     if isinstance(backend, EngineService):
         backend = EmbeddedBackend(backend)
     metrics = Metrics(model_name, backend.mode, backend.compressor)
-    backend.set_metrics_sink(_sink(metrics))
+    backend.set_metrics_sink(metrics_sink(metrics))
     app = FastAPI(title="VeriCache", version="0.1.0")
     app.state.backend, app.state.metrics = backend, metrics
 
@@ -149,8 +149,8 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
                     last = now
                     metrics.lab(metrics.generation_tokens, **labels).inc(len(delta.token_ids))
                 if delta.finished and delta.finish_reason == "error":
-                    raise APIError(500, f"generation failed: {delta.stats.get('error', 'engine error')}",
-                                   "server_error")
+                    raise APIError(delta.stats.get("status", 500),
+                                   f"generation failed: {delta.stats.get('error', 'engine error')}", "server_error")
                 yield delta
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -219,7 +219,7 @@ def _request_options(body, backend) -> tuple[RequestOptions | None, dict]:
     return options, {"mode": resolved.mode, "compressor": resolved.compressor_label}
 
 
-def _sink(m: Metrics):
+def metrics_sink(m: Metrics):
     def sink(event: str, f: dict) -> None:
         labels = {k: f[k] for k in ("mode", "compressor") if k in f}  # the request's own, when known
         if event == "request_done":
@@ -235,6 +235,17 @@ def _sink(m: Metrics):
         elif event == "phase" and ("draft" in f["kind"] or "verify" in f["kind"]):
             # one forward per step: a step with a verification counts as a verify step
             m.lab(m.verify_step if "verify" in f["kind"] else m.draft_step).observe(f["seconds"])
+        elif event == "verify_step":  # the verifier role's own forwards
+            m.lab(m.verify_step).observe(f["seconds"])
+        elif event == "prefix":
+            m.lab(m.prefix_hits).inc(f["hit_blocks"])
+            m.lab(m.prefix_misses).inc(f["miss_blocks"])
+            m.lab(m.prefix_bytes, link=f["link"], tier=f["tier"]).inc(f["bytes"])
+            m.lab(m.prefix_fetch, link=f["link"]).observe(f["seconds"])
+        elif event == "store_error":
+            m.lab(m.store_errors).inc()
+        elif event == "verifier_rtt":
+            m.lab(m.verifier_rtt).observe(f["seconds"])
     return sink
 
 

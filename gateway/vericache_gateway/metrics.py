@@ -19,8 +19,8 @@ class Metrics:
         def c(name, doc, extra=()):
             return Counter(f"vericache_{name}", doc, names + list(extra), registry=r)
 
-        def h(name, doc, buckets=LATENCY_BUCKETS):
-            return Histogram(f"vericache_{name}", doc, names, buckets=buckets, registry=r)
+        def h(name, doc, buckets=LATENCY_BUCKETS, extra=()):
+            return Histogram(f"vericache_{name}", doc, names + list(extra), buckets=buckets, registry=r)
 
         self.running = g("num_requests_running", "Requests being prefilled, drafted, verified or decoded")
         self.waiting = g("num_requests_waiting", "Requests waiting for device memory")
@@ -44,6 +44,14 @@ class Metrics:
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.success = c("request_success", "Finished requests by reason", ["finished_reason"])
         self.errors = c("request_errors", "Requests answered with an error, by HTTP status", ["status"])
+        # remote prefix caching (engine.remote, remote.verifier)
+        self.prefix_hits = c("prefix_cache_hits", "Prefix blocks found in the store")
+        self.prefix_misses = c("prefix_cache_misses", "Prefix blocks looked up and not found (or corrupt)")
+        self.prefix_bytes = c("prefix_fetch_bytes", "Bytes fetched from the prefix store, by link and KV tier",
+                              ["link", "tier"])
+        self.prefix_fetch = h("prefix_fetch_seconds", "Seconds to fetch a prompt's stored blocks", extra=["link"])
+        self.store_errors = c("prefix_store_errors", "Prefix store unreachable (the prompt was recomputed)")
+        self.verifier_rtt = h("verifier_rtt_seconds", "Round trip of a draft to the remote verifier and back")
 
     def lab(self, metric, **extra):
         """The metric's child for the server's labels, overridden by ``extra`` (a request's mode, say)."""

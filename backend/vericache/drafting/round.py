@@ -110,10 +110,14 @@ def finish_round(seq: Sequence, rs: RoundState, target_logits: torch.Tensor, sta
         write_back(start, keep)
     full.truncate(keep)
     draft.commit(keep, source=full)
-    k = len(rs.drafts)
+    record_round(rs, len(rs.drafts), m)
+    return m
+
+
+def record_round(rs: RoundState, k: int, m: int) -> None:
+    """Count a verified round of ``k`` drafted tokens with ``m`` accepted."""
     rs.rounds, rs.drafted, rs.accepted = rs.rounds + 1, rs.drafted + k, rs.accepted + m
     while len(rs.accepted_per_pos) < k:
         rs.accepted_per_pos.append(0)
     for i in range(m):
         rs.accepted_per_pos[i] += 1
-    return m

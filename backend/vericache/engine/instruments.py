@@ -18,6 +18,7 @@ from vericache.engine.request import Request
 class Instruments:
     intervals: list[tuple[float, float, str]] = field(default_factory=list)   # (start, end, kinds) per forward
     round_log: list[tuple[int, int, int]] = field(default_factory=list)       # (request, drafted, accepted)
+    remote_rtts: list[float] = field(default_factory=list)   # verifier round trips (drained by the service)
     verify_layer_s: float = 0.0   # forward seconds per layer of a verification (EMA)
     early_verifies: int = 0       # verifications started while their last layers were in flight
     preemptions: int = 0          # requests sent back to waiting (their KV recomputed on re-admission)
@@ -69,6 +70,9 @@ def request_stats(req: Request) -> dict:
             "mean_acceptance_length": round(decoded / rs.rounds, 3) if rs.rounds else 0.0,
             "accepted_per_position": list(rs.accepted_per_pos),
             "fallbacks": getattr(req.policy_state, "fallbacks", 0)})
+    if req.prefix_tokens or req.fetch_bytes or req.verifier_hit_tokens:
+        st.update({"prefix_tokens": req.prefix_tokens, "prefix_fetch_bytes": req.fetch_bytes,
+                   "prefix_fetch_s": round(req.fetch_s, 6), "verifier_prefix_tokens": req.verifier_hit_tokens})
     if req.error:
         st["error"] = req.error
     return st

@@ -22,11 +22,13 @@ UNLIMITED = 1 << 62
 
 class KVMemory:
     def __init__(self, cfg: ModelConfig, device: torch.device, kv_dtype: torch.dtype, device_budget: int | None,
-                 host_budget: int | None = None, offload: bool = True, resident_layers: int = 0) -> None:
+                 host_budget: int | None = None, offload: bool = True, resident_layers: int = 0,
+                 remote: bool = False) -> None:
         self.cfg, self.dev, self.dtype = cfg, device, kv_dtype
         self.device = BlockPool("device", device_budget or UNLIMITED)
         self.host = BlockPool("host", host_budget or UNLIMITED)
         self.offload, self.resident_layers = offload, resident_layers
+        self.remote = remote  # vericache requests are verified elsewhere: no full KV here
         self.per_pos = cfg.kv_bytes_per_position(kv_dtype.itemsize)
 
     # ------------------------------------------------------------------ what a request needs
@@ -46,19 +48,22 @@ class KVMemory:
         if req.mode == "full":
             return full
         draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req))
-        if req.mode == "lossy":
+        if req.mode == "lossy" or self.is_remote(req):
             return draft
         return draft + (full - self.streamed(full) if self.offload else full)
 
     def transient(self, req: Request) -> int:
         """Device bytes held only for a while: the uncompressed prompt in a lossy draft cache's
         residual until the prefill is compressed, or a verification buffer (offloaded vericache)."""
-        if req.mode == "lossy":
+        if req.mode == "lossy" or self.is_remote(req):
             return len(req.prefill_ids) * self.per_pos
         return self.streamed(self.capacity(req) * self.per_pos) if self.is_offloaded(req) else 0
 
     def is_offloaded(self, req: Request) -> bool:
-        return self.offload and req.mode == "vericache"
+        return self.offload and not self.remote and req.mode == "vericache"
+
+    def is_remote(self, req: Request) -> bool:
+        return self.remote and req.mode == "vericache"
 
     def verify_buffer_bytes(self, req: Request) -> int:
         """Device bytes of the buffer a verification of ``req`` needs now: its streamed layers plus the draft."""
@@ -69,7 +74,7 @@ class KVMemory:
         """Make the request's caches (empty, or holding its shared prefill)."""
         cap, mode = self.capacity(req), req.mode
         host = torch.device("cpu")
-        if mode in ("full", "vericache"):
+        if mode == "full" or (mode == "vericache" and not self.remote):
             home = host if self.is_offloaded(req) else self.dev
             if req.prefill is not None and req.prefill.full.k.device == home:
                 req.full = req.prefill.reset(req.seq)

@@ -48,9 +48,17 @@ class Request:
     round: RoundState = field(default_factory=RoundState)
     group: int = 0                             # grouped schedule: the phase group of the current round
     transfer: Transfer | None = None
+    fetch: object = None                       # a Future of the prefix fetch (engine.remote)
+    session: object = None                     # the remote verifier session (drafter role)
+    prefilled: bool = False                    # remote: prefill done, the verifier's first token awaited
+    prefix_tokens: int = 0                     # prompt positions loaded from the prefix store
+    verifier_hit_tokens: int = 0
+    fetch_bytes: int = 0
+    fetch_s: float = 0.0
     emitted: int = 0          # output tokens already returned by step()
     reported: bool = False    # the final StepOutput has been returned
     error: str | None = None  # why the request failed
+    error_status: int = 500   # the HTTP status that failure maps to (503: a remote part is gone)
     draft_bytes_read: int = 0
     verify_bytes_read: int = 0
     added_at: float = field(default_factory=time.perf_counter)

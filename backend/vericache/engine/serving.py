@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
 
 from vericache.drafting.round import add_draft, finish_round
+from vericache.engine import remote
 from vericache.engine.batch import DECODE, DRAFT, VERIFY, StepBatch
 from vericache.engine.batch import PREFILL as PREFILL_ROW
 from vericache.engine.instruments import Instruments, request_stats
@@ -58,7 +60,7 @@ log = logging.getLogger("vericache.engine")
 class ServingEngine:
     def __init__(self, engine, device_budget: int | None = None, host_budget: int | None = None,
                  scheduler: str = "staggered", link=None, prefill_chunk: int = 512, max_running: int = 64,
-                 resident_layers: int = 0, offload: bool = True) -> None:
+                 resident_layers: int = 0, offload: bool = True, prefix=None, verifier=None) -> None:
         n_layers = engine.cfg.num_hidden_layers
         if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or not (
                 0 <= resident_layers <= n_layers):
@@ -71,7 +73,13 @@ class ServingEngine:
         # offload: vericache full KV in the host tier, brought over ``link`` for each verification;
         # the first ``resident_layers`` layers of it stay on the device (fewer bytes cross)
         self.memory = KVMemory(engine.cfg, engine.loaded.device, engine.loaded.kv_dtype, device_budget,
-                               host_budget, offload, resident_layers)
+                               host_budget, offload, resident_layers, remote=verifier is not None)
+        # the remote scenario (engine.remote): a prefix store's fetcher, a verifier elsewhere
+        self.prefix, self.verifier = prefix, verifier
+        self.wake = threading.Event()  # set when a fetch or a verifier reply lands
+        for part in (prefix, verifier):
+            if part is not None:
+                part.wake = self.wake
         self.device, self.host = self.memory.device, self.memory.host
         self.link = link  # made on first use when None: the first offloaded vericache request needs it
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
@@ -95,6 +103,9 @@ class ServingEngine:
         prompt_ids, params = seq.prompt_ids, seq.params
         if prefill is not None:
             prefill.check(seq)
+        if self.memory.is_remote(req) and not seq.params.greedy:
+            raise ValueError(f"a remote verifier verifies greedy drafts only: temperature must be 0, "
+                             f"got {seq.params.temperature}")
         need = self.memory.needed(req) + self.memory.transient(req)
         if self.device.blocks_for(need) > self.device.total_blocks:
             raise ValueError(f"request needs {need} bytes of device KV (prompt {len(prompt_ids)} + max_tokens "
@@ -120,11 +131,14 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         self._admit()
+        remote.poll(self)
         batch = self._plan()
         if batch.rows and self._run(batch):
             self._postprocess(batch)
+        remote.send_verifies(self)
         if self.link is not None:
             self.schedule.start_transfers(self, self.in_state(DRAFTING))
+        if self.link is not None or self.prefix is not None or self.verifier is not None:
             self._wait_if_idle(batch)
         return self.collect_outputs()
 
@@ -147,6 +161,8 @@ class ServingEngine:
     def _plan(self) -> StepBatch:
         batch = StepBatch()
         for r in self.in_state(TRANSFERRING):
+            if r.session is not None:
+                continue  # verified remotely: the reply is applied by remote.poll
             if r.transfer.error:
                 self._fail(r, f"transfer failed: {r.transfer.error}")
             elif self._can_verify(r):
@@ -154,7 +170,7 @@ class ServingEngine:
                           StreamedKV(r.transfer, r.resident), "all")
         budget = self.prefill_chunk
         for r in self.in_state(PREFILL):
-            if budget > 0:
+            if budget > 0 and not r.prefilled:
                 budget -= self._plan_prefill(r, batch, budget)
         for r in self.in_state(DECODING):
             batch.add(r, DECODE, [r.last_token], r.position, r.full if r.mode == "full" else r.draft)
@@ -164,7 +180,11 @@ class ServingEngine:
                 remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
                 k = r.opts.policy.next_len(r.policy_state, remaining)
                 rs.start(self.schedule.new_round(self, r, k) if self.memory.is_offloaded(r) else k)
-            if not rs.complete and self.schedule.may_draft(self, r):
+            if r.session is not None:  # verified remotely: draft until complete, then remote.send_verifies
+                if not rs.complete:
+                    tok = rs.drafts[-1] if rs.drafts else r.last_token
+                    batch.add(r, DRAFT, [tok], r.position + len(rs.drafts), r.draft)
+            elif not rs.complete and self.schedule.may_draft(self, r):
                 tok = rs.drafts[-1] if rs.drafts else r.last_token
                 batch.add(r, DRAFT, [tok], r.position + len(rs.drafts), r.draft)
             elif rs.complete and not self.memory.is_offloaded(r):  # the full KV is in place: verify now
@@ -179,10 +199,18 @@ class ServingEngine:
                 self._load_shared_prefill(req)
                 if req.state != PREFILL:
                     return 0
+            remote.start(self, req)
+        if remote.fetch_pending(self, req):
+            return 0
         ids = req.prefill_ids
         n = min(budget, len(ids) - req.done_ids)
         full = req.prefill_buf or req.full
-        cache = {"full": full, "lossy": req.draft}.get(req.mode) or TeeCache(full, req.draft)
+        if req.mode == "full":
+            cache = full
+        elif req.mode == "lossy" or self.memory.is_remote(req):
+            cache = req.draft
+        else:
+            cache = TeeCache(full, req.draft)
         chunk = ids[req.done_ids : req.done_ids + n]
         last = req.done_ids + n == len(ids)
         batch.add(req, PREFILL_ROW, chunk, req.done_ids, cache, "last" if last else "none")
@@ -252,7 +280,9 @@ class ServingEngine:
         if req.draft is not None:
             comp = req.opts.compressor
             ids = req.prefill_ids
-            scores = comp.on_prefill(eng.model, context or req.draft.residual, ids, eng.tokenizer)
+            # a prompt partly loaded from the prefix store has no whole-prompt context here
+            scores = None if req.draft.res_start else comp.on_prefill(
+                eng.model, context or req.draft.residual, ids, eng.tokenizer)
             req.draft.set_prefill_scores(scores, n)
             # compression starts once the whole prompt is in (an exact prefill); beside a full
             # cache the draft cache takes the prompt's K/V from it
@@ -263,6 +293,11 @@ class ServingEngine:
             req.resident.k[:, :, :n] = src.k[: self.memory.resident_layers, :, :n]
             req.resident.v[:, :, :n] = src.v[: self.memory.resident_layers, :, :n]
         req.prefill_buf = None
+        if self.memory.is_remote(req):  # the first token is the verifier's (exact), not the drafter's
+            req.prefilled = True
+            if seq.output_ids:
+                self._set(req, DRAFTING)
+            return
         if not seq.output_ids:
             seq.append(choose_token(logits, seq.params, seq.generator))
             req.first_token_at = time.perf_counter()
@@ -352,6 +387,10 @@ class ServingEngine:
 
     def _wait_if_idle(self, batch: StepBatch) -> None:
         """Nothing to compute until a transfer lands: block on it rather than spin."""
+        if not batch.rows and remote.waiting_on_remote(self):
+            self.wake.wait(0.05)  # a fetch or a verifier reply wakes it
+            self.wake.clear()
+            return
         in_flight = self.in_state(TRANSFERRING)
         if in_flight and not batch.rows and not self.in_state(PREFILL, DECODING) and not any(
                 not r.round.complete for r in self.in_state(DRAFTING)):
@@ -384,6 +423,13 @@ class ServingEngine:
         self._set(req, WAITING)
 
     def _free(self, req: Request) -> None:
+        if req.session is not None:  # cancels the stream: the verifier frees its KV
+            req.session.close()
+            req.session = None
+        if req.fetch is not None:
+            req.fetch.cancel()
+            req.fetch = None
+        req.prefilled = False
         if req.transfer is not None:
             req.transfer.cancel()  # the copier skips what it has not started; the buffer dies with it
             req.transfer = None
@@ -395,11 +441,11 @@ class ServingEngine:
         self._free(req)
         self._set(req, state)
 
-    def _fail(self, req: Request, error: str) -> None:
+    def _fail(self, req: Request, error: str, status: int = 500) -> None:
         if req.done:
             return
         self.instruments.failures += 1
-        req.error = error
+        req.error, req.error_status = error, status
         self._release(req, FAILED)
 
     def fail_unfinished(self, error: str) -> list[StepOutput]:

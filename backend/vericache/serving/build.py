@@ -11,7 +11,22 @@ from vericache.serving.service import EngineService
 
 def build_service(model: str = DEFAULT_MODEL, mode: str = "vericache", compressor: str = "snapkv:ratio=0.125",
                   draft_len: int | str = "auto", device: str | None = None, dtype: str | None = None,
-                  device_budget: int = 4 << 30, max_queue: int = 64) -> EngineService:
+                  device_budget: int = 4 << 30, max_queue: int = 64, prefix_store: str | None = None,
+                  prefix_link: str = "local", verifier: str | None = None) -> EngineService:
+    """``prefix_store`` (redis://...): prompts load their stored prefix KV over ``prefix_link``;
+    ``verifier`` (grpc://...): the drafter role, vericache requests verified there."""
     loaded = load_model(model, device=device, dtype=dtype)
     engine = Engine(loaded, mode=mode, compressor=compressor, draft_len=draft_len)
-    return EngineService(ServingEngine(engine, device_budget=device_budget), max_queue=max_queue)
+    fetcher = client = None
+    if prefix_store or verifier:
+        from vericache.remote.prefixes import model_id
+        mid = model_id(loaded)
+        if prefix_store:
+            from vericache.remote.fetch import PrefixFetcher
+            from vericache.remote.store import PrefixStore
+            fetcher = PrefixFetcher(PrefixStore(prefix_store, mid), link=prefix_link)
+        if verifier:
+            from vericache.remote.client import VerifierClient
+            client = VerifierClient(verifier, mid)
+    serving = ServingEngine(engine, device_budget=device_budget, prefix=fetcher, verifier=client)
+    return EngineService(serving, max_queue=max_queue)

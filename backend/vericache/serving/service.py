@@ -148,8 +148,19 @@ class EngineService:
             for rid, drafted, accepted in inst.round_log:
                 self.metrics("round", {"drafted": drafted, "accepted": accepted, **self._labels(rid)})
             inst.round_log.clear()
+            for rtt in inst.remote_rtts:
+                self.metrics("verifier_rtt", {"seconds": rtt})
+            inst.remote_rtts.clear()
+            self._drain_remote_events()
             for o in outs:
                 self._deliver(o)
+
+    def _drain_remote_events(self) -> None:
+        """Prefix fetches and store outages (``remote.fetch``) as metrics events."""
+        prefix = self.serving.prefix
+        while prefix is not None and prefix.events:
+            event, fields = prefix.events.pop(0)
+            self.metrics(event, fields)
 
     def _drain_commands(self) -> None:
         while True:
@@ -207,7 +218,7 @@ class EngineService:
                      "completion_tokens": len(req.seq.output_ids),
                      "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
             if o.error:
-                stats["error"] = o.error
+                stats["error"], stats["status"] = o.error, req.error_status
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
             del self._streams[o.request_id], self._texts[o.request_id]
             self.serving.requests.pop(o.request_id, None)  # finished requests are not kept forever

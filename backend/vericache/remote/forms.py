@@ -1,0 +1,126 @@
+"""A prefix's per-block stored forms, and loading them back into caches.
+
+Per block of ``block_tokens`` positions the store keeps
+- the *full* form: K, V [L, Hkv, block, D] in the KV dtype (what the verifier attends over), and
+- one *compressed* form per compressor: exactly the fields a ``CompressedKVCache`` store holds for
+  those positions (quantized codes and scales, or kept full-precision K/V, with positions under
+  eviction), so the drafter's cache is filled by concatenation, never recompressed.
+
+Eviction keeps ``keep_budget(block_tokens)`` tokens of *every* block per KV head, scored over the
+whole prefix (its last queries are the observation window): each block then holds the same count
+per head, so any leading run of blocks (a partial hit) is a valid store on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vericache.compress.base import Compressor, ScoreInputs
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache
+
+Form = dict[str, torch.Tensor]
+
+
+def full_forms(full: FullKVCache, n_blocks: int, block_tokens: int) -> list[Form]:
+    """Block b: {"k", "v"}: [L, Hkv, block_tokens, D] of positions b*block .. (b+1)*block - 1."""
+    if n_blocks * block_tokens > full.length:
+        raise ValueError(f"{n_blocks} blocks of {block_tokens} need {n_blocks * block_tokens} positions; "
+                         f"the cache holds {full.length}")
+    return [{"k": full.k[:, :, b * block_tokens : (b + 1) * block_tokens],
+             "v": full.v[:, :, b * block_tokens : (b + 1) * block_tokens]} for b in range(n_blocks)]
+
+
+def load_full(full: FullKVCache, blocks: list[Form]) -> int:
+    """Write the blocks at positions 0.. of an empty ``full``; returns the positions written."""
+    if full.length:
+        raise ValueError(f"load_full needs an empty cache; it holds {full.length} positions")
+    n = sum(b["k"].shape[2] for b in blocks)
+    if not blocks:
+        return 0
+    want = (full.k.shape[0], full.k.shape[1], full.k.shape[3])
+    for b in blocks:
+        got = (b["k"].shape[0], b["k"].shape[1], b["k"].shape[3])
+        if got != want or b["k"].shape != b["v"].shape:
+            raise ValueError(f"block K/V of shape {tuple(b['k'].shape)} do not fit a cache of (L, Hkv, D) = {want}")
+    full.begin(0, n)
+    full.k[:, :, :n] = torch.cat([b["k"] for b in blocks], dim=2).to(full.k)
+    full.v[:, :, :n] = torch.cat([b["v"] for b in blocks], dim=2).to(full.v)
+    return n
+
+
+def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Tensor], n_blocks: int,
+                     block_tokens: int, prefill_scores: dict[int, torch.Tensor] | None = None) -> list[Form]:
+    """Each block's compressed form. ``queries``: per layer, the prefix's last queries [Hq, >=1, D]
+    (eviction scores them against every key); ``prefill_scores``: KVzip's per-layer [Hkv, P]."""
+    layouts = comp.layouts() if comp.quantizes else None
+    for layout in layouts or ():
+        if block_tokens % layout.group:
+            raise ValueError(f"{comp.spec()}: quantization group {layout.group} does not divide the "
+                             f"block of {block_tokens} tokens")
+    n = n_blocks * block_tokens
+    k, v = full.k[:, :, :n], full.v[:, :, :n]                                    # [L, Hkv, N, D]
+    n_l, hkv = k.shape[:2]
+    keep = None
+    if comp.evicts:
+        per_block = min(comp.keep_budget(block_tokens), block_tokens)
+        positions = torch.arange(n, device=k.device).expand(n_l, hkv, n)
+        w = min(q.shape[1] for q in queries)
+        q = torch.stack([x[:, -w:] for x in queries]).flatten(0, 1).float()     # [L*Hq, w, D]
+        state = {}
+        if prefill_scores:
+            state["prefill_scores"] = torch.cat([prefill_scores[i] for i in range(n_l)])[:, :n]
+        scores = comp.score(ScoreInputs(k.float().flatten(0, 1), positions.flatten(0, 1), q, state, n))
+        scores = scores.view(n_l, hkv, n_blocks, block_tokens)
+        keep = scores.topk(per_block, dim=3).indices.sort(dim=3).values            # [L, Hkv, nb, kb]
+    forms = []
+    for b in range(n_blocks):
+        s, e = b * block_tokens, (b + 1) * block_tokens
+        tok, grp = {"k.tok.x": k[:, :, s:e], "v.tok.x": v[:, :, s:e]}, {}
+        if layouts is not None:
+            tok = {}
+            for p, layout, x in zip("kv", layouts, (k[:, :, s:e], v[:, :, s:e])):
+                t, g = layout.encode(x)
+                tok |= {f"{p}.tok.{f}": y for f, y in t.items()}
+                grp |= {f"{p}.grp.{f}": y for f, y in g.items()}
+        form = dict(grp)
+        if keep is not None:
+            idx = keep[:, :, b]                                                   # [L, Hkv, kb]
+            for name, y in tok.items():
+                form[name] = y.gather(2, idx[..., None].expand(*idx.shape, y.shape[3]))
+            form["pos"] = (idx + s).to(torch.int32)
+        else:
+            form |= tok
+        forms.append({name: x.contiguous() for name, x in form.items()})
+    return forms
+
+
+def load_compressed(cache: CompressedKVCache, blocks: list[Form], block_tokens: int) -> int:
+    """Fill an empty compressed cache's store with leading blocks; returns the positions covered
+    (they become committed; the next position written is the first after them)."""
+    if cache.length or cache.committed:
+        raise ValueError("load_compressed needs an empty cache")
+    if not blocks:
+        return 0
+    names = set(cache.fields) | ({"pos"} if cache.pos is not None else set())
+    for b in blocks:
+        if set(b) != names:
+            raise ValueError(f"stored form has fields {sorted(b)}; this cache needs {sorted(names)}")
+    tok = [name for name in cache.fields if ".tok." in name] + (["pos"] if cache.pos is not None else [])
+    count = sum(b[tok[0]].shape[2] for b in blocks)
+    n = len(blocks) * block_tokens
+    if count > cache.fields[tok[0]].shape[2] or n > cache.capacity:
+        raise ValueError(f"{len(blocks)} blocks ({count} stored tokens per head, {n} positions) do not fit "
+                         f"this cache ({cache.fields[tok[0]].shape[2]} per head, {cache.capacity} positions)")
+    for name in cache.fields:
+        x = torch.cat([b[name] for b in blocks], dim=2)
+        dst = cache.fields[name]
+        if x.shape[:2] != dst.shape[:2] or x.shape[3:] != dst.shape[3:]:
+            raise ValueError(f"stored {name} of shape {tuple(x.shape)} does not fit {tuple(dst.shape)}")
+        dst[:, :, : x.shape[2]] = x.to(dst)
+    if cache.pos is not None:
+        cache.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(cache.pos)
+    cache.count = count
+    cache.res_start = cache.committed = cache.prompt_len = n
+    cache.residual.truncate(0)
+    return n

@@ -1,0 +1,174 @@
+"""The prefix KV store on Redis.
+
+Keys (``vc:`` namespace, per model id):
+  vc:<model>:<block hash>:full          the block's full K/V (``codec.pack``)
+  vc:<model>:<block hash>:<compressor>  the block's compressed form for that compressor spec
+  vc:<model>:index                      a hash: prefix id (its last block's hash) -> JSON of the
+                                        prefix (blocks, tokens, forms, bytes, created)
+Values carry a checksum; a block that is missing or fails it ends a lookup there (the caller
+recomputes from that block). Every get counts its bytes and seconds (``StoreStats``) so metrics and
+benches report what crossed the link.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.remote.chain import BLOCK_TOKENS, block_hashes
+from vericache.remote.codec import CorruptValue, pack, unpack
+from vericache.remote.forms import Form
+
+
+class StoreUnavailable(RuntimeError):
+    """Redis cannot be reached (the caller recomputes)."""
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0                # blocks found
+    misses: int = 0              # blocks looked up and not found (or corrupt)
+    corrupt: int = 0
+    bytes_read: dict = field(default_factory=dict)    # form kind ("full" | "compressed") -> bytes
+    fetch_s: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, kind: str, nbytes: int, seconds: float, hits: int, misses: int, corrupt: int) -> None:
+        with self.lock:
+            self.bytes_read[kind] = self.bytes_read.get(kind, 0) + nbytes
+            self.fetch_s += seconds
+            self.hits, self.misses, self.corrupt = self.hits + hits, self.misses + misses, self.corrupt + corrupt
+
+
+@dataclass
+class Fetched:
+    blocks: list[Form]
+    nbytes: int
+    seconds: float
+    reason: str        # "hit" (all whole blocks), "miss", "corrupt" or "partial"
+
+
+def _redis():
+    try:
+        import redis
+    except ImportError as exc:  # pragma: no cover - the serve extra installs it
+        raise RuntimeError(f"the prefix store needs the redis package (pip install 'vericache[serve]'): {exc}") from None
+    return redis
+
+
+class PrefixStore:
+    def __init__(self, url: str, model_id: str, block_tokens: int = BLOCK_TOKENS, timeout_s: float = 10.0) -> None:
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"prefix store URL must be redis://host:port[/db], got {url!r}")
+        if not model_id:
+            raise ValueError("model_id must be a non-empty string")
+        self.url, self.model_id, self.block_tokens = url, model_id, block_tokens
+        self.client = _redis().Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.stats = StoreStats()
+
+    def _key(self, h: str, form: str) -> str:
+        return f"vc:{self.model_id}:{h}:{form}"
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except _redis().exceptions.ConnectionError as exc:
+            raise StoreUnavailable(f"prefix store {self.url} unreachable: {exc}") from None
+        except _redis().exceptions.TimeoutError as exc:
+            raise StoreUnavailable(f"prefix store {self.url} timed out: {exc}") from None
+
+    def version(self) -> str:
+        return self._call(self.client.info, "server")["redis_version"]
+
+    def hashes(self, token_ids: list[int]) -> list[str]:
+        return block_hashes(self.model_id, token_ids, self.block_tokens)
+
+    # ------------------------------------------------------------------ write
+    def put(self, token_ids: list[int], forms: dict[str, list[Form]], meta: dict | None = None) -> dict:
+        """Store each block's forms ({"full": [...], "<compressor spec>": [...]}, one per whole block
+        of ``token_ids``); returns the prefix's index entry."""
+        hashes = self.hashes(token_ids)
+        for name, blocks in forms.items():
+            if len(blocks) != len(hashes):
+                raise ValueError(f"form {name!r} has {len(blocks)} blocks; the prefix has {len(hashes)} whole blocks")
+        if not hashes:
+            raise ValueError(f"a prefix needs at least one whole block of {self.block_tokens} tokens; "
+                             f"got {len(token_ids)} tokens")
+        pipe, total = self.client.pipeline(transaction=False), 0
+        for i, h in enumerate(hashes):
+            for name, blocks in forms.items():
+                value = pack(blocks[i], {"model": self.model_id, "block": i, "form": name})
+                total += len(value)
+                pipe.set(self._key(h, name), value)
+                if len(pipe) >= 16:  # bounded pipelines: values are megabytes each
+                    self._call(pipe.execute)
+        entry = {"id": hashes[-1], "blocks": len(hashes), "tokens": len(hashes) * self.block_tokens,
+                 "forms": sorted(forms), "bytes": total, "created": time.time(), "hashes": hashes, **(meta or {})}
+        pipe.hset(f"vc:{self.model_id}:index", hashes[-1], json.dumps(entry))
+        self._call(pipe.execute)
+        return entry
+
+    # ------------------------------------------------------------------ read
+    def match(self, token_ids: list[int], form: str = "full") -> int:
+        """Leading whole blocks of ``token_ids`` whose ``form`` is stored."""
+        hashes = self.hashes(token_ids)
+        if not hashes:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for h in hashes:
+            pipe.exists(self._key(h, form))
+        found = self._call(pipe.execute)
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        return n
+
+    def get(self, token_ids: list[int], form: str = "full", max_blocks: int | None = None,
+            device: torch.device | str = "cpu") -> Fetched:
+        """The leading blocks' ``form`` (up to ``max_blocks``), stopping at the first missing or
+        corrupt one (the caller computes from there)."""
+        hashes = self.hashes(token_ids)[:max_blocks]
+        t0, blocks, nbytes, reason = time.perf_counter(), [], 0, "hit" if hashes else "miss"
+        for i, h in enumerate(hashes):
+            value = self._call(self.client.get, self._key(h, form))
+            if value is None:
+                reason = "miss" if i == 0 else "partial"
+                break
+            nbytes += len(value)
+            try:
+                tensors, _ = unpack(value, device)
+            except CorruptValue:
+                reason = "corrupt"
+                break
+            blocks.append(tensors)
+        seconds = time.perf_counter() - t0
+        kind = "full" if form == "full" else "compressed"
+        self.stats.add(kind, nbytes, seconds, len(blocks), len(hashes) - len(blocks), int(reason == "corrupt"))
+        return Fetched(blocks, nbytes, seconds, reason)
+
+    # ------------------------------------------------------------------ admin
+    def ls(self) -> list[dict]:
+        raw = self._call(self.client.hgetall, f"vc:{self.model_id}:index")
+        out = [json.loads(v) for v in raw.values()]
+        for e in out:
+            e.pop("hashes", None)
+        return sorted(out, key=lambda e: e["created"])
+
+    def rm(self, prefix_id: str | None = None) -> int:
+        """Remove one prefix (by id) or, with None, every prefix of this model; blocks another
+        remaining prefix still lists are kept. Returns the keys deleted."""
+        index = f"vc:{self.model_id}:index"
+        entries = {k.decode(): json.loads(v) for k, v in self._call(self.client.hgetall, index).items()}
+        if prefix_id is not None and prefix_id not in entries:
+            raise ValueError(f"no prefix {prefix_id!r} stored for model {self.model_id!r}")
+        doomed = [prefix_id] if prefix_id is not None else list(entries)
+        keep = {h for pid, e in entries.items() if pid not in doomed for h in e["hashes"]}
+        keys = [self._key(h, form) for pid in doomed for h in entries[pid]["hashes"] if h not in keep
+                for form in entries[pid]["forms"]]
+        deleted = self._call(self.client.delete, *keys) if keys else 0
+        self._call(self.client.hdel, index, *doomed)
+        return deleted

@@ -1,0 +1,214 @@
+"""The verifier role: full-KV sessions next to the prefix store, verifying drafts sent from afar.
+
+A session is one request: ``open`` fetches the prompt's leading blocks' full K/V from the store
+(the fast link), prefills the rest exactly and returns the first token; each ``verify`` runs
+[x, d1 .. dk] at positions n .. n+k through the full cache and returns the accepted count m, the
+verifier's token (correction or bonus) and the exact K/V of positions n .. n+m, so the drafter's
+cache tracks the full model. ``close`` frees the session's KV. Greedy only: the drafter sends
+token ids, not distributions.
+
+One worker thread owns the model: each turn it runs the opens' prefills, then every pending
+verification of every session in a single forward (``engine.batch``), so the weights are read
+once per turn. Store fetches run in the callers' threads, overlapping the worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.engine.batch import VERIFY, StepBatch
+from vericache.kv.full import FullKVCache
+from vericache.kv.tee import QueryRecorder, TeeCache
+from vericache.remote.forms import compressed_forms, full_forms, load_full
+from vericache.remote.store import PrefixStore, StoreUnavailable
+
+log = logging.getLogger("vericache.verifier")
+
+
+@dataclass
+class Session:
+    id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    compressor: str = ""             # the drafter's, for --store-prefixes
+    full: FullKVCache | None = None
+    hit_tokens: int = 0
+    fetch_bytes: int = 0
+    fetch_s: float = 0.0
+    store_error: str = ""
+    verifies: int = 0
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class VerifierCore:
+    def __init__(self, engine, store: PrefixStore | None = None, store_prefixes: bool = False,
+                 max_sessions: int = 256) -> None:
+        self.eng, self.store, self.store_prefixes = engine, store, store_prefixes
+        self.max_sessions = max_sessions
+        self.sessions: dict[int, Session] = {}
+        self.events: list[tuple[str, dict]] = []      # drained by the metrics exporter
+        self._ids = itertools.count()
+        self._work: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vericache-verifier", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers (any thread)
+    def open(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> tuple[Session, int]:
+        """A new session over ``prompt_ids``; returns it and the first generated token."""
+        self.eng.check_request(prompt_ids, _greedy(max_tokens))
+        with self._lock:
+            if len(self.sessions) >= self.max_sessions:
+                raise RuntimeError(f"verifier is full: {self.max_sessions} sessions open")
+            sess = Session(next(self._ids), list(prompt_ids), max_tokens, compressor)
+            self.sessions[sess.id] = sess
+        blocks = []
+        if self.store is not None:
+            limit = (len(prompt_ids) - 1) // self.store.block_tokens  # the last token is always computed
+            try:
+                got = self.store.get(prompt_ids, "full", limit, self.eng.loaded.device)
+                blocks, sess.fetch_bytes, sess.fetch_s = got.blocks, got.nbytes, got.seconds
+                self._event("prefix", {"link": "fast", "tier": "full", "bytes": got.nbytes, "seconds": got.seconds,
+                                       "hit_blocks": len(blocks), "miss_blocks": limit - len(blocks)})
+            except StoreUnavailable as exc:
+                sess.store_error = str(exc)
+                log.warning("session %s: %s; recomputing the whole prompt", sess.id, exc)
+                self._event("store_error", {"role": "verifier"})
+        token = self._submit("open", sess, blocks).result()
+        return sess, token
+
+    def verify(self, sess: Session, start: int, tokens: list[int]) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """Verify [x, d1 .. dk] at ``start``: (m, token, K, V [L, Hkv, m+1, D] of start .. start+m)."""
+        if sess.closed or sess.full is None:
+            raise ValueError(f"session {sess.id} is closed")
+        if not tokens or start != sess.full.length:
+            raise ValueError(f"verify at position {start} with {len(tokens)} tokens; session {sess.id} "
+                             f"expects position {sess.full.length} and at least one token")
+        if start + len(tokens) > len(sess.prompt_ids) + sess.max_tokens + 1:
+            raise ValueError(f"verify of {len(tokens)} tokens at {start} runs past prompt + max_tokens")
+        return self._submit("verify", sess, (start, list(tokens))).result()
+
+    def close(self, sess: Session) -> None:
+        with sess.lock:
+            sess.closed, sess.full = True, None  # the KV goes now
+        with self._lock:
+            self.sessions.pop(sess.id, None)
+
+    def kv_bytes(self) -> int:
+        with self._lock:
+            return sum(s.full.k.numel() * s.full.k.element_size() * 2 for s in self.sessions.values()
+                       if s.full is not None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._work.put(None)
+        self._thread.join(timeout=5)
+
+    def _submit(self, kind: str, sess: Session, arg) -> Future:
+        fut: Future = Future()
+        self._work.put((kind, sess, arg, fut))
+        return fut
+
+    def _event(self, name: str, fields: dict) -> None:
+        self.events.append((name, fields))
+
+    # ------------------------------------------------------------------ the worker
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            items = [self._work.get()]
+            while True:
+                try:
+                    items.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            items = [x for x in items if x is not None]
+            with torch.inference_mode():
+                for kind, sess, arg, fut in [x for x in items if x[0] == "open"]:
+                    self._run(fut, self._prefill, sess, arg)
+                verifies = [x for x in items if x[0] == "verify"]
+                if verifies:
+                    self._verify_batch(verifies)
+
+    @staticmethod
+    def _run(fut: Future, fn, *args) -> None:
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            log.exception("verifier work failed")
+            fut.set_exception(exc)
+
+    def _prefill(self, sess: Session, blocks: list) -> int:
+        eng, ids = self.eng, sess.prompt_ids
+        full = FullKVCache(eng.cfg, eng.loaded.device, eng.loaded.kv_dtype, capacity=len(ids) + sess.max_tokens + 1)
+        n = load_full(full, blocks)
+        sess.hit_tokens = n
+        recorder = QueryRecorder(eng.cfg.num_hidden_layers, 64)
+        t0 = time.perf_counter()
+        logits = eng.prefill(ids[n:], [TeeCache(full, recorder)], start=n)
+        self._event("prefill", {"tokens": len(ids) - n, "seconds": time.perf_counter() - t0})
+        if self.store_prefixes and self.store is not None:
+            self._store_prefix(sess, full, recorder.queries, n)
+        with sess.lock:
+            if not sess.closed:
+                sess.full = full
+        return int(logits.argmax())
+
+    def _store_prefix(self, sess: Session, full: FullKVCache, queries: list, hit: int) -> None:
+        """Put the prompt's whole blocks (full, and the drafter's compressor's form) when some were missing."""
+        bt = self.store.block_tokens
+        nb = (len(sess.prompt_ids) - 1) // bt
+        if nb * bt <= hit:
+            return
+        from vericache.compress.registry import parse_compressor
+        forms = {"full": full_forms(full, nb, bt)}
+        if sess.compressor:
+            comp = parse_compressor(sess.compressor)
+            forms[comp.spec()] = compressed_forms(comp, full, queries, nb, bt)
+        try:
+            self.store.put(sess.prompt_ids[: nb * bt], forms)
+        except StoreUnavailable as exc:
+            log.warning("could not store the prefix of session %s: %s", sess.id, exc)
+
+    def _verify_batch(self, items: list) -> None:
+        batch, live = StepBatch(), []
+        for kind, sess, (start, tokens), fut in items:
+            if sess.full is None or sess.closed:
+                fut.set_exception(ValueError(f"session {sess.id} is closed"))
+                continue
+            batch.add(sess, VERIFY, tokens, start, sess.full, "all")
+            live.append(fut)
+        if not live:
+            return
+        t0 = time.perf_counter()
+        try:
+            batch.run(self.eng.model, self.eng.loaded.device)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("verification forward failed")
+            for fut in live:
+                fut.set_exception(exc)
+            return
+        self._event("verify_step", {"rows": len(live), "seconds": time.perf_counter() - t0})
+        for row, fut in zip(batch.rows, live):
+            sess, start, targets = row.req, row.start, row.argmax
+            m = 0
+            while m < len(row.tokens) - 1 and targets[m] == row.tokens[m + 1]:
+                m += 1
+            keep = start + 1 + m
+            sess.full.truncate(keep)
+            sess.verifies += 1
+            fut.set_result((m, targets[m], sess.full.k[:, :, start:keep].clone(), sess.full.v[:, :, start:keep].clone()))
+
+
+def _greedy(max_tokens: int):
+    from vericache.sampling import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)

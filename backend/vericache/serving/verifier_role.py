@@ -1,0 +1,55 @@
+"""``vericache serve --role verifier``: the verifier engine next to the prefix store, over gRPC,
+with its Prometheus metrics on their own port."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from vericache.engine.engine import Engine
+from vericache.model.loader import load_model
+from vericache.remote.prefixes import model_id
+from vericache.remote.server import start_server
+from vericache.remote.store import PrefixStore
+from vericache.remote.verifier import VerifierCore
+
+log = logging.getLogger("vericache.verifier")
+
+
+def run_verifier(model: str, host: str, port: int, prefix_store: str | None = None, store_prefixes: bool = False,
+                 metrics_port: int = 0, device: str | None = None, dtype: str | None = None,
+                 ready: threading.Event | None = None) -> None:
+    loaded = load_model(model, device=device, dtype=dtype)
+    mid = model_id(loaded)
+    store = PrefixStore(prefix_store, mid) if prefix_store else None
+    core = VerifierCore(Engine(loaded, mode="full"), store, store_prefixes)
+    server = start_server(core, mid, f"{host}:{port}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sink = _metrics(mid, host, metrics_port) if metrics_port else None
+    print(f"verifier {mid} on grpc://{host}:{port} (store: {prefix_store or 'none'})", flush=True)
+    if ready is not None:
+        ready.set()
+    while not stop.wait(0.5):
+        while core.events:
+            event, fields = core.events.pop(0)
+            if sink is not None:
+                sink(event, fields)
+    server.stop(grace=2).wait()
+    core.shutdown()
+
+
+def _metrics(mid: str, host: str, port: int):
+    from prometheus_client import start_http_server
+
+    from vericache_gateway.app import metrics_sink
+    from vericache_gateway.metrics import Metrics
+
+    m = Metrics(mid, "verifier", "")
+    start_http_server(port, addr=host, registry=m.registry)
+    return metrics_sink(m)
+
+
