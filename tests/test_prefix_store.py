@@ -1,0 +1,170 @@
+"""The prefix KV store against a real redis-server: codec, hash chain, every compressor's stored
+form round trip, partial hits, missing and corrupt blocks, ls/rm and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from vericache.compress.registry import parse_compressor
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache
+from vericache.kv.tee import QueryRecorder, TeeCache
+from vericache.remote.chain import block_hashes
+from vericache.remote.codec import CorruptValue, pack, unpack
+from vericache.remote.forms import compressed_forms, load_compressed, load_full
+from vericache.remote.prefixes import model_id, put_prompt
+from vericache.remote.store import PrefixStore, StoreUnavailable
+
+from test_identity import COMPRESSORS
+
+BT = 64  # small blocks keep the prompts short
+
+
+@pytest.fixture(scope="module")
+def prefix(llm, code_prompts):
+    return llm.tokenizer.encode(code_prompts["long"])[:400]  # 6 whole blocks + a tail
+
+
+@pytest.fixture(scope="module")
+def stored(llm, redis_server, prefix):
+    store = PrefixStore(redis_server.url, model_id(llm.loaded) + "-store-tests", BT)
+    entry = put_prompt(llm.engine, store, prefix, COMPRESSORS)
+    return store, entry
+
+
+def test_codec_round_trip_and_corruption():
+    t = {"a": torch.randn(2, 3, 4), "b": torch.arange(5, dtype=torch.int32), "c": torch.zeros(0),
+         "d": torch.randn(3).to(torch.float8_e4m3fn), "e": torch.randn(2, 2).half()}
+    back, meta = unpack(pack(t, {"x": 1}))
+    assert meta == {"x": 1}
+    for name, x in t.items():
+        assert back[name].dtype == x.dtype and back[name].shape == x.shape
+        assert torch.equal(back[name].view(torch.uint8), x.view(torch.uint8))
+    value = bytearray(pack(t))
+    value[-3] ^= 0xFF
+    with pytest.raises(CorruptValue, match="checksum"):
+        unpack(bytes(value))
+    with pytest.raises(CorruptValue):
+        unpack(pack(t)[:-10])
+    with pytest.raises(CorruptValue, match="magic"):
+        unpack(b"garbage")
+
+
+def test_hash_chain_shares_leading_blocks():
+    a = list(range(1000))
+    b = a[:600] + [7] * 400
+    ha, hb = block_hashes("m", a, 256), block_hashes("m", b, 256)
+    assert len(ha) == 3 and ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert block_hashes("other", a, 256)[0] != ha[0]
+    assert block_hashes("m", a[:255], 256) == []
+    with pytest.raises(ValueError, match="block_tokens"):
+        block_hashes("m", a, 0)
+
+
+def test_full_form_round_trip(llm, stored, prefix):
+    store, entry = stored
+    assert entry["blocks"] == len(prefix) // BT and "full" in entry["forms"]
+    got = store.get(prefix, "full")
+    assert got.reason == "hit" and len(got.blocks) == entry["blocks"] and got.nbytes > 0
+    cfg = llm.engine.cfg
+    ref = FullKVCache(cfg, "cpu", torch.float32, capacity=len(prefix))
+    llm.engine.prefill(prefix, [ref])
+    full = FullKVCache(cfg, "cpu", torch.float32, capacity=len(prefix))
+    n = load_full(full, got.blocks)
+    assert n == entry["tokens"]
+    assert torch.equal(full.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(full.v[:, :, :n], ref.v[:, :, :n])
+
+
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_compressed_form_round_trip(llm, stored, prefix, spec):
+    """What the drafter loads is bit for bit the form computed from the prefix, and it is compressed."""
+    store, entry = stored
+    comp = parse_compressor(spec)
+    got = store.get(prefix, comp.spec())
+    assert got.reason == "hit" and len(got.blocks) == entry["blocks"]
+    cfg, n = llm.engine.cfg, entry["tokens"]
+    full = FullKVCache(cfg, "cpu", torch.float32, capacity=n)
+    rec = QueryRecorder(cfg.num_hidden_layers, 64)
+    llm.engine.prefill(prefix[:n], [TeeCache(full, rec)])
+    scores = comp.on_prefill(llm.engine.model, full, prefix[:n], llm.tokenizer)
+    expect = compressed_forms(comp, full, rec.queries, entry["blocks"], BT, scores)
+    for block, want in zip(got.blocks, expect):
+        assert set(block) == set(want)
+        for name in want:
+            assert torch.equal(block[name].view(torch.uint8), want[name].view(torch.uint8)), name
+    cache = CompressedKVCache(comp, cfg, "cpu", torch.float32, capacity=n + 64)
+    assert load_compressed(cache, got.blocks, BT) == n
+    assert cache.committed == cache.res_start == n
+    assert cache.nbytes() < 0.6 * n * full.nbytes_per_position()  # really compressed
+    k, v = cache.dequantized(0)
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    assert got.nbytes < 0.6 * store.get(prefix, "full").nbytes
+
+
+def test_partial_hit_missing_and_corrupt_blocks(llm, stored, prefix, redis_server):
+    store, entry = stored
+    other = prefix[: 3 * BT] + list(reversed(prefix[3 * BT :]))
+    assert store.match(other) == 3 and store.match(prefix) == entry["blocks"]
+    got = store.get(other, "full")
+    assert got.reason == "partial" and len(got.blocks) == 3
+    # a corrupted block ends the lookup there: the caller recomputes from it
+    h = store.hashes(prefix)
+    key = f"vc:{store.model_id}:{h[2]}:full"
+    good = redis_server.client.get(key)
+    try:
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0x55
+        redis_server.client.set(key, bytes(bad))
+        got = store.get(prefix, "full")
+        assert got.reason == "corrupt" and len(got.blocks) == 2
+        assert store.stats.corrupt >= 1
+        redis_server.client.delete(key)
+        got = store.get(prefix, "full")
+        assert got.reason == "partial" and len(got.blocks) == 2
+    finally:
+        redis_server.client.set(key, good)
+
+
+def test_ls_and_rm_keep_shared_blocks(llm, redis_server, prefix):
+    store = PrefixStore(redis_server.url, model_id(llm.loaded) + "-rm-tests", BT)
+    a, b = prefix[: 4 * BT], prefix[: 2 * BT] + list(reversed(prefix[2 * BT : 4 * BT]))
+    ea = put_prompt(llm.engine, store, a, [])
+    eb = put_prompt(llm.engine, store, b, ["snapkv:ratio=0.1"])
+    assert {e["id"] for e in store.ls()} == {ea["id"], eb["id"]}
+    assert store.rm(ea["id"]) == 2          # a's own two blocks; the two shared with b stay
+    assert store.match(b) == 4 and store.match(a) == 2
+    with pytest.raises(ValueError, match="no prefix"):
+        store.rm(ea["id"])
+    assert store.rm() == 4 * 2 and store.ls() == [] and store.match(b) == 0
+
+
+def test_bad_input_and_store_down(llm):
+    with pytest.raises(ValueError, match="redis://"):
+        PrefixStore("http://x", "m")
+    store = PrefixStore("redis://127.0.0.1:1", "m", BT, timeout_s=0.5)
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        store.get(list(range(200)), "full")
+    with pytest.raises(ValueError, match="whole block"):
+        put_prompt(llm.engine, PrefixStore("redis://127.0.0.1:1", "m", BT), [1, 2, 3], [])
+
+
+def test_prefix_cli(llm, redis_server, prefix, tmp_path, capsys):
+    from vericache.cli import main
+
+    f = tmp_path / "p.txt"
+    f.write_text(llm.tokenizer.decode(prefix))
+    base = ["--redis", redis_server.url, "--model", "tiny", "--dtype", "float32", "--json"]
+    assert main(["prefix", "put", "--prompt-file", str(f), "--compressor", "kivi:bits=2", *base]) == 0
+    put = json.loads(capsys.readouterr().out)
+    assert put["blocks"] >= 1 and "kivi:window=32,bits=2,group=32" in put["forms"]
+    assert main(["prefix", "get", "--prompt-file", str(f), "--compressor", "kivi:bits=2", *base]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["forms"]["full"]["status"] == "hit" and got["forms"]["full"]["blocks"] >= 1
+    assert main(["prefix", "ls", *base]) == 0
+    ls = json.loads(capsys.readouterr().out)
+    assert ls["redis"].count(".") == 2 and put["id"] in [p["id"] for p in ls["prefixes"]]
+    assert main(["prefix", "rm", "--id", put["id"], *base]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted_keys"] >= 2
+    assert main(["prefix", "rm", *base]) == 2  # neither --id nor --all

@@ -1,0 +1,217 @@
+"""The two-role flow (drafter here, verifier in its own process over gRPC) against a real
+redis-server: outputs identical to full-KV decoding, cancellation freeing the verifier's KV, and
+the faults: verifier gone (503), Redis down (recompute), a missing or corrupt block (recompute
+from that block)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+from vericache.engine.engine import Engine
+from vericache.engine.serving import ServingEngine
+from vericache.remote.client import VerifierClient, VerifierUnavailable
+from vericache.remote.fetch import PrefixFetcher
+from vericache.remote.prefixes import model_id, put_prompt
+from vericache.remote.store import PrefixStore
+from vericache.sampling import SamplingParams
+from vericache.serving.service import EngineService
+from vericache_gateway.app import create_app
+
+MAX_TOKENS = 20
+SPECS = ["snapkv:ratio=0.125", "kivi:bits=2", "snapkv:ratio=0.125+kivi:bits=2"]
+
+
+class Verifier:
+    """``vericache serve --role verifier`` in its own process."""
+
+    def __init__(self, port: int, store_url: str, metrics_port: int = 0) -> None:
+        self.url = f"grpc://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vericache.cli", "serve", "--role", "verifier", "--model", "tiny",
+             "--dtype", "float32", "--device", "cpu", "--grpc-port", str(port), "--prefix-store", store_url,
+             "--metrics-port", str(metrics_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.client = None
+
+    def wait_ready(self, mid: str) -> None:
+        deadline = time.time() + 60
+        self.client = VerifierClient(self.url, mid)
+        while True:
+            try:
+                self.client.health(timeout_s=1)
+                return
+            except VerifierUnavailable:
+                if time.time() > deadline or self.proc.poll() is not None:
+                    out = self.proc.stdout.read() if self.proc.poll() is not None else ""
+                    pytest.fail(f"verifier did not start: {out[-2000:]}")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def mid(llm):
+    return model_id(llm.loaded)
+
+
+@pytest.fixture(scope="module")
+def verifier(redis_server, free_port, mid):
+    v = Verifier(free_port(), redis_server.url)
+    v.wait_ready(mid)
+    yield v
+    v.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm, code_prompts, redis_server, mid):
+    """A stored prefix (2 whole blocks), a prompt sharing its first block, and a cold one."""
+    ids = llm.tokenizer.encode(code_prompts["long"])
+    stored = ids[:600]
+    put_prompt(llm.engine, PrefixStore(redis_server.url, mid), stored[:512], SPECS)
+    shared = stored[:300] + list(reversed(ids[300:560]))
+    cold = list(reversed(ids[:400]))
+    return {"stored": stored, "shared": shared, "cold": cold}
+
+
+@pytest.fixture(scope="module")
+def reference(llm, prompts):
+    eng, params = llm.engine, SamplingParams(max_tokens=MAX_TOKENS)
+    return {k: eng.generate([eng.new_sequence(0, p, params)], "full")[0].token_ids for k, p in prompts.items()}
+
+
+def drafter(llm, mid, store_url, verifier_url, spec=SPECS[0], mode="vericache"):
+    eng = Engine(llm.loaded, mode=mode, compressor=spec)
+    fetcher = PrefixFetcher(PrefixStore(store_url, mid, timeout_s=2)) if store_url else None
+    client = VerifierClient(verifier_url, mid) if verifier_url else None
+    return ServingEngine(eng, prefix=fetcher, verifier=client)
+
+
+def run(srv, prompts: dict, max_tokens=MAX_TOKENS, timeout_s=120):
+    seqs = {k: srv.eng.new_sequence(0, p, SamplingParams(max_tokens=max_tokens)) for k, p in prompts.items()}
+    rids = {k: srv.add_sequence(s) for k, s in seqs.items()}
+    deadline = time.time() + timeout_s
+    while srv.has_unfinished():
+        assert time.time() < deadline, "the drafter hung"
+        srv.step()
+    return seqs, {k: srv.requests[r] for k, r in rids.items()}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_two_roles_equal_full(llm, mid, redis_server, verifier, prompts, reference, spec):
+    srv = drafter(llm, mid, redis_server.url, verifier.url, spec)
+    seqs, reqs = run(srv, prompts)
+    for k, seq in seqs.items():
+        assert reqs[k].error is None and seq.output_ids == reference[k], k
+    assert seqs["stored"].stats["prefix_tokens"] == 512            # the drafter's compressed blocks
+    assert seqs["stored"].stats["verifier_prefix_tokens"] == 512   # the verifier's full blocks
+    assert seqs["shared"].stats["prefix_tokens"] == 256             # the shared leading block only
+    assert "prefix_tokens" not in seqs["cold"].stats or seqs["cold"].stats["prefix_tokens"] == 0
+    assert seqs["stored"].stats["rounds"] >= 1
+    assert seqs["stored"].stats["prefix_fetch_bytes"] > 0
+    assert srv.device.used_bytes == 0                                # every block back
+
+
+def test_full_and_lossy_remote_modes(llm, mid, redis_server, prompts, reference):
+    srv = drafter(llm, mid, redis_server.url, None, mode="full")
+    seqs, reqs = run(srv, {"stored": prompts["stored"]})
+    assert seqs["stored"].output_ids == reference["stored"]
+    assert seqs["stored"].stats["prefix_tokens"] == 512
+    srv = drafter(llm, mid, redis_server.url, None, mode="lossy")
+    seqs, reqs = run(srv, {"stored": prompts["stored"]})
+    assert reqs["stored"].error is None and len(seqs["stored"].output_ids) == MAX_TOKENS
+    assert seqs["stored"].stats["prefix_tokens"] == 512
+
+
+def test_cancel_frees_the_verifier_kv(llm, mid, redis_server, verifier, prompts):
+    srv = drafter(llm, mid, redis_server.url, verifier.url)
+    rid = srv.add_request(prompts["stored"], SamplingParams(max_tokens=200))
+    deadline = time.time() + 60
+    while len(srv.requests[rid].seq.output_ids) < 3:
+        assert time.time() < deadline
+        srv.step()
+    assert verifier.client.health()["sessions"] == 1
+    srv.abort(rid)
+    deadline = time.time() + 10
+    while verifier.client.health()["sessions"]:
+        assert time.time() < deadline, "the verifier kept the aborted request's KV"
+        time.sleep(0.05)
+    assert srv.device.used_bytes == 0
+
+
+def test_sampling_is_refused_with_a_remote_verifier(llm, mid, verifier):
+    srv = drafter(llm, mid, None, verifier.url)
+    with pytest.raises(ValueError, match="temperature"):
+        srv.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.7))
+    assert not srv.requests
+
+
+def test_redis_down_recomputes(llm, mid, verifier, prompts, reference, caplog):
+    srv = drafter(llm, mid, "redis://127.0.0.1:1", verifier.url)
+    with caplog.at_level(logging.WARNING, logger="vericache.prefix"):
+        seqs, reqs = run(srv, {"stored": prompts["stored"]})
+    assert seqs["stored"].output_ids == reference["stored"]
+    assert any("recomputing" in r.getMessage() for r in caplog.records)
+    assert ("store_error", {"role": "drafter"}) in srv.prefix.events
+
+
+def test_corrupt_and_missing_blocks_recompute_from_there(llm, mid, redis_server, verifier, prompts, reference):
+    store = PrefixStore(redis_server.url, mid)
+    h = store.hashes(prompts["stored"])
+    spec = SPECS[0]
+    from vericache.compress.registry import parse_compressor
+    keys = [f"vc:{mid}:{h[1]}:{parse_compressor(spec).spec()}", f"vc:{mid}:{h[1]}:full"]
+    saved = [redis_server.client.get(k) for k in keys]
+    try:
+        redis_server.client.set(keys[0], saved[0][:-100] + bytes(100))  # corrupt the drafter's block 1
+        redis_server.client.delete(keys[1])                            # the verifier's block 1 is gone
+        seqs, reqs = run(drafter(llm, mid, redis_server.url, verifier.url, spec), {"stored": prompts["stored"]})
+        assert seqs["stored"].output_ids == reference["stored"]
+        assert seqs["stored"].stats["prefix_tokens"] == 256
+        assert seqs["stored"].stats["verifier_prefix_tokens"] == 256
+    finally:
+        for k, v in zip(keys, saved):
+            redis_server.client.set(k, v)
+
+
+def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
+    """The gateway in front of a drafter whose verifier dies: 503s, never a hang."""
+    v = Verifier(free_port(), redis_server.url)
+    v.wait_ready(mid)
+    srv = drafter(llm, mid, redis_server.url, v.url)
+    service = EngineService(srv)
+    app = create_app(service, model_name="tiny")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    prompt = llm.tokenizer.decode(prompts["stored"][:300])
+    try:
+        ok = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert ok.usage.completion_tokens == 8
+        v.stop()
+        for _ in range(2):
+            t0 = time.time()
+            with pytest.raises(openai.APIStatusError) as err:
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            assert err.value.status_code == 503 and "verifier unavailable" in err.value.message
+            assert time.time() - t0 < 30
+        assert srv.device.used_bytes == 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        service.shutdown(drain_timeout=2)
+        v.stop()
