@@ -47,7 +47,7 @@ def _cmd_netlab(args: argparse.Namespace) -> int:
 
     if args.action == "up":
         lab = netlab.up(netlab.Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps))
-        print(json.dumps({"namespaces": netlab.NAMESPACES, "addresses": lab.addresses,
+        print(json.dumps({"namespaces": netlab.NAMESPACES, "endpoints": lab.endpoints,
                           "measured": netlab.measure(lab)}, indent=2))
     elif args.action == "down":
         netlab.down()

@@ -216,7 +216,8 @@ class EngineService:
             stats = {**self._labels(o.request_id), "rounds": rs.rounds, "drafted_tokens": rs.drafted,
                      "accepted_tokens": rs.accepted, "prompt_tokens": len(req.seq.prompt_ids),
                      "completion_tokens": len(req.seq.output_ids),
-                     "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
+                     "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter()),
+                     **{k: v for k, v in req.seq.stats.items() if k.startswith(("prefix_", "verifier_"))}}
             if o.error:
                 stats["error"], stats["status"] = o.error, req.error_status
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
