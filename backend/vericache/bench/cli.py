@@ -68,6 +68,27 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prefix(args) -> int:
+    from vericache.bench.common import record
+    from vericache.bench.prefix import plot_prefix, prefix_markdown, run_prefix_bench
+    from vericache.remote.netlab import Shape
+
+    try:
+        res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
+                               Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps), args.compressor,
+                               [m for m in args.modes.split(",") if m], log=_progress(args))
+    except RuntimeError as exc:  # no namespaces, no redis-server, a failed run: say so, exit non-zero
+        import sys
+        print(f"vericache bench prefix: error: {exc}", file=sys.stderr)
+        return 1
+    if args.plot:
+        plot_prefix(res, args.plot)
+    print(json.dumps(res) if args.json else prefix_markdown(res))
+    record(args.record, "Remote prefix caching", prefix_markdown(res)
+           + (f"\n\n![prefix timeline]({Path(args.plot).name})" if args.plot else ""), args.argv)
+    return 0
+
+
 def _cmd_attention(args) -> int:
     import torch
 
@@ -195,6 +216,22 @@ def add_bench_parser(sub) -> None:
     at.add_argument("--plot", default=None, help="write a PNG here")
     at.add_argument("--record", default=None)
     at.set_defaults(func=_cmd_attention)
+
+    px = bsub.add_parser("prefix", help="remote prefix caching on a shaped network (root): recompute, "
+                         "full-remote, lossy-remote, vericache")
+    px.add_argument("--model", default=DEFAULT_MODEL)
+    px.add_argument("--prefix-tokens", type=int, default=6000)
+    px.add_argument("--requests", type=int, default=4)
+    px.add_argument("--max-tokens", type=int, default=64)
+    px.add_argument("--slow-gbps", type=float, default=1.0)
+    px.add_argument("--rtt-ms", type=float, default=20.0)
+    px.add_argument("--fast-gbps", type=float, default=25.0)
+    px.add_argument("--compressor", default="snapkv:ratio=0.125")
+    px.add_argument("--modes", default="recompute,full-remote,lossy-remote,vericache")
+    px.add_argument("--json", action="store_true")
+    px.add_argument("--plot", default=None, help="write the timeline PNG here")
+    px.add_argument("--record", default=None)
+    px.set_defaults(func=_cmd_prefix)
 
     sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
     sv.add_argument("--url", default="http://127.0.0.1:8000")

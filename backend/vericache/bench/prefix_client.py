@@ -1,0 +1,67 @@
+"""The client side of ``bench prefix``, run inside the drafter's namespace: waits for the server,
+sends every prompt at once as a streaming completion, and prints one JSON line per request
+(send, first-token and end times, token arrival times, text, the response's stats)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import httpx
+
+
+def _wait_ready(url: str, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"server {url} not ready after {timeout_s} s")
+
+
+def _one(url: str, model: str, prompt: str, max_tokens: int, t0: float, out: dict) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    times, text, stats, status = [], "", {}, 200
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        status = r.status_code
+        if status != 200:
+            r.read()
+            stats = {"error": r.text[:500]}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                stats = {"error": chunk["error"]}
+                continue
+            for c in chunk.get("choices", []):
+                if c.get("text"):
+                    times.append(time.perf_counter() - t0)
+                    text += c["text"]
+            stats = chunk.get("vericache", stats)
+    end = time.perf_counter() - t0
+    out.update({"status": status, "ttft_s": times[0] if times else None, "e2e_s": end, "chunk_times": times,
+                "text": text, "stats": stats})
+
+
+def main(url: str, prompts_file: str, max_tokens: int) -> None:
+    prompts = json.load(open(prompts_file))
+    _wait_ready(url)
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    t0 = time.perf_counter()
+    results = [dict() for _ in prompts]
+    threads = [threading.Thread(target=_one, args=(url, model, p, max_tokens, t0, results[i])) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
