@@ -151,7 +151,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
           device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
           prefix_store=args.prefix_store, prefix_link=args.prefix_link,
-          verifier=args.verifier if args.role == "drafter" else None)
+          verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
+          prefill_chunk=args.prefill_chunk)
     return 0
 
 
@@ -248,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefix-link", default="local", help="label of the link to the store in metrics (slow, fast)")
     sv.add_argument("--store-prefixes", action="store_true",
                     help="verifier role: store the whole blocks of the prompts it serves")
+    sv.add_argument("--prefix-model-id", default=None,
+                    help="the id the store and verifier know this model's KV by (default: name-dtype-kvdtype); "
+                         "a drafter in another dtype than its verifier gives the verifier's")
+    sv.add_argument("--prefill-chunk", type=int, default=512,
+                    help="prompt tokens prefilled per engine step (smaller: other requests wait less)")
     sv.add_argument("--grpc-port", type=int, default=50051, help="verifier role: the gRPC port")
     sv.add_argument("--metrics-port", type=int, default=0, help="verifier role: Prometheus port (0: none)")
     sv.set_defaults(func=_cmd_serve)

@@ -76,7 +76,7 @@ def _cmd_prefix(args) -> int:
     try:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
                                Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps), args.compressor,
-                               [m for m in args.modes.split(",") if m], log=_progress(args))
+                               [m for m in args.modes.split(",") if m], args.draft_dtype, log=_progress(args))
     except RuntimeError as exc:  # no namespaces, no redis-server, a failed run: say so, exit non-zero
         import sys
         print(f"vericache bench prefix: error: {exc}", file=sys.stderr)
@@ -228,6 +228,7 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--fast-gbps", type=float, default=25.0)
     px.add_argument("--compressor", default="snapkv:ratio=0.125")
     px.add_argument("--modes", default="recompute,full-remote,lossy-remote,vericache")
+    px.add_argument("--draft-dtype", default="float32", help="the drafter's weights (lossy-remote, vericache)")
     px.add_argument("--json", action="store_true")
     px.add_argument("--plot", default=None, help="write the timeline PNG here")
     px.add_argument("--record", default=None)

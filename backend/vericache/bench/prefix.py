@@ -30,11 +30,14 @@ from vericache.remote import netlab
 MODES = ["recompute", "full-remote", "lossy-remote", "vericache"]
 
 
-def _prompts(model: str, n: int, prefix_tokens: int) -> tuple[list[str], list[str], list[int]]:
+def _prompts(model: str, n: int, prefix_tokens: int) -> tuple[list[str], list[str], list[int], str]:
+    """Each request's prefix text and prompt, the prefix's token count, and the model's KV id."""
     from vericache.eval.run_model_eval import heldout_tokens
     from vericache.model.loader import load_model
+    from vericache.remote.prefixes import model_id
 
-    tok = load_model(model, device="cpu").tokenizer
+    loaded = load_model(model, device="cpu", dtype="float32")
+    tok = loaded.tokenizer
     ids = heldout_tokens(tok)
     while len(ids) < n * prefix_tokens + 1:
         ids = ids + ids
@@ -45,7 +48,7 @@ def _prompts(model: str, n: int, prefix_tokens: int) -> tuple[list[str], list[st
         prefixes.append(text)
         prompts.append(text + f"\n\ndef summarize_section_{i}(items):\n    \"\"\"Return")
         lens.append(len(tok.encode(text)))
-    return prefixes, prompts, lens
+    return prefixes, prompts, lens, model_id(loaded)
 
 
 class Procs:
@@ -81,7 +84,10 @@ class Procs:
 
 
 def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: int, shape: netlab.Shape,
-                     compressor: str, modes: list[str] = MODES, log=print) -> dict:
+                     compressor: str, modes: list[str] = MODES, draft_dtype: str = "float32", log=print) -> dict:
+    """The four modes, side by side in one run. Exact outputs (recompute, full-remote, the verifier)
+    come from fp32 weights; the drafter's weights (lossy-remote, vericache's drafter) are
+    ``draft_dtype``: its output is a draft, so a cheaper dtype only costs acceptance."""
     reason = netlab.available()
     if reason:
         raise RuntimeError(f"bench prefix needs network namespaces: {reason}")
@@ -102,7 +108,7 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
                                        "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)], 1)
         procs.wait_line("redis", "Ready to accept connections")
         version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]
-        prefixes, prompts, lens = _prompts(model, requests, prefix_tokens)
+        prefixes, prompts, lens, kv_id = _prompts(model, requests, prefix_tokens)
         (work / "prompts.json").write_text(json.dumps(prompts))
         near, far = f"redis://{ep['store_from_verify']}", f"redis://{ep['store_from_draft']}"
         for i, text in enumerate(prefixes):
@@ -110,6 +116,7 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
             f.write_text(text)
             t0 = time.perf_counter()
             r = subprocess.run(netlab.exec_in("verify", *vc, "prefix", "put", "--redis", near, "--model", model,
+                                              "--dtype", "float32",
                                               "--prompt-file", str(f), "--compressor", compressor, "--json"),
                                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(cores)})
             if r.returncode:
@@ -120,13 +127,15 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
         rows, outputs = [], {}
         for mode in modes:
             log(f"mode {mode} ...")
-            rows.append(_run_mode(mode, Procs(work), vc, model, compressor, near, far, ep, cores, work, max_tokens))
+            rows.append(_run_mode(mode, Procs(work), vc, model, compressor, near, far, ep, cores, work, max_tokens,
+                                  kv_id, draft_dtype))
             outputs[mode] = rows[-1].pop("texts")
             log(f"  {json.dumps(rows[-1])}")
         ref = outputs.get("full-remote")
         for row in rows:
             row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
         return {"store": f"redis {version}", "network": measured, "model": model, "compressor": compressor,
+                "draft_dtype": draft_dtype,
                 "prefix_tokens": prefix_tokens, "requests": requests, "max_tokens": max_tokens, "cores": cores,
                 "rows": rows, "work_dir": str(work)}
     finally:
@@ -134,17 +143,21 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
         netlab.down()
 
 
-def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, cores, work, max_tokens) -> dict:
-    serve = [*vc, "serve", "--model", model, "--host", "127.0.0.1", "--port", "8000", "--compressor", compressor]
+def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, cores, work, max_tokens, kv_id,
+              draft_dtype) -> dict:
+    serve = [*vc, "serve", "--model", model, "--host", "127.0.0.1", "--port", "8000", "--compressor", compressor,
+             "--prefix-model-id", kv_id]
+    serve += ["--dtype", draft_dtype] if mode in ("lossy-remote", "vericache") else ["--dtype", "float32"]
     threads = cores
     if mode == "vericache":
         threads = max(cores // 2, 1)  # two engines share this machine's cores
-        procs.start("verify", "verifier", [*vc, "serve", "--role", "verifier", "--model", model, "--host", "127.0.0.1",
+        procs.start("verify", "verifier", [*vc, "serve", "--role", "verifier", "--model", model, "--dtype", "float32",
+                                           "--host", "127.0.0.1",
                                            "--grpc-port", str(netlab.SERVICE_PORTS["verify"]), "--prefix-store", near],
                     max(cores - threads, 1))
         procs.wait_line("verifier", "verifier ")
         serve += ["--role", "drafter", "--verifier", f"grpc://{ep['verifier_from_draft']}", "--mode", "vericache",
-                  "--prefix-store", far, "--prefix-link", "slow"]
+                  "--prefix-store", far, "--prefix-link", "slow", "--prefill-chunk", "128"]
     elif mode == "recompute":
         serve += ["--mode", "full"]
     else:
@@ -171,6 +184,7 @@ def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, cores, w
            "tokens_per_s": round(n_tokens / makespan, 2),
            "slow_link_bytes": moved["slow-store"] + moved["slow-verify"], "fast_link_bytes": moved["fast"],
            "prefix_tokens": [s.get("prefix_tokens", 0) for s in st], "threads": threads,
+           "weights": draft_dtype if mode in ("lossy-remote", "vericache") else "float32",
            "timeline": [{"ttft_s": x["ttft_s"], "e2e_s": x["e2e_s"], "chunk_times": x["chunk_times"]} for x in res],
            "texts": [x["text"] for x in res]}
     if mode == "vericache":
@@ -190,7 +204,7 @@ def prefix_markdown(res: dict) -> str:
              "slow_link_MB": round(r["slow_link_bytes"] / 1e6, 1), "fast_link_MB": round(r["fast_link_bytes"] / 1e6, 1)}
             for r in res["rows"]]
     table = markdown_table(rows, ["mode", "ttft_s", "e2e_s", "makespan_s", "tokens_per_s", "identical_to_full",
-                                  "slow_link_MB", "fast_link_MB", "threads"])
+                                  "slow_link_MB", "fast_link_MB", "threads", "weights"])
     by = {r["mode"]: r for r in res["rows"]}
     ratios = ""
     if "vericache" in by and "full-remote" in by:

@@ -140,7 +140,7 @@ class PrefixStore:
                 break
             nbytes += len(value)
             try:
-                tensors, _ = unpack(value, device)
+                tensors, _ = unpack(value, device, copy=False)
             except CorruptValue:
                 reason = "corrupt"
                 break

@@ -12,15 +12,19 @@ from vericache.serving.service import EngineService
 def build_service(model: str = DEFAULT_MODEL, mode: str = "vericache", compressor: str = "snapkv:ratio=0.125",
                   draft_len: int | str = "auto", device: str | None = None, dtype: str | None = None,
                   device_budget: int = 4 << 30, max_queue: int = 64, prefix_store: str | None = None,
-                  prefix_link: str = "local", verifier: str | None = None) -> EngineService:
+                  prefix_link: str = "local", verifier: str | None = None, prefix_model_id: str | None = None,
+                  prefill_chunk: int = 512) -> EngineService:
     """``prefix_store`` (redis://...): prompts load their stored prefix KV over ``prefix_link``;
-    ``verifier`` (grpc://...): the drafter role, vericache requests verified there."""
+    ``verifier`` (grpc://...): the drafter role, vericache requests verified there;
+    ``prefix_model_id``: the id the store and the verifier know the model's KV by (default: this
+    model's own, ``remote.prefixes.model_id``); a drafter in a cheaper dtype than its verifier sets
+    the verifier's, as its drafts only need to be close, while the verifier's KV must be exact."""
     loaded = load_model(model, device=device, dtype=dtype)
     engine = Engine(loaded, mode=mode, compressor=compressor, draft_len=draft_len)
     fetcher = client = None
     if prefix_store or verifier:
         from vericache.remote.prefixes import model_id
-        mid = model_id(loaded)
+        mid = prefix_model_id or model_id(loaded)
         if prefix_store:
             from vericache.remote.fetch import PrefixFetcher
             from vericache.remote.store import PrefixStore
@@ -28,5 +32,6 @@ def build_service(model: str = DEFAULT_MODEL, mode: str = "vericache", compresso
         if verifier:
             from vericache.remote.client import VerifierClient
             client = VerifierClient(verifier, mid)
-    serving = ServingEngine(engine, device_budget=device_budget, prefix=fetcher, verifier=client)
+    serving = ServingEngine(engine, device_budget=device_budget, prefix=fetcher, verifier=client,
+                            prefill_chunk=prefill_chunk)
     return EngineService(serving, max_queue=max_queue)
