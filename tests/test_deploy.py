@@ -48,7 +48,7 @@ def test_dashboard_and_rules_only_query_exported_metrics(llm):
         httpx.post(s.url + "/v1/completions",
                    json={"model": "tiny", "prompt": "def f():\n", "max_tokens": 12, "temperature": 0}, timeout=60)
         httpx.post(s.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
-        exported = set(re.findall(r"^(vericache_[a-z_]+)", httpx.get(s.url + "/metrics").text, re.M))
+        exported = set(re.findall(r"^(vericache_[a-z_]+)", httpx.get(s.url + "/metrics").text, re.MULTILINE))
     finally:
         s.close()
     missing = {n for n in queried_metrics() if n not in exported}
@@ -58,7 +58,8 @@ def test_dashboard_and_rules_only_query_exported_metrics(llm):
 
 def test_compose_parses_and_every_path_exists():
     compose = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
-    assert set(compose["services"]) == {"triton", "gateway", "prometheus", "grafana"}
+    assert set(compose["services"]) == {"triton", "gateway", "prometheus", "grafana", "redis", "verifier"}
+    assert all(compose["services"][s]["profiles"] == ["remote"] for s in ("redis", "verifier"))
     for name, svc in compose["services"].items():
         for port in svc.get("ports", []):
             assert port.startswith("127.0.0.1:"), (name, port)

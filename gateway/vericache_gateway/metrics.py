@@ -52,6 +52,12 @@ class Metrics:
         self.prefix_fetch = h("prefix_fetch_seconds", "Seconds to fetch a prompt's stored blocks", extra=["link"])
         self.store_errors = c("prefix_store_errors", "Prefix store unreachable (the prompt was recomputed)")
         self.verifier_rtt = h("verifier_rtt_seconds", "Round trip of a draft to the remote verifier and back")
+        for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt):
+            self.lab(metric)  # exported (as zero) before the first event, so dashboards show them
+        for link in ("local", "slow", "fast"):
+            self.lab(self.prefix_fetch, link=link)
+            for tier in ("full", "compressed"):
+                self.lab(self.prefix_bytes, link=link, tier=tier)
 
     def lab(self, metric, **extra):
         """The metric's child for the server's labels, overridden by ``extra`` (a request's mode, say)."""

@@ -10,7 +10,11 @@ from vericache.serving.build import build_service
 
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL, api_key: str | None = None,
           backend: str = "embedded", triton_url: str = "127.0.0.1:8001", **engine_kwargs) -> None:
+    import logging
+
     import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from vericache_gateway.app import create_app
     from vericache_gateway.backends import EmbeddedBackend, TritonBackend

@@ -107,7 +107,7 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
                                        "127.0.0.1", ep["store_from_verify"].split(":")[0], "--save", "",
                                        "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)], 1)
         procs.wait_line("redis", "Ready to accept connections")
-        version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]
+        version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2].removeprefix("v=")
         prefixes, prompts, lens, kv_id = _prompts(model, requests, prefix_tokens)
         (work / "prompts.json").write_text(json.dumps(prompts))
         near, far = f"redis://{ep['store_from_verify']}", f"redis://{ep['store_from_draft']}"

@@ -12,12 +12,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from vericache.drafting.round import accept_draft, record_round
 from vericache.engine.request import DRAFTING, FINISHED, PREFILL, TRANSFERRING, Request
 from vericache.remote.client import VerifierUnavailable
 from vericache.remote.forms import load_compressed, load_full
+
+log = logging.getLogger("vericache.engine")
 
 
 def prefix_form(req: Request) -> str:
@@ -79,6 +82,9 @@ def _first_token(srv, req: Request, msg: dict) -> None:
         return
     finished = req.seq.append(int(msg["token"]))
     req.first_token_at = time.perf_counter()
+    log.info("request %s: first token from the verifier %.3f s after arrival (verifier had %d prompt tokens "
+             "stored; drafter loaded %d, state %s)", req.id, req.first_token_at - req.added_at,
+             req.verifier_hit_tokens, req.prefix_tokens, req.state)
     if finished:
         srv._release(req, FINISHED)
     elif req.state == PREFILL and req.prefilled:

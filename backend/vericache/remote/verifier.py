@@ -84,7 +84,11 @@ class VerifierCore:
                 sess.store_error = str(exc)
                 log.warning("session %s: %s; recomputing the whole prompt", sess.id, exc)
                 self._event("store_error", {"role": "verifier"})
+        t0 = time.perf_counter()
         token = self._submit("open", sess, blocks).result()
+        log.info("session %s: %d of %d prompt tokens from the store (%.1f MB in %.3f s), then queue + prefill %.3f s",
+                 sess.id, sess.hit_tokens, len(prompt_ids), sess.fetch_bytes / 1e6, sess.fetch_s,
+                 time.perf_counter() - t0)
         return sess, token
 
     def verify(self, sess: Session, start: int, tokens: list[int]) -> tuple[int, int, torch.Tensor, torch.Tensor]:
@@ -143,7 +147,7 @@ class VerifierCore:
     def _run(fut: Future, fn, *args) -> None:
         try:
             fut.set_result(fn(*args))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller
+        except Exception as exc:  # noqa: BLE001 - reported to the callers
             log.exception("verifier work failed")
             fut.set_exception(exc)
 
@@ -192,7 +196,7 @@ class VerifierCore:
         t0 = time.perf_counter()
         try:
             batch.run(self.eng.model, self.eng.loaded.device)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported to the callers
             log.exception("verification forward failed")
             for fut in live:
                 fut.set_exception(exc)

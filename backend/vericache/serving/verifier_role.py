@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 
 from vericache.engine.engine import Engine
 from vericache.model.loader import load_model
@@ -21,6 +20,7 @@ log = logging.getLogger("vericache.verifier")
 def run_verifier(model: str, host: str, port: int, prefix_store: str | None = None, store_prefixes: bool = False,
                  metrics_port: int = 0, device: str | None = None, dtype: str | None = None,
                  ready: threading.Event | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     loaded = load_model(model, device=device, dtype=dtype)
     mid = model_id(loaded)
     store = PrefixStore(prefix_store, mid) if prefix_store else None
@@ -44,7 +44,6 @@ def run_verifier(model: str, host: str, port: int, prefix_store: str | None = No
 
 def _metrics(mid: str, host: str, port: int):
     from prometheus_client import start_http_server
-
     from vericache_gateway.app import metrics_sink
     from vericache_gateway.metrics import Metrics
 
