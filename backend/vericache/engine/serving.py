@@ -180,14 +180,11 @@ class ServingEngine:
                 remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
                 k = r.opts.policy.next_len(r.policy_state, remaining)
                 rs.start(self.schedule.new_round(self, r, k) if self.memory.is_offloaded(r) else k)
-            if r.session is not None:  # verified remotely: draft until complete, then remote.send_verifies
-                if not rs.complete:
-                    tok = rs.drafts[-1] if rs.drafts else r.last_token
-                    batch.add(r, DRAFT, [tok], r.position + len(rs.drafts), r.draft)
-            elif not rs.complete and self.schedule.may_draft(self, r):
+            remote_verified = r.session is not None  # a complete round goes out in remote.send_verifies
+            if not rs.complete and (remote_verified or self.schedule.may_draft(self, r)):
                 tok = rs.drafts[-1] if rs.drafts else r.last_token
                 batch.add(r, DRAFT, [tok], r.position + len(rs.drafts), r.draft)
-            elif rs.complete and not self.memory.is_offloaded(r):  # the full KV is in place: verify now
+            elif rs.complete and not remote_verified and not self.memory.is_offloaded(r):  # full KV here: verify
                 batch.add(r, VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
         return batch
 
