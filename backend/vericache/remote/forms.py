@@ -8,7 +8,8 @@ Per block of ``block_tokens`` positions the store keeps
 
 Eviction keeps ``keep_budget(block_tokens)`` tokens of *every* block per KV head, scored over the
 whole prefix (its last queries are the observation window): each block then holds the same count
-per head, so any leading run of blocks (a partial hit) is a valid store on its own.
+per head, so any leading run of blocks (a partial hit) is a valid store on its own. (For StreamingLLM
+this keeps each block's newest tokens, stripes rather than one recent window: still a valid draft.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,38 @@
+"""The shaped network on one machine (root only: CI runs as root) and the bench's refusal without it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from vericache.remote import netlab
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_netlab_links_are_shaped_and_measured():
+    reason = netlab.available()
+    assert reason is None, reason
+    lab = netlab.up(netlab.Shape(slow_gbps=0.5, rtt_ms=20, fast_gbps=5))
+    try:
+        st = netlab.status()
+        assert all(len(st[role]) == 2 for role in netlab.NAMESPACES)  # two shaped veth ends per namespace
+        m = netlab.measure(lab, slow_bytes=4 << 20, fast_bytes=32 << 20)
+        for name in ("slow-store", "slow-verify"):
+            assert 18 <= m[name]["rtt_ms"] <= 60, m[name]            # the relay's delay, both ways
+            assert 0.2 <= m[name]["gbps"] <= 0.55, m[name]           # tbf's rate
+        assert m["fast"]["rtt_ms"] < 5 and m["fast"]["gbps"] > 2 * m["slow-store"]["gbps"], m["fast"]
+        before = netlab.link_bytes()
+        assert set(before) == set(netlab.LINKS) and all(v > 4 << 20 for v in before.values())
+    finally:
+        netlab.down()
+    assert all(v is None for v in netlab.status().values())
+
+
+def test_bench_prefix_refuses_without_namespaces(monkeypatch, capsys):
+    from vericache.cli import main
+
+    monkeypatch.setattr(netlab, "available", lambda: "network namespaces need root (test)")
+    assert main(["bench", "prefix", "--prefix-tokens", "300", "--requests", "1"]) == 1
+    assert "network namespaces need root (test)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="slow_gbps"):
+        netlab.Shape(slow_gbps=0)
