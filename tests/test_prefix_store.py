@@ -153,8 +153,8 @@ def test_bad_input_and_store_down(llm):
 def test_prefix_cli(llm, redis_server, prefix, tmp_path, capsys):
     from vericache.cli import main
 
-    f = tmp_path / "p.txt"
-    f.write_text(llm.tokenizer.decode(prefix))
+    f = tmp_path / "p.txt"  # a prompt no other test stores (rm keeps blocks another prefix lists)
+    f.write_text("# the CLI test's own prefix\n" + llm.tokenizer.decode(prefix))
     base = ["--redis", redis_server.url, "--model", "tiny", "--dtype", "float32", "--json"]
     assert main(["prefix", "put", "--prompt-file", str(f), "--compressor", "kivi:bits=2", *base]) == 0
     put = json.loads(capsys.readouterr().out)

@@ -54,7 +54,6 @@ class RemoteSession:
         self.client = client
         self._out: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
-        self.sent_at: float = 0.0
         self.in_flight = True                     # the open's reply is awaited
         self.closed = False
         self._out.put(pack({}, {"op": "open", "prompt_ids": list(prompt_ids), "max_tokens": max_tokens,

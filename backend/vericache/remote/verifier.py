@@ -43,8 +43,6 @@ class Session:
     hit_tokens: int = 0
     fetch_bytes: int = 0
     fetch_s: float = 0.0
-    store_error: str = ""
-    verifies: int = 0
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -81,7 +79,6 @@ class VerifierCore:
                 self._event("prefix", {"link": "fast", "tier": "full", "bytes": got.nbytes, "seconds": got.seconds,
                                        "hit_blocks": len(blocks), "miss_blocks": limit - len(blocks)})
             except StoreUnavailable as exc:
-                sess.store_error = str(exc)
                 log.warning("session %s: %s; recomputing the whole prompt", sess.id, exc)
                 self._event("store_error", {"role": "verifier"})
         t0 = time.perf_counter()
@@ -107,11 +104,6 @@ class VerifierCore:
             sess.closed, sess.full = True, None  # the KV goes now
         with self._lock:
             self.sessions.pop(sess.id, None)
-
-    def kv_bytes(self) -> int:
-        with self._lock:
-            return sum(s.full.k.numel() * s.full.k.element_size() * 2 for s in self.sessions.values()
-                       if s.full is not None)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -209,7 +201,6 @@ class VerifierCore:
                 m += 1
             keep = start + 1 + m
             sess.full.truncate(keep)
-            sess.verifies += 1
             fut.set_result((m, targets[m], sess.full.k[:, :, start:keep].clone(), sess.full.v[:, :, start:keep].clone()))
 
 
