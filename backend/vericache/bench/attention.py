@@ -15,6 +15,7 @@ import torch
 from vericache.bench.common import code_prompt, markdown_table
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.packed import attend_packed
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 
@@ -73,7 +74,7 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
         def attention() -> None:
             cache.begin(context, 1)
             for layer in range(cfg.num_hidden_layers):
-                cache.attend(layer, q, kv, kv)
+                attend_packed(q, [1], [cache.parts(layer, q, kv, kv)], hkv)
 
         def step() -> None:
             loaded.model(token, [context], [1], [cache])

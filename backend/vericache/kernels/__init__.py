@@ -1,9 +1,14 @@
 """Native kernels, compiled on first use (and by ``make install``) with the machine's g++.
 
-``cpu_kernels()`` builds ``quant_attention.cpp`` with torch's C++ extension tooling into
-``~/.cache/vericache/kernels/<cpu+torch tag>`` (``-march=native``: a build is only reused on the
-same CPU flags and torch version) and returns the loaded module. ``python -m vericache.kernels``
-builds it ahead of time.
+- ``cpu_kernels()``: ``quant_attention.cpp``, attention over one quantized store (benches, tests).
+- ``packed_kernels()``: ``packed_attention.cpp``, the forward's attention: one call per layer for
+  every sequence of a step and all its parts. Built without ``-ffast-math`` and with
+  ``-ffp-contract=off``, so its results are the same bits in every build (``portable=True`` builds
+  it for baseline x86-64, the fallback the tests compare against).
+
+Each is built with torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>`` (the tag
+covers the CPU flags, torch version, flags and sources: a build is only reused where it fits).
+``python -m vericache.kernels`` builds them ahead of time.
 """
 
 from __future__ import annotations
@@ -15,25 +20,28 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("quant_attention.cpp")
+HERE = Path(__file__).parent
+QUANT_SOURCES = [HERE / "quant_attention.cpp", HERE / "quant_format.h"]
+PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "quant_format.h"]
 # -ffast-math lets glibc vectorize expf; the kernel uses finite sentinels, never infinities
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# exact, reproducible IEEE arithmetic: explicit fma only, no reassociation
+PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
 
-def _build_dir() -> Path:
+def _build_dir(cflags: list[str], sources: list[Path]) -> Path:
     flags = ""
     if Path("/proc/cpuinfo").exists():
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    tag = hashlib.sha1(f"{flags}|{torch.__version__}|{CFLAGS}|{SOURCE.read_bytes().hex()}".encode()).hexdigest()[:12]
+    text = "".join(s.read_bytes().hex() for s in sources)
+    tag = hashlib.sha1(f"{flags}|{torch.__version__}|{cflags}|{text}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))
     path = root / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-@functools.cache
-def cpu_kernels(verbose: bool = False):
-    """The compiled CPU kernel module (built once per machine, then loaded from the cache)."""
+def _load(name: str, sources: list[Path], cflags: list[str], verbose: bool):
     from torch.utils.cpp_extension import load
 
     try:  # torch runs `ninja` from PATH; the PyPI package's binary works where the venv is not on PATH
@@ -44,5 +52,20 @@ def cpu_kernels(verbose: bool = False):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    return load(name="vericache_quant_attention", sources=[str(SOURCE)], build_directory=str(_build_dir()),
-                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
+    cpp = [str(s) for s in sources if s.suffix == ".cpp"]
+    return load(name=name, sources=cpp, build_directory=str(_build_dir(cflags, sources)),
+                extra_cflags=cflags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)], verbose=verbose)
+
+
+@functools.cache
+def cpu_kernels(verbose: bool = False):
+    """The quantized-store kernel module (built once per machine, then loaded from the cache)."""
+    return _load("vericache_quant_attention", QUANT_SOURCES, CFLAGS, verbose)
+
+
+@functools.cache
+def packed_kernels(portable: bool = False, verbose: bool = False):
+    """The packed attention op; ``portable`` builds it for baseline x86-64 (no AVX) instead of this CPU."""
+    arch = ["-march=x86-64", "-mtune=generic"] if portable else ["-march=native"]
+    name = "vericache_packed_attention" + ("_portable" if portable else "")
+    return _load(name, PACKED_SOURCES, PACKED_CFLAGS + arch, verbose)

@@ -4,7 +4,7 @@ Layout, every tensor allocated once for the request (all layers in one tensor ea
 - a *store* of compressed tokens, ``count`` per KV head: full-precision K/V for eviction methods,
   or the quantizer's codes and scales (``tok``: per token; ``grp``: per position group, KIVI keys).
   Under eviction each KV head keeps its own token set, with positions ``pos`` [L, Hkv, C] int32.
-  The draft attention reads the store as it is (quantized: ``kv.quantized.attend_quantized``).
+  The draft attention reads the store as it is (``parts``: quantized codes through the packed op).
 - a *residual* of the most recent tokens in full precision, positions res_start.. (shared by heads),
   sized to the window plus a draft round. In lossy mode it also holds the prompt while the prompt
   is prefilled (then shrinks); beside a full cache (vericache) the prompt is read from there.
@@ -24,10 +24,9 @@ import torch
 
 from vericache.compress.base import Compressor, ScoreInputs
 from vericache.config import ModelConfig
-from vericache.kv.attention import attend_all, chunk_parts, merge
 from vericache.kv.blocks import storage_bytes
 from vericache.kv.full import FullKVCache
-from vericache.kv.quantized import attend_quantized
+from vericache.kv.packed import KeyPart
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -129,22 +128,22 @@ class CompressedKVCache:
         if layer == self.cfg.num_hidden_layers - 1:
             self.q_seen += t
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
+        """Store the chunk's k, v [Hkv, T, D] (positions start..start+T-1) in the residual. The stored
+        tokens precede every query (seen whole, in stored form); the residual is causal, read where it lies."""
         s, t = self._start - self.res_start, q.shape[1]
         self.residual.k[layer, :, s : s + t] = k
         self.residual.v[layer, :, s : s + t] = v
         self.observe(layer, q)
-        # the stored tokens precede every query (unmasked); the residual is read where it lies
-        parts = chunk_parts(q, self.residual.k[layer], self.residual.v[layer], s)
+        parts = [KeyPart(self.residual.k[layer], self.residual.v[layer], n=s + t, diag=s)]
         if self.count:
             kp, vp = self._parts[layer]
             if self.layouts is None:
-                parts.insert(0, attend_all(q, kp["tok"]["x"][:, : self.count], vp["tok"]["x"][:, : self.count]))
+                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count))
             else:
                 pos = None if self.pos is None else self.pos[layer]
-                parts.insert(0, attend_quantized(q, self.layouts, kp, vp, self.count, pos))
-        return merge(parts)
+                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos))
+        return parts
 
     # ------------------------------------------------------------------ commits and compression
     def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from vericache.config import ModelConfig
-from vericache.kv.attention import attend_chunk
+from vericache.kv.packed import KeyPart
 
 
 class FullKVCache:
@@ -65,9 +65,9 @@ class FullKVCache:
             raise ValueError(f"cannot truncate to {length}: cache holds {self.length} positions")
         self.length = length
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [Hq, T, D]; k, v: [Hkv, T, D]
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
+        """Store the chunk's k, v [Hkv, T, D]; its queries see positions 0..start+i (one causal part)."""
         s, t = self._start, q.shape[1]
         self.k[layer, :, s : s + t] = k
         self.v[layer, :, s : s + t] = v
-        return attend_chunk(q, self.k[layer], self.v[layer], s)
+        return [KeyPart(self.k[layer], self.v[layer], n=s + t, diag=s)]

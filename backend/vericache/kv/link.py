@@ -207,9 +207,9 @@ class StreamedKV:
         if self.t.first_layer:
             self.resident.begin(start, count)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
         first = self.t.first_layer
         if layer < first:
-            return self.resident.attend(layer, q, k, v)
+            return self.resident.parts(layer, q, k, v)
         self.t.wait_layer(layer - first)
-        return self.buf.attend(layer - first, q, k, v)
+        return self.buf.parts(layer - first, q, k, v)

@@ -8,6 +8,7 @@ import torch
 
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
+from vericache.kv.packed import KeyPart
 
 
 class TeeCache:
@@ -17,9 +18,9 @@ class TeeCache:
     def begin(self, start: int, count: int) -> None:
         self.full.begin(start, count)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         self.draft.observe(layer, q)
-        return self.full.attend(layer, q, k, v)
+        return self.full.parts(layer, q, k, v)
 
 
 class QueryRecorder:

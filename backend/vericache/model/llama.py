@@ -3,16 +3,17 @@
 The forward is *packed*: the tokens of several sequences are concatenated into
 one flat batch ``tokens: [N]``; sequence i contributes ``seq_lens[i]`` tokens
 at the explicit positions ``starts[i] .. starts[i] + seq_lens[i] - 1``.
-Attention is the only place where sequences are kept apart, and it is delegated to each sequence's KV cache
-object (``cache.attend``). That single seam lets one forward serve a prefill
-chunk, a one-token decode step and a k-token verification chunk, over a full
-cache or a compressed one, with no globals and no hooks.
+Attention is the only place where sequences are kept apart: each sequence's KV cache says what
+its queries attend (``cache.parts``), and one ``attend_packed`` call per layer attends them all.
+That single seam lets one forward serve a prefill chunk, a one-token decode step and a k-token
+verification chunk, over a full cache or a compressed one, with no globals and no hooks.
 
 Shapes: N = total tokens, Hq = query heads, Hkv = KV heads, D = head dim.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Protocol, Sequence
 
@@ -21,17 +22,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from vericache.config import ModelConfig
+from vericache.kv.packed import KeyPart, attend_packed
 
 
 class AttentionCache(Protocol):
-    """What the forward needs from a KV cache: store new K/V, attend over all."""
+    """What the forward needs from a KV cache: store new K/V, say what the queries attend.
+
+    A cache may instead define ``attend(layer, q, k, v) -> [Hq, T, D]`` and compute attention itself
+    (KVzip's scoring pass, which records attention probabilities); the step's other sequences still
+    go through the one packed call."""
 
     def begin(self, start: int, count: int) -> None:
         """A forward will write positions start..start+count-1; later positions are dropped (rollback)."""
         ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [Hq, T, D]; k, v: [Hkv, T, D] (rotated) for the positions given to ``begin``. Returns [Hq, T, D]."""
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
+        """Store k, v: [Hkv, T, D] (rotated) for the positions given to ``begin``; return the key parts
+        the queries q: [Hq, T, D] attend (``attend_packed`` computes it for all sequences at once)."""
         ...
 
 
@@ -116,16 +123,27 @@ class Attention(nn.Module):
         q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if caches is None:
-            out = self._causal_no_cache(q, k, v, seq_lens)
+            out = self._causal_no_cache(q, k, v, seq_lens).transpose(0, 1)
         else:
-            outs, start = [], 0
-            for cache, t in zip(caches, seq_lens):
-                sl = slice(start, start + t)
-                outs.append(cache.attend(layer, q[:, sl], k[:, sl], v[:, sl]))
-                start += t
-            out = torch.cat(outs, dim=1)
-        # out: [Hq, N, D] -> [N, Hq*D]
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1).to(x.dtype))
+            out = self._attend_caches(q, k, v, layer, seq_lens, caches)
+        # out: [N, Hq, D] -> [N, Hq*D]
+        return self.o_proj(out.reshape(n, -1).to(x.dtype))
+
+    def _attend_caches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                       seq_lens: Sequence[int], caches: Sequence[AttentionCache]) -> torch.Tensor:
+        """Every sequence over its cache in one ``attend_packed`` call -> [N, Hq, D]."""
+        bounds = list(zip(itertools.accumulate(seq_lens, initial=0), seq_lens))
+        if all(hasattr(c, "parts") for c in caches):
+            parts = [c.parts(layer, q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]) for c, (s, t) in zip(caches, bounds)]
+            return attend_packed(q, seq_lens, parts, self.n_kv)
+        outs = []  # a cache computing its own attention (KVzip's scoring pass) is in the step
+        for c, (s, t) in zip(caches, bounds):
+            qs, ks, vs = q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]
+            if hasattr(c, "parts"):
+                outs.append(attend_packed(qs, [t], [c.parts(layer, qs, ks, vs)], self.n_kv))
+            else:
+                outs.append(c.attend(layer, qs, ks, vs).transpose(0, 1))
+        return torch.cat(outs)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          seq_lens: Sequence[int]) -> torch.Tensor:

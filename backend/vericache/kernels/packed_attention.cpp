@@ -1,0 +1,316 @@
+// Attention for every sequence of a step in one call per layer, over all of each sequence's parts
+// (a full-KV prefix with the chunk's own keys, a compressed store, a residual), merged by
+// log-sum-exp inside the op.
+//
+// q: [Hq, N, D] fp32, any row/head strides, last dim contiguous: the forward's packed rows; sequence
+//    s owns rows row0[s] .. row0[s] + T[s] - 1.
+// A part p belongs to one sequence and holds n keys per KV head, dense fp32 ([Hkv, >= n, D], last
+// dim contiguous) or quantized (quant_format.h). Causal parts (diag >= 0): query i of the chunk sees
+// key j iff j <= i + diag (a full cache at start s: n = s + T, diag = s); other parts are seen whole.
+// Returns out [N, Hq, D] fp32 (the forward's packed order: o_proj reads it as [N, Hq*D]).
+//
+// Batch invariance, by construction: work items are (part, KV head, split of SPLIT keys); key blocks
+// and splits are fixed by key index, so a query row sees the same blocks whatever its chunk, its
+// step's other sequences or the thread count; each row's arithmetic is a fixed sequence of IEEE
+// operations (explicit fma, -ffp-contract=off, no -ffast-math, fixed-order lane sums, a polynomial
+// exp), so the vectorised build and a portable one (-march=x86-64) give the same bits.
+// GQA folded: a block of K/V is loaded once for the G query heads of its group and all T queries.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "quant_format.h"
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace vc_quant;
+constexpr int BLK = 64;          // keys per block (one score vector per query row)
+constexpr int SPLIT = 8 * BLK;   // keys per work item
+constexpr int DENSE = 3;         // part kind: fp32 rows
+constexpr float NEG = -1e30f;    // "no key seen yet": finite, so exp(NEG - m) is exactly 0
+
+// exp(x) for x <= 0 in plain IEEE steps (Cephes' expf polynomial, ~1 ulp), the same in every build.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round(x / ln 2)
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+// The sum of 64 lanes in a fixed tree (halving), so no build reorders it.
+inline float lane_sum(float* x) {
+  for (int w = BLK / 2; w >= 1; w /= 2) {
+#pragma omp simd
+    for (int l = 0; l < w; ++l) x[l] = x[l] + x[l + w];
+  }
+  return x[0];
+}
+
+// kt[j][t0 + t] = rows[t][j] for t < 16 (AVX-512) or 8 (AVX2), j < D (a multiple of the width):
+// a register transpose per square tile. Data movement only, so the results are those of the scalar loop.
+#if defined(__AVX512F__)
+constexpr int TILE = 16;
+inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK], int t0) {
+  for (int64_t j0 = 0; j0 < D; j0 += 16) {
+    __m512 r[16], u[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + j0);
+    for (int i = 0; i < 16; i += 2) {             // 2x2 blocks of single floats
+      u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {             // 4x4: pairs of floats
+      for (int c = 0; c < 2; ++c) {
+        r[i + c] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[i + c]), _mm512_castps_pd(u[i + 2 + c])));
+        r[i + 2 + c] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[i + c]), _mm512_castps_pd(u[i + 2 + c])));
+      }
+    }
+    for (int i = 0; i < 16; i += 8) {             // 8x8: 128-bit lanes
+      for (int c = 0; c < 4; ++c) {
+        u[i + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0x88);
+        u[i + 4 + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0xdd);
+      }
+    }
+    for (int c = 0; c < 8; ++c) {                 // 16x16: 256-bit halves
+      r[c] = _mm512_shuffle_f32x4(u[c], u[8 + c], 0x88);
+      r[8 + c] = _mm512_shuffle_f32x4(u[c], u[8 + c], 0xdd);
+    }
+    // r[k] now holds column j0 + perm(k): the unpack/shuffle network leaves the columns in this order
+    static const int perm[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+    for (int c = 0; c < 16; ++c) _mm512_storeu_ps(&kt[j0 + perm[c]][t0], r[c]);
+  }
+}
+#else
+constexpr int TILE = 1;
+inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK], int t0) {
+  for (int64_t j = 0; j < D; ++j) kt[j][t0] = rows[0][j];
+}
+#endif
+
+struct Part {
+  int64_t seq, n, diag;
+  bool dense;
+  const float* k; const float* v; int64_t k_h, k_t, v_h, v_t;   // dense rows (element strides)
+  Format kf, vf;                                                 // quantized
+};
+
+struct Work { int64_t part, head, split; };
+
+// One work item: rows (g, i) of its sequence for the G query heads of KV head h, over keys
+// [split * SPLIT, min(n, (split + 1) * SPLIT)), block by block (online softmax).
+// Partial results: m [R], l [R], acc [R, D] with R = G * T (row r = g * T + i).
+template <int DFIX>
+void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t q_n, int64_t row0, int64_t T,
+              int64_t G, int64_t D_, const float* fp8_lut, float* m, float* l, float* acc) {
+  const int64_t D = DFIX ? DFIX : D_;
+  const float sm = 1.0f / std::sqrt((float)D);
+  alignas(64) float kt[MAX_D][BLK];        // the block's keys, transposed: kt[j][t]
+  alignas(64) float kbuf[BLK][MAX_D];      // dequantized keys (quantized parts)
+  alignas(64) float vbuf[BLK][MAX_D];      // dequantized values
+  alignas(64) float s[BLK], e[BLK];
+  alignas(64) float qs[MAX_D];
+  alignas(64) static const float zeros[MAX_D] = {};
+  const float* krow[BLK];
+  const float* vrow[BLK];
+  Affine ka, va;
+  const int64_t h = w.head, R = G * T;
+  const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
+  for (int64_t r = 0; r < R; ++r) { m[r] = NEG; l[r] = 0.f; }
+  std::fill(acc, acc + R * D, 0.f);
+  for (int64_t t0 = lo; t0 < hi; t0 += BLK) {
+    const int64_t bt = std::min<int64_t>(BLK, hi - t0);
+    // rows whose causal limit ends before this block see none of it (rows i ascend: first visible)
+    int64_t i_first = 0;
+    if (p.diag >= 0) i_first = std::max<int64_t>(0, t0 - p.diag);
+    if (i_first >= T) break;
+    for (int64_t t = 0; t < BLK; ++t) {           // key rows (zeros past the block's end), value rows
+      if (t >= bt) {
+        krow[t] = zeros;
+      } else if (p.dense) {
+        krow[t] = p.k + h * p.k_h + (t0 + t) * p.k_t;
+        vrow[t] = p.v + h * p.v_h + (t0 + t) * p.v_t;
+      } else {
+        dequant_row(p.kf, fp8_lut, h, t0 + t, (int)D, ka, kbuf[t]);
+        dequant_row(p.vf, fp8_lut, h, t0 + t, (int)D, va, vbuf[t]);
+        krow[t] = kbuf[t];
+        vrow[t] = vbuf[t];
+      }
+    }
+    if (D % TILE == 0) {
+      for (int t = 0; t < BLK; t += TILE) transpose_tile(&krow[t], D, kt, t);
+    } else {
+      for (int64_t t = 0; t < BLK; ++t)
+        for (int64_t j = 0; j < D; ++j) kt[j][t] = krow[t][j];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = i_first; i < T; ++i) {
+        const int64_t r = g * T + i;
+        const int64_t vis = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
+        const float* qr = q + (h * G + g) * q_h + (row0 + i) * q_n;
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
+#pragma omp simd
+        for (int l2 = 0; l2 < BLK; ++l2) s[l2] = 0.f;
+        for (int64_t j = 0; j < D; ++j) {               // scores of 64 keys at once: s[t] += q[j] kt[j][t]
+          const float qj = qs[j];
+#pragma omp simd
+          for (int l2 = 0; l2 < BLK; ++l2) s[l2] = std::fma(qj, kt[j][l2], s[l2]);
+        }
+        float mb = NEG;
+        for (int64_t t = 0; t < vis; ++t) mb = std::max(mb, s[t]);
+        const float m_new = std::max(m[r], mb);
+#pragma omp simd
+        for (int l2 = 0; l2 < BLK; ++l2) e[l2] = l2 < vis ? exp_neg(s[l2] - m_new) : 0.f;
+        const float alpha = exp_neg(m[r] - m_new);
+        float* a = acc + r * D;
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) a[j] *= alpha;
+        for (int64_t t = 0; t < vis; ++t) {
+          const float pt = e[t];
+          const float* vr = vrow[t];
+#pragma omp simd
+          for (int64_t j = 0; j < D; ++j) a[j] = std::fma(pt, vr[j], a[j]);
+        }
+        l[r] = std::fma(l[r], alpha, lane_sum(e));
+        m[r] = m_new;
+      }
+    }
+  }
+}
+
+Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c10::optional<at::Tensor>>& ts,
+               size_t tat, int64_t H, int64_t D) {
+  Part p{};
+  p.seq = ints[at]; p.n = ints[at + 1]; p.diag = ints[at + 2];
+  const int64_t k_kind = ints[at + 3], v_kind = ints[at + 6];
+  p.dense = k_kind == DENSE;
+  TORCH_CHECK((v_kind == DENSE) == p.dense, "a part's keys and values are both dense or both quantized");
+  if (p.dense) {
+    const at::Tensor& k = *ts[tat];
+    const at::Tensor& v = *ts[tat + 3];
+    for (const at::Tensor* x : {&k, &v}) {
+      TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 3 && x->stride(2) == 1 && x->size(0) == H &&
+                  x->size(1) >= p.n && x->size(2) == D, "dense part: fp32 [", H, ", >= ", p.n, ", ", D,
+                  "] with a contiguous last dim, got ", x->sizes());
+    }
+    p.k = k.data_ptr<float>(); p.v = v.data_ptr<float>();
+    p.k_h = k.stride(0); p.k_t = k.stride(1); p.v_h = v.stride(0); p.v_t = v.stride(1);
+  } else {
+    p.kf = make_format(k_kind, ints[at + 4], ints[at + 5], *ts[tat], *ts[tat + 1], ts[tat + 2], ts[tat + 6]);
+    p.vf = make_format(v_kind, ints[at + 7], ints[at + 8], *ts[tat + 3], *ts[tat + 4], ts[tat + 5], ts[tat + 6]);
+    TORCH_CHECK(ts[tat]->size(0) == H && ts[tat]->size(1) >= p.n && ts[tat + 3]->size(1) >= p.n,
+                "quantized part: codes must hold ", p.n, " tokens for each of the ", H, " heads");
+  }
+  return p;
+}
+
+}  // namespace
+
+// seq_lens [S]; part_ints: 9 per part (seq, n, diag, k kind/bits/group, v kind/bits/group);
+// part_tensors: 7 per part (k or k codes, k scale, k zero, v or v codes, v scale, v zero, pos).
+at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
+                         const std::vector<int64_t>& part_ints,
+                         const std::vector<c10::optional<at::Tensor>>& part_tensors) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: fp32 [Hq, N, D], last dim contiguous");
+  const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), S = (int64_t)seq_lens.size();
+  TORCH_CHECK(hkv > 0 && Hq % hkv == 0, "query heads ", Hq, " are not a multiple of KV heads ", hkv);
+  TORCH_CHECK(D <= MAX_D && D % 8 == 0, "head dim must be a multiple of 8 and <= 256, got ", D);
+  TORCH_CHECK(part_ints.size() % 9 == 0 && part_tensors.size() == part_ints.size() / 9 * 7,
+              "9 ints and 7 tensors per part");
+  const int64_t G = Hq / hkv, P = (int64_t)part_ints.size() / 9;
+  std::vector<int64_t> row0(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + seq_lens[s];
+  TORCH_CHECK(row0[S] == N, "seq_lens sum to ", row0[S], " but q has ", N, " rows");
+
+  std::vector<Part> parts;
+  for (int64_t i = 0; i < P; ++i) {
+    parts.push_back(make_part(part_ints, 9 * i, part_tensors, 7 * i, hkv, D));
+    TORCH_CHECK(parts.back().seq >= 0 && parts.back().seq < S, "part ", i, ": sequence ", parts.back().seq,
+                " out of range");
+  }
+  // work items in a fixed order (part, head, split), each with its slot in the partial buffers
+  std::vector<Work> work;
+  std::vector<int64_t> slot;            // offset of a work item's R rows
+  int64_t rows = 0;
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t splits = (parts[i].n + SPLIT - 1) / SPLIT;
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        work.push_back({i, h, sp});
+        slot.push_back(rows);
+        rows += G * seq_lens[parts[i].seq];
+      }
+  }
+  std::vector<float> pm(rows), pl(rows), pacc(rows * D);
+  float fp8_lut[256];
+  fp8_table(fp8_lut);
+  const float* qp = q.data_ptr<float>();
+  at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t wi = lo; wi < hi; ++wi) {
+      const Work& w = work[wi];
+      const Part& p = parts[w.part];
+      const int64_t o = slot[wi];
+      if (D == 64)
+        run_work<64>(w, p, qp, q.stride(0), q.stride(1), row0[p.seq], seq_lens[p.seq], G, D, fp8_lut,
+                     &pm[o], &pl[o], &pacc[o * D]);
+      else
+        run_work<0>(w, p, qp, q.stride(0), q.stride(1), row0[p.seq], seq_lens[p.seq], G, D, fp8_lut,
+                    &pm[o], &pl[o], &pacc[o * D]);
+    }
+  });
+
+  // merge, per (sequence, KV head), the work items of that sequence in their fixed order
+  std::vector<std::vector<int64_t>> items(S * hkv);
+  for (int64_t wi = 0; wi < (int64_t)work.size(); ++wi)
+    items[parts[work[wi].part].seq * hkv + work[wi].head].push_back(wi);
+  at::Tensor out = at::zeros({N, Hq, D}, q.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, S * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t sh = lo; sh < hi; ++sh) {
+      const int64_t s = sh / hkv, h = sh % hkv, T = seq_lens[s];
+      const auto& its = items[sh];
+      for (int64_t r = 0; r < G * T; ++r) {
+        const int64_t g = r / T, i = r % T;
+        float m = NEG;
+        for (int64_t wi : its) m = std::max(m, pm[slot[wi] + r]);
+        float l = 0.f;
+        float* o = op + ((row0[s] + i) * Hq + h * G + g) * D;
+        for (int64_t wi : its) {
+          const int64_t at = slot[wi] + r;
+          if (pl[at] == 0.f) continue;               // saw no key: as if the item did not exist
+          const float c = exp_neg(pm[at] - m);
+          l = std::fma(pl[at], c, l);
+          const float* a = &pacc[at * D];
+#pragma omp simd
+          for (int64_t j = 0; j < D; ++j) o[j] = std::fma(a[j], c, o[j]);
+        }
+        if (l > 0.f) {
+          const float inv = 1.0f / l;
+#pragma omp simd
+          for (int64_t j = 0; j < D; ++j) o[j] = o[j] * inv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");
+}

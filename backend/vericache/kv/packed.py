@@ -1,0 +1,101 @@
+"""The forward's attention: every sequence of a step, all its parts, one call per layer.
+
+Each cache describes what one sequence's queries attend as ``KeyPart``s (``cache.parts``): a full
+cache is one causal part (its prefix and the chunk's own keys), a compressed cache a store part (dense
+kept tokens, or quantized codes) and a causal residual part. ``attend_packed`` attends every
+sequence over its parts and merges them by log-sum-exp: on CPU in fp32 through one native call
+(``kernels/packed_attention.cpp``: batch-invariant, GQA folded); elsewhere through the per-part
+torch functions of ``kv.attention`` (CUDA keeps PyTorch's kernels).
+
+Shapes: Hq query heads, Hkv KV heads, N packed query rows, T a sequence's rows, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vericache.kernels import packed_kernels
+from vericache.kv.attention import Part, attend_all, attend_causal, merge
+
+DENSE = 3  # the op's kind for fp32 rows (quantized kinds are kv.quantized's 0, 1, 2)
+
+
+@dataclass
+class KeyPart:
+    """n keys per KV head that a sequence's T queries attend.
+
+    Dense: ``k``, ``v`` [Hkv, >= n, D]. Quantized: ``layouts`` (K, V) and the store's per-layer fields
+    ``k``, ``v`` = {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}, ``pos`` [Hkv, C] int32.
+    ``diag`` >= 0 makes the part causal: query i sees key j iff j <= i + diag (so a full cache written
+    at start s has n = s + T, diag = s); None: every query sees every key.
+    """
+
+    k: torch.Tensor | dict
+    v: torch.Tensor | dict
+    n: int
+    diag: int | None = None
+    layouts: tuple | None = None
+    pos: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 0 or (self.diag is not None and self.diag < 0):
+            raise ValueError(f"a part needs n >= 0 and diag >= 0 or None, got n={self.n}, diag={self.diag}")
+
+
+def _native_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
+    """The op's 9 ints and 7 tensors for one part."""
+    diag = -1 if p.diag is None else p.diag
+    if p.layouts is None:
+        return [seq, p.n, diag, DENSE, 0, 0, DENSE, 0, 0], [p.k, None, None, p.v, None, None, None]
+    from vericache.kv.quantized import CHANNEL_GROUPS
+
+    ints, tensors = [seq, p.n, diag], []
+    for layout, fields in zip(p.layouts, (p.k, p.v)):
+        table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]
+        ints += [layout.kind, layout.bits, layout._g(d)]
+        tensors += [fields["tok"]["codes"], table["scale"], table.get("zero")]
+    return ints, [*tensors, p.pos]
+
+
+def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
+                  n_kv_heads: int) -> torch.Tensor:
+    """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
+    Returns out [N, Hq, D]."""
+    hq, n, d = q.shape
+    if len(parts) != len(seq_lens) or sum(seq_lens) != n:
+        raise ValueError(f"{len(parts)} part lists and seq_lens {list(seq_lens)} for {n} query rows")
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        ints: list[int] = []
+        tensors: list[torch.Tensor | None] = []
+        for seq, seq_parts in enumerate(parts):
+            for p in seq_parts:
+                i, t = _native_args(seq, p, d)
+                ints += i
+                tensors += t
+        return packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
+    outs, start = [], 0
+    for t, seq_parts in zip(seq_lens, parts):
+        qs = q[:, start : start + t]
+        outs.append(merge([r for p in seq_parts for r in _torch_part(qs, p)]))
+        start += t
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def _torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
+    """One part with PyTorch's kernels (CUDA, or a dtype the op does not take): q [Hq, T, D]."""
+    if p.layouts is not None:
+        from vericache.kv.quantized import attend_quantized
+
+        return [attend_quantized(q, p.layouts, p.k, p.v, p.n, p.pos, use_kernel=False)] if p.n else []
+    if p.diag is None:
+        return [attend_all(q, p.k[:, : p.n], p.v[:, : p.n])] if p.n else []
+    t, s = q.shape[1], p.diag
+    if p.n != s + t:
+        raise ValueError(f"a causal part over {p.n} keys for {t} queries at {s}: only n = diag + T is supported here")
+    if t == 1:
+        return [attend_all(q, p.k[:, : p.n], p.v[:, : p.n])]
+    own = attend_causal(q, p.k[:, s : s + t], p.v[:, s : s + t])
+    return [attend_all(q, p.k[:, :s], p.v[:, :s]), own] if s else [own]

@@ -1,0 +1,140 @@
+"""The packed attention op: right (against float64 masked attention and the per-part torch path),
+batch-invariant bit for bit, the same bits in the portable build, and bad input refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vericache.kernels import packed_kernels
+from vericache.kv.packed import KeyPart, _torch_part, attend_packed
+from vericache.kv.attention import merge
+from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
+
+HQ, HKV, D = 9, 3, 64
+
+
+def _kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(HKV, n, D, generator=g), torch.randn(HKV, n, D, generator=g)
+
+
+def _q(t: int, seed: int) -> torch.Tensor:
+    return torch.randn(HQ, t, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(q, keys, values, start):
+    """Causal float64 attention of q (positions start..) over keys 0..start+T-1, GQA expanded."""
+    t = q.shape[1]
+    k = keys[:, : start + t].repeat_interleave(HQ // HKV, 0).double()
+    v = values[:, : start + t].repeat_interleave(HQ // HKV, 0).double()
+    mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("start, t", [(0, 1), (0, 7), (37, 1), (63, 2), (130, 33), (511, 3), (1100, 17)])
+def test_causal_part_equals_masked_attention(start, t):
+    k, v = _kv(start + t + 5, start + t)
+    q = _q(t, start)
+    out = attend_packed(q, [t], [[KeyPart(k, v, n=start + t, diag=start)]], HKV)       # [T, Hq, D]
+    assert out.shape == (t, HQ, D)
+    assert torch.allclose(out.transpose(0, 1).double(), _reference(q, k, v, start), atol=2e-6)
+
+
+def test_parts_merge_like_torch_per_part():
+    """A store seen whole + a causal residual, beside another sequence: the same as the torch path."""
+    store_k, store_v = _kv(700, 1)
+    res_k, res_v = _kv(80, 2)
+    full_k, full_v = _kv(1500, 3)
+    q = _q(4 + 1, 4)
+    parts = [[KeyPart(store_k, store_v, n=650), KeyPart(res_k, res_v, n=40 + 4, diag=40)],
+             [KeyPart(full_k, full_v, n=1400 + 1, diag=1400)]]
+    out = attend_packed(q, [4, 1], parts, HKV)
+    for rows, seq_parts in ((slice(0, 4), parts[0]), (slice(4, 5), parts[1])):
+        ref = merge([r for p in seq_parts for r in _torch_part(q[:, rows], p)])
+        assert torch.allclose(out[rows].transpose(0, 1), ref, atol=2e-6)
+
+
+LAYOUTS = {"kivi-2": (Layout(CHANNEL_GROUPS, 2, 32), Layout(TOKEN_GROUPS, 2, 32)),
+           "int4": (Layout(TOKEN_GROUPS, 4, 32),) * 2, "fp8": (Layout(FP8),) * 2}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_quantized_part_matches_dequantize_then_attend(name):
+    layouts, n = LAYOUTS[name], 320
+    k, v = _kv(n, 5)
+    fields = []
+    for layout, x in zip(layouts, (k, v)):
+        tok, grp = layout.encode(x)
+        fields.append({"tok": tok, "grp": grp})
+    q = _q(3, 6)
+    part = KeyPart(fields[0], fields[1], n=n - 7, layouts=layouts)
+    out = attend_packed(q, [3], [[part]], HKV)
+    ref = _torch_part(q, part)[0][0]                                 # dequantize, then attend in torch
+    assert torch.allclose(out.transpose(0, 1), ref, atol=2e-5)
+
+
+def _row_alone(k, v, q, pos, part_extra=None):
+    """Row at position ``pos`` decoded alone: a one-query chunk over keys 0..pos."""
+    parts = [KeyPart(k, v, n=pos + 1, diag=pos)]
+    return attend_packed(q[:, pos : pos + 1], [1], [(part_extra or []) + parts], HKV)[0]
+
+
+def test_batch_invariant_bit_for_bit():
+    """A query row's output depends on its own query, keys and position only: alone, inside chunks of
+    1-32 queries, inside steps of 1-16 sequences, with 1 and 2 threads, in the portable build."""
+    n = 1300
+    k, v = _kv(n + 40, 7)
+    store_k, store_v = _kv(900, 8)
+    store = [KeyPart(store_k, store_v, n=777)]
+    qall = _q(n + 40, 9)                                   # query of position p: qall[:, p]
+    probe = [0, 63, 64, 511, 512, 1023, 1290]
+    alone = {p: _row_alone(k, v, qall, p) for p in probe}
+    alone_store = {p: _row_alone(k, v, qall, p, store) for p in probe}
+    for t in (1, 2, 3, 5, 17, 32):
+        for p in probe:
+            start = max(0, p - t // 2)                      # p somewhere inside the chunk
+            out = attend_packed(qall[:, start : start + t], [t], [[KeyPart(k, v, n=start + t, diag=start)]], HKV)
+            assert torch.equal(out[p - start], alone[p]), (t, p)
+            out = attend_packed(qall[:, start : start + t], [t],
+                                [store + [KeyPart(k, v, n=start + t, diag=start)]], HKV)
+            assert torch.equal(out[p - start], alone_store[p]), (t, p)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for n_seqs in (1, 4, 16):
+                # sequence j decodes position probe[j % 7] among others with their own chunks
+                seq_lens, parts, rows, qs, at = [], [], [], [], 0
+                for j in range(n_seqs):
+                    p, t = probe[j % len(probe)], 1 + j % 3
+                    start = max(0, p - j % t)                  # p is row j % t of its chunk (if it can be)
+                    qs.append(qall[:, start : start + t])
+                    parts.append([KeyPart(k, v, n=start + t, diag=start)])
+                    rows.append((at + p - start, p))
+                    seq_lens.append(t)
+                    at += t
+                out = attend_packed(torch.cat(qs, dim=1), seq_lens, parts, HKV)
+                for row, p in rows:
+                    assert torch.equal(out[row], alone[p]), (n_threads, n_seqs, p)
+    finally:
+        torch.set_num_threads(threads)
+    portable = packed_kernels(portable=True)
+    for p in probe:
+        q = qall[:, p : p + 1]
+        args = ([0, p + 1, p, 3, 0, 0, 3, 0, 0], [k, None, None, v, None, None, None])
+        assert torch.equal(portable.attend_packed(q, HKV, [1], *args)[0], alone[p]), p
+
+
+def test_bad_parts_are_refused():
+    k, v = _kv(10, 0)
+    q = _q(2, 0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        attend_packed(q, [3], [[KeyPart(k, v, n=3, diag=0)]], HKV)
+    with pytest.raises(ValueError, match="n=-1"):
+        KeyPart(k, v, n=-1)
+    with pytest.raises(RuntimeError, match=r">= 12"):
+        attend_packed(q, [2], [[KeyPart(k, v, n=12, diag=10)]], HKV)   # more keys than the tensors hold
+    with pytest.raises(RuntimeError, match="fp32"):
+        attend_packed(q, [2], [[KeyPart(k.double(), v.double(), n=2, diag=0)]], HKV)
