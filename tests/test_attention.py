@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vericache.kv.attention import attend_all, attend_chunk, merge
+from vericache.kv.attention import attend_all, merge
+from vericache.kv.packed import KeyPart, attend_packed
 
 
 def _reference(q, keys, values, start):
@@ -19,14 +20,14 @@ def _reference(q, keys, values, start):
     return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # fused CPU kernel / exact fallback
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the native op / the torch parts
 @pytest.mark.parametrize("start, t", [(0, 1), (0, 7), (37, 1), (37, 5), (130, 33), (1, 2)])
 def test_chunk_equals_masked_attention(dtype, start, t):
     torch.manual_seed(start * 100 + t)
     hq, hkv, d = 9, 3, 64
     keys, values = torch.randn(hkv, start + t + 4, d, dtype=dtype), torch.randn(hkv, start + t + 4, d, dtype=dtype)
     q = torch.randn(hq, t, d, dtype=dtype)
-    out = attend_chunk(q, keys, values, start)
+    out = attend_packed(q, [t], [[KeyPart(keys, values, n=start + t, diag=start)]], 3).transpose(0, 1)
     assert out.shape == (hq, t, d) and out.dtype == dtype
     assert torch.allclose(out.double(), _reference(q, keys, values, start), atol=1e-5)
 

@@ -103,7 +103,7 @@ def test_a_failing_request_fails_alone(llm, pool, reference):
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
-    req.draft.attend = broken
+    req.draft.parts = broken
     outs = []
     while srv.has_unfinished():
         outs += srv.step()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kernels import packed_kernels
-from vericache.kv.packed import KeyPart, _torch_part, attend_packed
+from vericache.kv.packed import KeyPart, torch_part, attend_packed
 from vericache.kv.attention import merge
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
 
@@ -52,7 +52,7 @@ def test_parts_merge_like_torch_per_part():
              [KeyPart(full_k, full_v, n=1400 + 1, diag=1400)]]
     out = attend_packed(q, [4, 1], parts, HKV)
     for rows, seq_parts in ((slice(0, 4), parts[0]), (slice(4, 5), parts[1])):
-        ref = merge([r for p in seq_parts for r in _torch_part(q[:, rows], p)])
+        ref = merge([r for p in seq_parts for r in torch_part(q[:, rows], p)])
         assert torch.allclose(out[rows].transpose(0, 1), ref, atol=2e-6)
 
 
@@ -71,7 +71,7 @@ def test_quantized_part_matches_dequantize_then_attend(name):
     q = _q(3, 6)
     part = KeyPart(fields[0], fields[1], n=n - 7, layouts=layouts)
     out = attend_packed(q, [3], [[part]], HKV)
-    ref = _torch_part(q, part)[0][0]                                 # dequantize, then attend in torch
+    ref = torch_part(q, part)[0][0]                                 # dequantize, then attend in torch
     assert torch.allclose(out.transpose(0, 1), ref, atol=2e-5)
 
 

@@ -4,6 +4,8 @@ One exact prefill of ``context`` tokens is shared by every row. For the full cac
 compressed cache built from it: the bytes one decode step reads (weights aside), the time of that
 step's attention (every layer's call, nothing else), the achieved read rate against this
 machine's measured memory read bandwidth, and the time of a whole one-token model step.
+``full:torch`` is the full cache's attention through PyTorch's kernels (per part, flash on CPU)
+instead of the packed op, measured in the same run (its step_ms is the model step, packed op).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from vericache.bench.common import code_prompt, markdown_table
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
-from vericache.kv.packed import attend_packed
+from vericache.kv.attention import merge
+from vericache.kv.packed import torch_part, attend_packed
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 
@@ -62,9 +65,10 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
     token = torch.tensor([prompt[-1]], device=loaded.device)
     rows = []
     seq = eng.new_sequence(0, prompt, SamplingParams(max_tokens=1))
-    for spec in ["full", *compressors]:
+    for spec in ["full", "full:torch", *compressors]:
         cache = full = shared.reset(seq)
-        if spec != "full":
+        torch_kernels = spec == "full:torch"  # the same parts through PyTorch's per-part kernels, side by side
+        if not spec.startswith("full"):
             comp = parse_compressor(spec)
             cache = CompressedKVCache(comp, cfg, loaded.device, loaded.kv_dtype, capacity=context + 1)
             cache.load_prefill(full, shared.queries)
@@ -74,7 +78,11 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
         def attention() -> None:
             cache.begin(context, 1)
             for layer in range(cfg.num_hidden_layers):
-                attend_packed(q, [1], [cache.parts(layer, q, kv, kv)], hkv)
+                parts = cache.parts(layer, q, kv, kv)
+                if torch_kernels:
+                    merge([r for p in parts for r in torch_part(q, p)])
+                else:
+                    attend_packed(q, [1], [parts], hkv)
 
         def step() -> None:
             loaded.model(token, [context], [1], [cache])
@@ -82,7 +90,7 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
         cache.begin(context, 1)
         read = cache.nbytes()  # K/V bytes one decode step reads, its own new token included
         attn_ms, step_ms = _best_ms(attention, repeats), _best_ms(step, repeats)
-        kept = cache.kept_tokens() if spec != "full" else context + 1
+        kept = context + 1 if spec.startswith("full") else cache.kept_tokens()
         rows.append({"compressor": spec, "bytes_per_token": read, "attention_ms": round(attn_ms, 2),
                      "achieved_GBps": round(read / attn_ms / 1e6, 2), "step_ms": round(step_ms, 2),
                      "kept_tokens": kept})

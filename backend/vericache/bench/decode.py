@@ -41,7 +41,7 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
 def kernel_seconds(llm, keys: int, repeat: int = 5) -> float:
     """The kernels of one decode step, timed alone: every weight matmul at one row (LM head
     included) plus one-query attention over ``keys`` keys in every layer."""
-    from vericache.kv.attention import attend_all
+    from vericache.kv.packed import KeyPart, attend_packed
 
     m, cfg, dt = llm.loaded.model, llm.loaded.config, llm.loaded.kv_dtype
     x = torch.randn(1, cfg.hidden_size, dtype=llm.loaded.dtype)
@@ -63,7 +63,7 @@ def kernel_seconds(llm, keys: int, repeat: int = 5) -> float:
             else:
                 mlp.gate_proj(x), mlp.up_proj(x)
             a.o_proj(xo), mlp.down_proj(xi)
-            attend_all(q, k, v)
+            attend_packed(q, [1], [[KeyPart(k, v, n=max(keys, 1))]], cfg.num_key_value_heads)
         m.lm_head(x)
 
     step()

@@ -112,6 +112,88 @@ struct Part {
 
 struct Work { int64_t part, head, split; };
 
+// Scores of up to NR query rows against a block: s[x][t] = sum_j q[x][j] kt[j][t], one fma chain in
+// j order per (row, key); and the value pass acc[x] = fma(e[x][t], v[t], acc[x]) for t < vis[x] in t
+// order. Each row's operations are the same whichever rows share its tile, so tiling (which loads
+// each key and value once for NR rows) changes no bits; the AVX-512 versions (D = 64) do exactly
+// the scalar versions' operations.
+constexpr int NR = 4;
+
+inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], int64_t D, float (*s)[BLK]) {
+#if defined(__AVX512F__)
+  if (D == 64 && nr == NR) {
+    __m512 acc[NR][4];
+    for (int x = 0; x < NR; ++x)
+      for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_setzero_ps();
+    for (int j = 0; j < 64; ++j) {
+      const __m512 k0 = _mm512_load_ps(kt[j]), k1 = _mm512_load_ps(kt[j] + 16), k2 = _mm512_load_ps(kt[j] + 32),
+                   k3 = _mm512_load_ps(kt[j] + 48);
+      for (int x = 0; x < NR; ++x) {
+        const __m512 qb = _mm512_set1_ps(q[x][j]);
+        acc[x][0] = _mm512_fmadd_ps(qb, k0, acc[x][0]);
+        acc[x][1] = _mm512_fmadd_ps(qb, k1, acc[x][1]);
+        acc[x][2] = _mm512_fmadd_ps(qb, k2, acc[x][2]);
+        acc[x][3] = _mm512_fmadd_ps(qb, k3, acc[x][3]);
+      }
+    }
+    for (int x = 0; x < NR; ++x)
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(s[x] + 16 * c, acc[x][c]);
+    return;
+  }
+#endif
+  for (int x = 0; x < nr; ++x) {
+#pragma omp simd
+    for (int t = 0; t < BLK; ++t) s[x][t] = 0.f;
+    for (int64_t j = 0; j < D; ++j) {
+      const float qj = q[x][j];
+#pragma omp simd
+      for (int t = 0; t < BLK; ++t) s[x][t] = std::fma(qj, kt[j][t], s[x][t]);
+    }
+  }
+}
+
+inline void tile_values(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow, int64_t D,
+                        float* const* acc) {
+#if defined(__AVX512F__)
+  if (D == 64 && nr == NR) {
+    int64_t common = vis[0];
+    for (int x = 1; x < NR; ++x) common = std::min(common, vis[x]);
+    __m512 a[NR][4];
+    for (int x = 0; x < NR; ++x)
+      for (int c = 0; c < 4; ++c) a[x][c] = _mm512_loadu_ps(acc[x] + 16 * c);
+    for (int64_t t = 0; t < common; ++t) {
+      const float* v = vrow[t];
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                   v3 = _mm512_loadu_ps(v + 48);
+      for (int x = 0; x < NR; ++x) {
+        const __m512 pb = _mm512_set1_ps(e[x][t]);
+        a[x][0] = _mm512_fmadd_ps(pb, v0, a[x][0]);
+        a[x][1] = _mm512_fmadd_ps(pb, v1, a[x][1]);
+        a[x][2] = _mm512_fmadd_ps(pb, v2, a[x][2]);
+        a[x][3] = _mm512_fmadd_ps(pb, v3, a[x][3]);
+      }
+    }
+    for (int x = 0; x < NR; ++x) {
+      for (int64_t t = common; t < vis[x]; ++t) {       // the causal diagonal: this row's own keys
+        const __m512 pb = _mm512_set1_ps(e[x][t]);
+        for (int c = 0; c < 4; ++c) a[x][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vrow[t] + 16 * c), a[x][c]);
+      }
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[x] + 16 * c, a[x][c]);
+    }
+    return;
+  }
+#endif
+  for (int x = 0; x < nr; ++x) {
+    float* a = acc[x];
+    for (int64_t t = 0; t < vis[x]; ++t) {
+      const float pt = e[x][t];
+      const float* v = vrow[t];
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) a[j] = std::fma(pt, v[j], a[j]);
+    }
+  }
+}
+
 // One work item: rows (g, i) of its sequence for the G query heads of KV head h, over keys
 // [split * SPLIT, min(n, (split + 1) * SPLIT)), block by block (online softmax).
 // Partial results: m [R], l [R], acc [R, D] with R = G * T (row r = g * T + i).
@@ -123,8 +205,8 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   alignas(64) float kt[MAX_D][BLK];        // the block's keys, transposed: kt[j][t]
   alignas(64) float kbuf[BLK][MAX_D];      // dequantized keys (quantized parts)
   alignas(64) float vbuf[BLK][MAX_D];      // dequantized values
-  alignas(64) float s[BLK], e[BLK];
-  alignas(64) float qs[MAX_D];
+  alignas(64) float s[NR][BLK];            // a tile's scores, then its probabilities
+  alignas(64) float qs[NR][MAX_D];         // a tile's queries, scaled by 1/sqrt(D)
   alignas(64) static const float zeros[MAX_D] = {};
   const float* krow[BLK];
   const float* vrow[BLK];
@@ -133,6 +215,8 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG; l[r] = 0.f; }
   std::fill(acc, acc + R * D, 0.f);
+  std::vector<int64_t> rows;
+  rows.reserve(R);
   for (int64_t t0 = lo; t0 < hi; t0 += BLK) {
     const int64_t bt = std::min<int64_t>(BLK, hi - t0);
     // rows whose causal limit ends before this block see none of it (rows i ascend: first visible)
@@ -158,38 +242,43 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
       for (int64_t t = 0; t < BLK; ++t)
         for (int64_t j = 0; j < D; ++j) kt[j][t] = krow[t][j];
     }
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t i = i_first; i < T; ++i) {
-        const int64_t r = g * T + i;
-        const int64_t vis = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
+    rows.clear();
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = i_first; i < T; ++i) rows.push_back(g * T + i);
+    for (size_t x0 = 0; x0 < rows.size(); x0 += NR) {
+      const int nr = (int)std::min<size_t>(NR, rows.size() - x0);
+      const float* qp[NR];
+      float* ap[NR];
+      int64_t vis[NR];
+      for (int x = 0; x < nr; ++x) {
+        const int64_t r = rows[x0 + x], g = r / T, i = r % T;
         const float* qr = q + (h * G + g) * q_h + (row0 + i) * q_n;
 #pragma omp simd
-        for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
-#pragma omp simd
-        for (int l2 = 0; l2 < BLK; ++l2) s[l2] = 0.f;
-        for (int64_t j = 0; j < D; ++j) {               // scores of 64 keys at once: s[t] += q[j] kt[j][t]
-          const float qj = qs[j];
-#pragma omp simd
-          for (int l2 = 0; l2 < BLK; ++l2) s[l2] = std::fma(qj, kt[j][l2], s[l2]);
-        }
+        for (int64_t j = 0; j < D; ++j) qs[x][j] = qr[j] * sm;
+        qp[x] = qs[x];
+        ap[x] = acc + r * D;
+        vis[x] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
+      }
+      tile_scores(nr, qp, kt, D, s);
+      for (int x = 0; x < nr; ++x) {                 // online softmax: the block's max, exp, rescale
+        const int64_t r = rows[x0 + x], vx = vis[x];
+        float* sx = s[x];
         float mb = NEG;
-        for (int64_t t = 0; t < vis; ++t) mb = std::max(mb, s[t]);
+#pragma omp simd reduction(max : mb)
+        for (int t = 0; t < BLK; ++t) mb = std::max(mb, t < vx ? sx[t] : NEG);
         const float m_new = std::max(m[r], mb);
 #pragma omp simd
-        for (int l2 = 0; l2 < BLK; ++l2) e[l2] = l2 < vis ? exp_neg(s[l2] - m_new) : 0.f;
+        for (int t = 0; t < BLK; ++t) sx[t] = t < vx ? exp_neg(sx[t] - m_new) : 0.f;
         const float alpha = exp_neg(m[r] - m_new);
-        float* a = acc + r * D;
+        float* a = ap[x];
 #pragma omp simd
         for (int64_t j = 0; j < D; ++j) a[j] *= alpha;
-        for (int64_t t = 0; t < vis; ++t) {
-          const float pt = e[t];
-          const float* vr = vrow[t];
-#pragma omp simd
-          for (int64_t j = 0; j < D; ++j) a[j] = std::fma(pt, vr[j], a[j]);
-        }
+        alignas(64) float e[BLK];
+        std::memcpy(e, sx, sizeof(e));
         l[r] = std::fma(l[r], alpha, lane_sum(e));
         m[r] = m_new;
       }
+      tile_values(nr, s, vis, vrow, D, ap);
     }
   }
 }

@@ -1,4 +1,5 @@
-"""Attention over KV caches in parts, merged by log-sum-exp.
+"""Attention over KV caches in parts, merged by log-sum-exp, with PyTorch's kernels: the path
+``kv.packed.attend_packed`` takes off the CPU fp32 op (CUDA, other dtypes).
 
 A query chunk at positions s..s+T-1 sees every cached key before s (no mask needed) and, among
 its own keys, only the earlier ones (a T x T causal triangle). Attending the two parts separately
@@ -65,23 +66,3 @@ def merge(parts: list[Part]) -> torch.Tensor:
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)                   # [Hq, T]
     out = sum(o.float() * torch.exp(l - lse)[..., None] for o, l in parts)
     return out.to(parts[0][0].dtype)
-
-
-def chunk_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> list[Part]:
-    """A chunk at positions start..start+T-1 over a buffer that already holds its K/V there.
-
-    q: [Hq, T, D]; keys, values: [Hkv, >= start+T, D]. One query needs no mask: a single pass over
-    0..start; a longer chunk is the prefix 0..start-1 (unmasked) plus its own T keys (causal).
-    """
-    t = q.shape[1]
-    if t == 1:
-        return [attend_all(q, keys[:, : start + 1], values[:, : start + 1])]
-    parts = [attend_causal(q, keys[:, start : start + t], values[:, start : start + t])]
-    if start:
-        parts.insert(0, attend_all(q, keys[:, :start], values[:, :start]))
-    return parts
-
-
-def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of a chunk over a buffer holding positions 0..start+T-1: out [Hq, T, D]."""
-    return merge(chunk_parts(q, keys, values, start))

@@ -79,12 +79,12 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
     outs, start = [], 0
     for t, seq_parts in zip(seq_lens, parts):
         qs = q[:, start : start + t]
-        outs.append(merge([r for p in seq_parts for r in _torch_part(qs, p)]))
+        outs.append(merge([r for p in seq_parts for r in torch_part(qs, p)]))
         start += t
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def _torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
+def torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
     """One part with PyTorch's kernels (CUDA, or a dtype the op does not take): q [Hq, T, D]."""
     if p.layouts is not None:
         from vericache.kv.quantized import attend_quantized

@@ -91,14 +91,15 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     log(f"forward: {times[0] * 1e3:.1f} ms for one token; +{per_seq * 1e3:.2f} ms per one-token sequence, "
         f"+{row * 1e3:.3f} ms per row of a chunk")
 
-    from vericache.kv.attention import attend_all
+    from vericache.kv.packed import KeyPart, attend_packed
 
     n_seqs, d, hq, hkv = 8, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     kv = [(torch.randn(hkv, context, d, dtype=kv_dt), torch.randn(hkv, context, d, dtype=kv_dt)) for _ in range(n_seqs)]
 
     def attn(queries: int) -> float:
-        q = torch.randn(hq, queries, d, dtype=kv_dt)
-        return _time(lambda: [attend_all(q, k, v) for k, v in kv]) * cfg.num_hidden_layers
+        q = torch.randn(hq, n_seqs * queries, d, dtype=kv_dt)
+        parts = [[KeyPart(k, v, n=context)] for k, v in kv]   # the forward's op: all sequences in one call
+        return _time(lambda: attend_packed(q, [queries] * n_seqs, parts, hkv)) * cfg.num_hidden_layers
     one, chunk = attn(1), attn(16)
     per_pos = cfg.kv_bytes_per_position(kv_dt.itemsize)
     bw = n_seqs * context * per_pos / one
