@@ -119,26 +119,65 @@ struct Work { int64_t part, head, split; };
 // the scalar versions' operations.
 constexpr int NR = 4;
 
+#if defined(__AVX512F__)
+template <int NRT>
+inline void tile_scores_512(const float* const* q, const float (*kt)[BLK], float (*s)[BLK]) {
+  __m512 acc[NRT][4];
+  for (int x = 0; x < NRT; ++x)
+    for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_setzero_ps();
+  for (int j = 0; j < 64; ++j) {
+    const __m512 k0 = _mm512_load_ps(kt[j]), k1 = _mm512_load_ps(kt[j] + 16), k2 = _mm512_load_ps(kt[j] + 32),
+                 k3 = _mm512_load_ps(kt[j] + 48);
+    for (int x = 0; x < NRT; ++x) {
+      const __m512 qb = _mm512_set1_ps(q[x][j]);
+      acc[x][0] = _mm512_fmadd_ps(qb, k0, acc[x][0]);
+      acc[x][1] = _mm512_fmadd_ps(qb, k1, acc[x][1]);
+      acc[x][2] = _mm512_fmadd_ps(qb, k2, acc[x][2]);
+      acc[x][3] = _mm512_fmadd_ps(qb, k3, acc[x][3]);
+    }
+  }
+  for (int x = 0; x < NRT; ++x)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(s[x] + 16 * c, acc[x][c]);
+}
+
+template <int NRT>
+inline void tile_values_512(const float (*e)[BLK], const int64_t* vis, const float* const* vrow, float* const* acc) {
+  int64_t common = vis[0];
+  for (int x = 1; x < NRT; ++x) common = std::min(common, vis[x]);
+  __m512 a[NRT][4];
+  for (int x = 0; x < NRT; ++x)
+    for (int c = 0; c < 4; ++c) a[x][c] = _mm512_loadu_ps(acc[x] + 16 * c);
+  for (int64_t t = 0; t < common; ++t) {
+    const float* v = vrow[t];
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    for (int x = 0; x < NRT; ++x) {
+      const __m512 pb = _mm512_set1_ps(e[x][t]);
+      a[x][0] = _mm512_fmadd_ps(pb, v0, a[x][0]);
+      a[x][1] = _mm512_fmadd_ps(pb, v1, a[x][1]);
+      a[x][2] = _mm512_fmadd_ps(pb, v2, a[x][2]);
+      a[x][3] = _mm512_fmadd_ps(pb, v3, a[x][3]);
+    }
+  }
+  for (int x = 0; x < NRT; ++x) {
+    for (int64_t t = common; t < vis[x]; ++t) {       // the causal diagonal: this row's own keys
+      const __m512 pb = _mm512_set1_ps(e[x][t]);
+      for (int c = 0; c < 4; ++c) a[x][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vrow[t] + 16 * c), a[x][c]);
+    }
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[x] + 16 * c, a[x][c]);
+  }
+}
+#endif
+
 inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], int64_t D, float (*s)[BLK]) {
 #if defined(__AVX512F__)
-  if (D == 64 && nr == NR) {
-    __m512 acc[NR][4];
-    for (int x = 0; x < NR; ++x)
-      for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_setzero_ps();
-    for (int j = 0; j < 64; ++j) {
-      const __m512 k0 = _mm512_load_ps(kt[j]), k1 = _mm512_load_ps(kt[j] + 16), k2 = _mm512_load_ps(kt[j] + 32),
-                   k3 = _mm512_load_ps(kt[j] + 48);
-      for (int x = 0; x < NR; ++x) {
-        const __m512 qb = _mm512_set1_ps(q[x][j]);
-        acc[x][0] = _mm512_fmadd_ps(qb, k0, acc[x][0]);
-        acc[x][1] = _mm512_fmadd_ps(qb, k1, acc[x][1]);
-        acc[x][2] = _mm512_fmadd_ps(qb, k2, acc[x][2]);
-        acc[x][3] = _mm512_fmadd_ps(qb, k3, acc[x][3]);
-      }
+  if (D == 64) {
+    switch (nr) {
+      case 1: return tile_scores_512<1>(q, kt, s);
+      case 2: return tile_scores_512<2>(q, kt, s);
+      case 3: return tile_scores_512<3>(q, kt, s);
+      default: return tile_scores_512<4>(q, kt, s);
     }
-    for (int x = 0; x < NR; ++x)
-      for (int c = 0; c < 4; ++c) _mm512_store_ps(s[x] + 16 * c, acc[x][c]);
-    return;
   }
 #endif
   for (int x = 0; x < nr; ++x) {
@@ -155,32 +194,13 @@ inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], i
 inline void tile_values(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow, int64_t D,
                         float* const* acc) {
 #if defined(__AVX512F__)
-  if (D == 64 && nr == NR) {
-    int64_t common = vis[0];
-    for (int x = 1; x < NR; ++x) common = std::min(common, vis[x]);
-    __m512 a[NR][4];
-    for (int x = 0; x < NR; ++x)
-      for (int c = 0; c < 4; ++c) a[x][c] = _mm512_loadu_ps(acc[x] + 16 * c);
-    for (int64_t t = 0; t < common; ++t) {
-      const float* v = vrow[t];
-      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                   v3 = _mm512_loadu_ps(v + 48);
-      for (int x = 0; x < NR; ++x) {
-        const __m512 pb = _mm512_set1_ps(e[x][t]);
-        a[x][0] = _mm512_fmadd_ps(pb, v0, a[x][0]);
-        a[x][1] = _mm512_fmadd_ps(pb, v1, a[x][1]);
-        a[x][2] = _mm512_fmadd_ps(pb, v2, a[x][2]);
-        a[x][3] = _mm512_fmadd_ps(pb, v3, a[x][3]);
-      }
+  if (D == 64) {
+    switch (nr) {
+      case 1: return tile_values_512<1>(e, vis, vrow, acc);
+      case 2: return tile_values_512<2>(e, vis, vrow, acc);
+      case 3: return tile_values_512<3>(e, vis, vrow, acc);
+      default: return tile_values_512<4>(e, vis, vrow, acc);
     }
-    for (int x = 0; x < NR; ++x) {
-      for (int64_t t = common; t < vis[x]; ++t) {       // the causal diagonal: this row's own keys
-        const __m512 pb = _mm512_set1_ps(e[x][t]);
-        for (int c = 0; c < 4; ++c) a[x][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vrow[t] + 16 * c), a[x][c]);
-      }
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[x] + 16 * c, a[x][c]);
-    }
-    return;
   }
 #endif
   for (int x = 0; x < nr; ++x) {
@@ -223,6 +243,17 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
     int64_t i_first = 0;
     if (p.diag >= 0) i_first = std::max<int64_t>(0, t0 - p.diag);
     if (i_first >= T) break;
+    if (p.dense) {                                // start streaming the next block while this one computes
+      const int64_t n_next = std::min<int64_t>(BLK, hi - t0 - BLK);
+      for (int64_t t = 0; t < n_next; ++t) {
+        const char* kn = (const char*)(p.k + h * p.k_h + (t0 + BLK + t) * p.k_t);
+        const char* vn = (const char*)(p.v + h * p.v_h + (t0 + BLK + t) * p.v_t);
+        for (int64_t b = 0; b < D * 4; b += 64) {
+          __builtin_prefetch(kn + b);
+          __builtin_prefetch(vn + b);
+        }
+      }
+    }
     for (int64_t t = 0; t < BLK; ++t) {           // key rows (zeros past the block's end), value rows
       if (t >= bt) {
         krow[t] = zeros;
