@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.kv.full import FullKVCache
+from vericache.kv.packed import KeyPart
 
 
 @dataclass
@@ -207,7 +208,7 @@ class StreamedKV:
         if self.t.first_layer:
             self.resident.begin(start, count)
 
-    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         first = self.t.first_layer
         if layer < first:
             return self.resident.parts(layer, q, k, v)
