@@ -54,6 +54,27 @@ inline float exp_neg(float x) {
   return y * scale;
 }
 
+#if defined(__AVX512F__)
+// exp_neg on 16 lanes: the same IEEE operations in the same order, so the same bits.
+inline __m512 exp_neg_512(__m512 x) {
+  const auto c = [](float f) { return _mm512_set1_ps(f); };
+  x = _mm512_max_ps(x, c(-87.0f));
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, c(1.44269504088896341f)), c(12582912.0f)),
+                                 c(12582912.0f));
+  __m512 r = _mm512_fmadd_ps(n, c(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, c(2.12194440e-4f), r);
+  __m512 p = c(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, c(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, c(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, c(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, c(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, c(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), c(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // The sum of 64 lanes in a fixed tree (halving), so no build reorders it.
 inline float lane_sum(float* x) {
   for (int w = BLK / 2; w >= 1; w /= 2) {
@@ -61,6 +82,52 @@ inline float lane_sum(float* x) {
     for (int l = 0; l < w; ++l) x[l] = x[l] + x[l + w];
   }
   return x[0];
+}
+
+// x[t] = exp(x[t] - m) for t < n, 0 beyond; returns their sum in lane_sum's order.
+inline float exp_block(float* x, int64_t n, float m) {
+#if defined(__AVX512F__)
+  __m512 e[4];
+  for (int c = 0; c < 4; ++c) {
+    const int64_t left = n - 16 * c;
+    const __mmask16 k = left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+    e[c] = _mm512_maskz_mov_ps(k, exp_neg_512(_mm512_sub_ps(_mm512_load_ps(x + 16 * c), _mm512_set1_ps(m))));
+    _mm512_store_ps(x + 16 * c, e[c]);
+  }
+  // lane_sum's tree: lanes l + l + 32, then + 16, 8, 4, 2, 1
+  const __m512 b = _mm512_add_ps(_mm512_add_ps(e[0], e[2]), _mm512_add_ps(e[1], e[3]));
+  const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+  const __m128 c4 = _mm_add_ps(_mm256_castps256_ps128(c8), _mm256_extractf128_ps(c8, 1));
+  const __m128 c2 = _mm_add_ps(c4, _mm_movehl_ps(c4, c4));
+  return _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+#else
+#pragma omp simd
+  for (int t = 0; t < BLK; ++t) x[t] = t < n ? exp_neg(x[t] - m) : 0.f;
+  alignas(64) float e[BLK];
+  std::memcpy(e, x, sizeof(e));
+  return lane_sum(e);
+#endif
+}
+
+// The largest of x[t] for t < n (NEG if n = 0). Max is exact, so lanes may combine in any order.
+inline float block_max(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(NEG);
+  for (int t = 0; t < BLK; t += 16) {
+    const int64_t left = n - t;
+    if (left <= 0) break;
+    const __mmask16 k = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_load_ps(x + t));
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  float m[8] = {NEG, NEG, NEG, NEG, NEG, NEG, NEG, NEG};
+  for (int t = 0; t < BLK; ++t)
+    if (t < n) m[t % 8] = std::max(m[t % 8], x[t]);
+  for (int w = 4; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) m[l] = std::max(m[l], m[l + w]);
+  return m[0];
+#endif
 }
 
 // kt[j][t0 + t] = rows[t][j] for t < 16 (AVX-512) or 8 (AVX2), j < D (a multiple of the width):
@@ -113,8 +180,8 @@ struct Part {
 struct Work { int64_t part, head, split; };
 
 // Scores of up to NR query rows against a block: s[x][t] = sum_j q[x][j] kt[j][t], one fma chain in
-// j order per (row, key); and the value pass acc[x] = fma(e[x][t], v[t], acc[x]) for t < vis[x] in t
-// order. Each row's operations are the same whichever rows share its tile, so tiling (which loads
+// j order per (row, key); and the value pass acc[x] *= alpha[x] (the online softmax's rescale), then
+// acc[x] = fma(e[x][t], v[t], acc[x]) for t < vis[x] in t order. Each row's operations are the same whichever rows share its tile, so tiling (which loads
 // each key and value once for NR rows) changes no bits; the AVX-512 versions (D = 64) do exactly
 // the scalar versions' operations.
 constexpr int NR = 4;
@@ -123,11 +190,14 @@ constexpr int NR = 4;
 template <int NRT>
 inline void tile_scores_512(const float* const* q, const float (*kt)[BLK], float (*s)[BLK]) {
   __m512 acc[NRT][4];
+#pragma GCC unroll 4
   for (int x = 0; x < NRT; ++x)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_setzero_ps();
   for (int j = 0; j < 64; ++j) {
     const __m512 k0 = _mm512_load_ps(kt[j]), k1 = _mm512_load_ps(kt[j] + 16), k2 = _mm512_load_ps(kt[j] + 32),
                  k3 = _mm512_load_ps(kt[j] + 48);
+#pragma GCC unroll 4
     for (int x = 0; x < NRT; ++x) {
       const __m512 qb = _mm512_set1_ps(q[x][j]);
       acc[x][0] = _mm512_fmadd_ps(qb, k0, acc[x][0]);
@@ -136,21 +206,28 @@ inline void tile_scores_512(const float* const* q, const float (*kt)[BLK], float
       acc[x][3] = _mm512_fmadd_ps(qb, k3, acc[x][3]);
     }
   }
+#pragma GCC unroll 4
   for (int x = 0; x < NRT; ++x)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) _mm512_store_ps(s[x] + 16 * c, acc[x][c]);
 }
 
 template <int NRT>
-inline void tile_values_512(const float (*e)[BLK], const int64_t* vis, const float* const* vrow, float* const* acc) {
+inline void tile_values_512(const float (*e)[BLK], const int64_t* vis, const float* const* vrow, const float* alpha,
+                            float* const* acc) {
   int64_t common = vis[0];
   for (int x = 1; x < NRT; ++x) common = std::min(common, vis[x]);
+  // accumulators stay in registers: constant indices only (fully unrolled), the array never escapes
   __m512 a[NRT][4];
+#pragma GCC unroll 4
   for (int x = 0; x < NRT; ++x)
-    for (int c = 0; c < 4; ++c) a[x][c] = _mm512_loadu_ps(acc[x] + 16 * c);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) a[x][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[x] + 16 * c), _mm512_set1_ps(alpha[x]));
   for (int64_t t = 0; t < common; ++t) {
     const float* v = vrow[t];
     const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
                  v3 = _mm512_loadu_ps(v + 48);
+#pragma GCC unroll 4
     for (int x = 0; x < NRT; ++x) {
       const __m512 pb = _mm512_set1_ps(e[x][t]);
       a[x][0] = _mm512_fmadd_ps(pb, v0, a[x][0]);
@@ -159,13 +236,17 @@ inline void tile_values_512(const float (*e)[BLK], const int64_t* vis, const flo
       a[x][3] = _mm512_fmadd_ps(pb, v3, a[x][3]);
     }
   }
-  for (int x = 0; x < NRT; ++x) {
-    for (int64_t t = common; t < vis[x]; ++t) {       // the causal diagonal: this row's own keys
-      const __m512 pb = _mm512_set1_ps(e[x][t]);
-      for (int c = 0; c < 4; ++c) a[x][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vrow[t] + 16 * c), a[x][c]);
-    }
+#pragma GCC unroll 4
+  for (int x = 0; x < NRT; ++x)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[x] + 16 * c, a[x][c]);
-  }
+  for (int x = 0; x < NRT; ++x)                       // the causal diagonal: this row's own keys
+    for (int64_t t = common; t < vis[x]; ++t) {
+      const __m512 pb = _mm512_set1_ps(e[x][t]);
+      for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(acc[x] + 16 * c, _mm512_fmadd_ps(pb, _mm512_loadu_ps(vrow[t] + 16 * c),
+                                                          _mm512_loadu_ps(acc[x] + 16 * c)));
+    }
 }
 #endif
 
@@ -191,20 +272,22 @@ inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], i
   }
 }
 
-inline void tile_values(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow, int64_t D,
-                        float* const* acc) {
+inline void tile_values(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow,
+                        const float* alpha, int64_t D, float* const* acc) {
 #if defined(__AVX512F__)
   if (D == 64) {
     switch (nr) {
-      case 1: return tile_values_512<1>(e, vis, vrow, acc);
-      case 2: return tile_values_512<2>(e, vis, vrow, acc);
-      case 3: return tile_values_512<3>(e, vis, vrow, acc);
-      default: return tile_values_512<4>(e, vis, vrow, acc);
+      case 1: return tile_values_512<1>(e, vis, vrow, alpha, acc);
+      case 2: return tile_values_512<2>(e, vis, vrow, alpha, acc);
+      case 3: return tile_values_512<3>(e, vis, vrow, alpha, acc);
+      default: return tile_values_512<4>(e, vis, vrow, alpha, acc);
     }
   }
 #endif
   for (int x = 0; x < nr; ++x) {
     float* a = acc[x];
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) a[j] *= alpha[x];
     for (int64_t t = 0; t < vis[x]; ++t) {
       const float pt = e[x][t];
       const float* v = vrow[t];
@@ -281,6 +364,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
       const float* qp[NR];
       float* ap[NR];
       int64_t vis[NR];
+      float alpha[NR];                               // each row's rescale of its accumulator
       for (int x = 0; x < nr; ++x) {
         const int64_t r = rows[x0 + x], g = r / T, i = r % T;
         const float* qr = q + (h * G + g) * q_h + (row0 + i) * q_n;
@@ -294,22 +378,13 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
       for (int x = 0; x < nr; ++x) {                 // online softmax: the block's max, exp, rescale
         const int64_t r = rows[x0 + x], vx = vis[x];
         float* sx = s[x];
-        float mb = NEG;
-#pragma omp simd reduction(max : mb)
-        for (int t = 0; t < BLK; ++t) mb = std::max(mb, t < vx ? sx[t] : NEG);
+        const float mb = block_max(sx, vx);
         const float m_new = std::max(m[r], mb);
-#pragma omp simd
-        for (int t = 0; t < BLK; ++t) sx[t] = t < vx ? exp_neg(sx[t] - m_new) : 0.f;
-        const float alpha = exp_neg(m[r] - m_new);
-        float* a = ap[x];
-#pragma omp simd
-        for (int64_t j = 0; j < D; ++j) a[j] *= alpha;
-        alignas(64) float e[BLK];
-        std::memcpy(e, sx, sizeof(e));
-        l[r] = std::fma(l[r], alpha, lane_sum(e));
+        alpha[x] = exp_neg(m[r] - m_new);
+        l[r] = std::fma(l[r], alpha[x], exp_block(sx, vx, m_new));
         m[r] = m_new;
       }
-      tile_values(nr, s, vis, vrow, D, ap);
+      tile_values(nr, s, vis, vrow, alpha, D, ap);
     }
   }
 }
