@@ -37,19 +37,31 @@ def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
 
 def test_bench_decode_command(tmp_path, capsys):
     rc = main(["bench", "decode", "--model", "tiny", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
-               "--context", "600", "--max-tokens", "12", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png")])
+               "--context", "600", "--max-tokens", "12", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png"),
+               "--roofline-plot", str(tmp_path / "r.png")])
     assert rc == 0
-    rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    assert set(rows) == {"full", "lossy", "vericache"}
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in out["rows"]}
+    assert set(rows) == {"full", "lossy", "vericache"}  # tiny has no GGUF: no llama.cpp row
     assert rows["vericache"]["identical_to_full"] is True and rows["full"]["ratio_to_full"] == 1.0
     assert rows["vericache"]["tokens_per_s"] > 0 and (tmp_path / "d.png").exists()
+    # every decode step of every mode against its roofline: the kinds each mode runs, and only those
+    kinds = {(r["mode"], r["step_kind"]): r for r in out["roofline_rows"]}
+    assert set(kinds) == {("full", "full"), ("lossy", "draft"), ("vericache", "draft"), ("vericache", "verification")}
+    assert kinds[("full", "full")]["steps"] == 11  # 12 tokens: the first comes from the prefill
+    assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["x_roofline"] > 0 for r in kinds.values())
+    assert out["roofline"]["read_bytes_per_s"] > 1e9 and (tmp_path / "r.png").stat().st_size > 1000
 
 
 def test_bench_batch_command(tmp_path, capsys):
     rc = main(["bench", "batch", "--model", "tiny", "--requests", "3", "--context", "300", "--max-tokens", "12",
-               "--compressor", "snapkv:ratio=0.25", "--json", "--record", str(tmp_path / "B.md")])
+               "--compressor", "snapkv:ratio=0.25", "--json", "--record", str(tmp_path / "B.md"),
+               "--plot", str(tmp_path / "r.png")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    steps = {(r["mode"], r["step_kind"]): r["steps"] for r in out["roofline_rows"]}
+    assert steps[("full", "full")] == out["rows"][0]["steps"] and ("vericache", "verification") in steps
+    assert (tmp_path / "r.png").stat().st_size > 1000 and out["cpu"]
     rows = {r["mode"]: r for r in out["rows"]}
     assert set(rows) == {"full", "lossy", "vericache"}
     assert rows["vericache"]["identical_to_full"] and rows["full"]["identical_to_full"]
@@ -65,6 +77,9 @@ def test_bench_throughput_command(tmp_path, capsys):
     assert main(["sim", "--calibrate", "--calib-model", "tiny", "--calib-out", str(cal), "--json"]) == 0
     stored = json.loads(capsys.readouterr().out)
     assert stored["step_row"] > 0 and stored["step_seq"] > 0 and stored["attn_bytes_per_s"] > 0 and 0.5 < stored["link_efficiency"] <= 1.2
+    roof = stored["roofline"]  # measured in the same process: bandwidth, weights by rows, the op's peak
+    assert roof["read_bytes_per_s"] > 1e9 and roof["attn_flops_per_s"] > 1e9 and roof["weight_rows"][0] == 1
+    assert len(roof["weight_s"]) == len(roof["weight_rows"]) and roof["weight_s"][-1] > roof["weight_s"][0]
     rc = main(["bench", "throughput", "--model", "tiny", "--requests", "4", "--context", "300", "--max-tokens", "10",
                "--device-budget", "0.6", "--link-gbps", "8", "--resident-layers", "3", "--json",
                "--calibration", str(cal), "--plot", str(tmp_path / "t.png")])

@@ -6,6 +6,8 @@ step's attention (every layer's call, nothing else), the achieved read rate agai
 machine's measured memory read bandwidth, and the time of a whole one-token model step.
 ``full:torch`` is the full cache's attention through PyTorch's kernels (per part, flash on CPU)
 instead of the packed op, measured in the same run (its step_ms is the model step, packed op).
+``roofline_ms``: what that one-token step should cost here (``sim.roofline``: weights at one row +
+max(its KV bytes / read bandwidth, its flops / the op's peak)).
 """
 
 from __future__ import annotations
@@ -14,27 +16,17 @@ import time
 
 import torch
 
-from vericache.bench.common import code_prompt, markdown_table
+from vericache.bench.common import code_prompt, cpu_model, markdown_table
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.attention import merge
 from vericache.kv.packed import torch_part, attend_packed
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache.sim import roofline
 
 COLUMNS = ["compressor", "bytes_per_token", "x_full_bytes", "attention_ms", "x_full_attention", "achieved_GBps",
-           "x_read_bandwidth", "step_ms", "kept_tokens"]
-
-
-def read_bandwidth_gbps(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
-    """This machine's memory read rate (GB/s): the best of ``repeats`` sums over ``n_bytes`` of fp32."""
-    x = torch.ones(n_bytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best / 1e9
+           "x_read_bandwidth", "step_ms", "roofline_ms", "x_roofline", "kept_tokens"]
 
 
 def _best_ms(fn, repeats: int) -> float:
@@ -56,8 +48,8 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
     t0 = time.perf_counter()
     shared = eng.shared_prefill(eng.new_sequence(0, prompt, SamplingParams(max_tokens=1)))
     log(f"prefill of {context} tokens: {time.perf_counter() - t0:.0f} s ({loaded.name}, KV {loaded.kv_dtype})")
-    bandwidth = read_bandwidth_gbps()
-    log(f"memory read bandwidth: {bandwidth:.1f} GB/s")
+    roof = roofline.measure(llm, log)
+    bandwidth = roof.read_bytes_per_s / 1e9
     g = torch.Generator().manual_seed(0)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = torch.randn(hq, 1, d, generator=g).to(loaded.kv_dtype)
@@ -87,26 +79,27 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
         def step() -> None:
             loaded.model(token, [context], [1], [cache])
 
-        cache.begin(context, 1)
-        read = cache.nbytes()  # K/V bytes one decode step reads, its own new token included
+        read, pairs = cache.attention_cost(context, 1)  # K/V bytes one decode step reads, its own new token included
         attn_ms, step_ms = _best_ms(attention, repeats), _best_ms(step, repeats)
         kept = context + 1 if spec.startswith("full") else cache.kept_tokens()
         rows.append({"compressor": spec, "bytes_per_token": read, "attention_ms": round(attn_ms, 2),
                      "achieved_GBps": round(read / attn_ms / 1e6, 2), "step_ms": round(step_ms, 2),
                      "kept_tokens": kept})
         rows[-1]["x_read_bandwidth"] = round(rows[-1]["achieved_GBps"] / bandwidth, 3)
+        rows[-1]["roofline_ms"] = round(roof.step_s(1, read, pairs) * 1e3, 2)
+        rows[-1]["x_roofline"] = round(step_ms / rows[-1]["roofline_ms"], 2)
         log(f"  {spec}: {read / 1e6:.1f} MB/token, attention {attn_ms:.1f} ms ({rows[-1]['achieved_GBps']} GB/s), "
             f"step {step_ms:.1f} ms")
     full = rows[0]
     for r in rows:
         r["x_full_bytes"] = round(r["bytes_per_token"] / full["bytes_per_token"], 4)
         r["x_full_attention"] = round(r["attention_ms"] / full["attention_ms"], 3)
-    return {"model": loaded.name, "context": context, "kv_dtype": str(loaded.kv_dtype).removeprefix("torch."),
+    return {"model": loaded.name, "cpu": cpu_model(), "context": context, "roofline": roof.to_dict(), "kv_dtype": str(loaded.kv_dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "read_bandwidth_GBps": round(bandwidth, 1), "rows": rows}
 
 
 def attention_markdown(res: dict) -> str:
-    return (f"{res['model']}, context {res['context']}, KV {res['kv_dtype']}, {res['threads']} threads; "
+    return (f"{res['cpu']}; {res['model']}, context {res['context']}, KV {res['kv_dtype']}, {res['threads']} threads; "
             f"measured read bandwidth {res['read_bandwidth_GBps']} GB/s.\n\n" + markdown_table(res["rows"], COLUMNS))
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import time
 
-from vericache.bench.common import code_prompt, markdown_table
+import torch
+
+from vericache.bench import llama_cpp_bench
+from vericache.bench.common import code_prompt, cpu_model, markdown_table
 from vericache.engine.memory import KVMemory
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache.sim import roofline
 
 COLUMNS = ["mode", "tokens_per_s", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
            "kv_resident_x_full", "decode_s", "load_s", "steps"]
@@ -52,11 +56,15 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_f
     # loading shared prefills inside the timed span (requests admitted later) is prefill work too
     load_in_span = sum(e - s for s, e, k in srv.instruments.intervals if k == "load" and s >= t0)
     return {"decode_s": time.perf_counter() - t0 - load_in_span, "steps": steps, "kv_resident_bytes": peak,
-            "load_s": t0 - t_load + load_in_span, "decoded": sum(len(s.output_ids) for s in seqs) - before}
+            "load_s": t0 - t_load + load_in_span, "decoded": sum(len(s.output_ids) for s in seqs) - before,
+            "step_records": [s for s in srv.instruments.steps if s.start >= t0]}
 
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
-              dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print) -> dict:
+              dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
+              llamacpp: bool = True) -> dict:
+    """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
+    its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
     eng, tok = llm.engine, llm.tokenizer
     prompts = distinct_prompts(tok, n_requests, context)
@@ -67,12 +75,15 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     for i, p in enumerate(prompts):
         prefills.append(eng.shared_prefill(eng.new_sequence(i, p, params)))
         log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
-    rows, reference = [], None
+    prefill_s = time.perf_counter() - t0
+    roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
+    rows, reference, runs = [], None, {}
     for mode in modes:
         seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(prompts)]
         opts = eng.resolve(None if mode == eng.mode else _options(mode))
         srv = ServingEngine(eng, offload=False)
         res = decode_all(srv, seqs, opts, prefills, log, mode)
+        runs[mode] = (mode, res["step_records"])
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
         decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
@@ -87,12 +98,19 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
             f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
             + (f", {row['mean_acceptance_length']} tokens/round" if rounds else ""))
+    if llamacpp and llama_cpp_bench.available() and llm.loaded.device.type == "cpu":
+        row = llama_cpp_bench.run(model, prompts, max_tokens, log)
+        rows += [row] if row else []
     full = next((r for r in rows if r["mode"] == "full"), None)
     for r in rows:
         r["x_full"] = round(r["tokens_per_s"] / full["tokens_per_s"], 2) if full else None
-        r["kv_resident_x_full"] = round(r["kv_resident_bytes"] / full["kv_resident_bytes"], 3) if full else None
-    return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."),
-            "prefill_s": round(time.perf_counter() - t0 - sum(r["decode_s"] for r in rows), 1), "rows": rows}
+        if full and "kv_resident_bytes" in r:
+            r["kv_resident_x_full"] = round(r["kv_resident_bytes"] / full["kv_resident_bytes"], 3)
+    return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."), "cpu": cpu_model(),
+            "threads": torch.get_num_threads(), "prefill_s": round(prefill_s, 1),
+            "rows": rows, "roofline": roof.to_dict() if roof else None,
+            "roofline_rows": [x for m, st in runs.values() for x in roofline.summarize(st, roof, m)] if roof else [],
+            "step_records": runs}
 
 
 def _options(mode: str):
@@ -102,4 +120,7 @@ def _options(mode: str):
 
 
 def batch_markdown(res: dict) -> str:
-    return markdown_table(res["rows"], COLUMNS)
+    text = f"{res['cpu']}, {res['threads']} threads.\n\n" + markdown_table(res["rows"], COLUMNS)
+    if res["roofline_rows"]:
+        text += "\n\nSteps against the roofline:\n\n" + markdown_table(res["roofline_rows"], roofline.ROOFLINE_COLUMNS)
+    return text

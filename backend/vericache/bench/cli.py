@@ -28,19 +28,23 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     from vericache.bench.common import record
     from vericache.bench.decode import decode_markdown, plot_decode, run_decode_bench
+    from vericache.sim.roofline import Roofline, plot_roofline
 
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
-    rows = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
-                            with_transformers=not args.no_transformers, dtype=args.dtype,
-                            log=_progress(args))
-    if args.plot:
-        plot_decode(rows, args.plot)
-    print(json.dumps({"rows": rows}) if args.json else decode_markdown(rows))
+    res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
+                           with_transformers=not args.no_transformers, dtype=args.dtype, log=_progress(args),
+                           llamacpp=not args.no_llamacpp)
+    runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
-    plot_md = f"\n\n![decode]({Path(args.plot).name})" if args.plot else ""
-    record(args.record, title, decode_markdown(rows) + plot_md, args.argv)
+    if args.plot:
+        plot_decode(res["rows"], args.plot)
+    if args.roofline_plot and res["roofline"]:
+        plot_roofline(runs, Roofline(**res["roofline"]), args.roofline_plot, f"{title}\n{res['cpu']}")
+    print(json.dumps(res) if args.json else decode_markdown(res))
+    plots = "".join(f"\n\n![{name}]({Path(p).name})" for name, p in (("decode", args.plot), ("roofline", args.roofline_plot)) if p)
+    record(args.record, title, decode_markdown(res) + plots, args.argv)
     return 0
 
 
@@ -112,17 +116,21 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
     from vericache.bench.batch import batch_markdown, run_batch
     from vericache.bench.common import record
+    from vericache.sim.roofline import Roofline, plot_roofline
 
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
-                    args.draft_len, args.device, log=_progress(args))
+                    args.draft_len, args.device, log=_progress(args), llamacpp=not args.no_llamacpp)
+    runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
     title = (f"Batch decode, all KV in one memory: {args.requests} x {args.context} tokens, "
              f"{res['model']}, weights {res['weights']}, {torch.get_num_threads()} threads")
-    record(args.record, title, table, args.argv)
+    if args.plot and res["roofline"]:
+        plot_roofline(runs, Roofline(**res["roofline"]), args.plot, f"{title}\n{res['cpu']}")
+    record(args.record, title, table + (f"\n\n![roofline]({Path(args.plot).name})" if args.plot else ""), args.argv)
     return 0
 
 
@@ -159,9 +167,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
+    b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    b.add_argument("--roofline-plot", default=None, help="PNG: every decode step's time against its roofline")
     b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
     b.set_defaults(func=_cmd_decode)
 
@@ -199,7 +209,9 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; KV stays fp32)")
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
+    bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     bt.add_argument("--json", action="store_true")
+    bt.add_argument("--plot", default=None, help="PNG: every decode step's time against its roofline")
     bt.add_argument("--record", default=None)
     bt.set_defaults(func=_cmd_batch)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -16,6 +17,13 @@ def code_prompt(tokenizer, n_tokens: int) -> list[int]:
     while len(ids) < n_tokens:
         ids = ids + ids
     return ids[:n_tokens]
+
+
+def cpu_model() -> str:
+    """The CPU this bench runs on (``lscpu``'s model name), named beside every figure."""
+    info = Path("/proc/cpuinfo")
+    line = next((ln for ln in info.read_text().splitlines() if ln.startswith("model name")), "") if info.exists() else ""
+    return line.partition(":")[2].strip() or platform.processor() or "unknown CPU"
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from vericache.bench.common import code_prompt, markdown_table
+from vericache.bench import llama_cpp_bench
+from vericache.bench.common import code_prompt, cpu_model, markdown_table
+from vericache.engine.options import RequestOptions
+from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache.sim import roofline
 
 
 def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype: torch.dtype) -> float:
@@ -37,57 +40,34 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
-@torch.inference_mode()
-def kernel_seconds(llm, keys: int, repeat: int = 5) -> float:
-    """The kernels of one decode step, timed alone: every weight matmul at one row (LM head
-    included) plus one-query attention over ``keys`` keys in every layer."""
-    from vericache.kv.packed import KeyPart, attend_packed
-
-    m, cfg, dt = llm.loaded.model, llm.loaded.config, llm.loaded.kv_dtype
-    x = torch.randn(1, cfg.hidden_size, dtype=llm.loaded.dtype)
-    xo = torch.randn(1, cfg.num_attention_heads * cfg.head_dim, dtype=llm.loaded.dtype)
-    xi = torch.randn(1, cfg.intermediate_size, dtype=llm.loaded.dtype)
-    q = torch.randn(cfg.num_attention_heads, 1, cfg.head_dim, dtype=dt)
-    k = torch.randn(cfg.num_key_value_heads, max(keys, 1), cfg.head_dim, dtype=dt)
-    v = torch.randn_like(k)
-
-    def step():  # the matmuls the forward runs: fused q/k/v and gate/up when the model has them
-        for layer in m.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            if a.qkv is not None:
-                F.linear(x, *a.qkv)
-            else:
-                a.q_proj(x), a.k_proj(x), a.v_proj(x)
-            if mlp.gate_up is not None:
-                F.linear(x, mlp.gate_up)
-            else:
-                mlp.gate_proj(x), mlp.up_proj(x)
-            a.o_proj(xo), mlp.down_proj(xi)
-            attend_packed(q, [1], [[KeyPart(k, v, n=max(keys, 1))]], cfg.num_key_value_heads)
-        m.lm_head(x)
-
-    step()
-    t = time.perf_counter()
-    for _ in range(repeat):
-        step()
-    return (time.perf_counter() - t) / repeat
+def generate_with_steps(eng, prompt: list[int], params: SamplingParams, mode: str) -> tuple:
+    """``eng.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
+    srv = ServingEngine(eng, offload=False, prefill_chunk=eng.prefill_chunk)
+    seq = eng.new_sequence(0, prompt, params)
+    rid = srv.add_sequence(seq, eng.resolve(RequestOptions(mode=mode)))
+    while srv.has_unfinished():
+        srv.step()
+    if srv.requests[rid].error:
+        raise RuntimeError(f"{mode}: {srv.requests[rid].error}")
+    return seq.to_output(), list(srv.instruments.steps)
 
 
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
                      draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
-                     device: str = "cpu", log=print) -> list[dict]:
-    """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; for
-    full and lossy, ``overhead`` = measured step time / the step's kernels timed alone."""
+                     device: str = "cpu", log=print, llamacpp: bool = True) -> dict:
+    """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
+    each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
-    rows = []
+    roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
+    rows, roof_rows, runs = [], [], {}
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
-        results = {m: eng.generate([eng.new_sequence(0, prompt, params)], m)[0] for m in modes}
-        ref = results.get("full")
-        for mode, out in results.items():
+        results = {m: generate_with_steps(eng, prompt, params, m) for m in modes}
+        ref = results["full"][0] if "full" in results else None
+        for mode, (out, steps) in results.items():
             st = out.stats
             row = {"context": ctx, "mode": mode, "tokens_per_s": round(st["decode_tokens_per_s"], 1),
                    "compressor": "" if mode == "full" else st["compressor"],
@@ -98,16 +78,18 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             if ref is not None:
                 row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
                 row["identical_to_full"] = out.token_ids == ref.token_ids
-            if mode in ("full", "lossy") and st["decode_tokens_per_s"] > 0 and device == "cpu":
-                kept = ctx if mode == "full" else int((ctx + max_tokens / 2) * st.get("compression_ratio", 1.0))
-                kernels = kernel_seconds(llm, kept)
-                row["step_ms"] = round(1e3 / st["decode_tokens_per_s"], 2)
-                row["kernels_ms"] = round(kernels * 1e3, 2)
-                row["overhead"] = round(row["step_ms"] / row["kernels_ms"], 2)
+            if roof is not None:
+                roof_rows += [{"context": ctx, **r} for r in roofline.summarize(steps, roof, mode)]
+                runs[f"{mode} {ctx}"] = (mode, steps)
             rows.append(row)
             log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
                 + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
                 + (f", mean acceptance length {row['mean_acceptance_length']}" if mode == "vericache" else ""))
+        if llamacpp and roof is not None and llama_cpp_bench.available():
+            lc = llama_cpp_bench.run(model, [prompt], max_tokens, log)
+            if lc:
+                rows.append({"context": ctx, "mode": lc["mode"], "tokens_per_s": round(lc["tokens_per_s"], 1),
+                             "ratio_to_full": round(lc["tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2) if ref else ""})
         if with_transformers:
             # transformers in fp32, its fastest setting on this CPU (its bf16 attention is ~10x slower)
             hf_dtype = torch.float32 if llm.loaded.device.type == "cpu" else llm.loaded.dtype
@@ -118,15 +100,20 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
                 row["ratio_to_full"] = round(hf / ref.stats["decode_tokens_per_s"], 2)
             rows.append(row)
             log(f"context {ctx} transformers generate: {row['tokens_per_s']} tok/s")
-    return rows
+    return {"model": llm.loaded.name, "cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows,
+            "roofline": roof.to_dict() if roof else None, "roofline_rows": roof_rows, "step_records": runs}
 
 
 COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "ratio_to_full", "identical_to_full",
-           "mean_acceptance_length", "acceptance_rate", "compression_ratio", "step_ms", "kernels_ms", "overhead"]
+           "mean_acceptance_length", "acceptance_rate", "compression_ratio"]
 
 
-def decode_markdown(rows: list[dict]) -> str:
-    return markdown_table(rows, COLUMNS)
+def decode_markdown(res: dict) -> str:
+    text = f"{res['cpu']}, {res['threads']} threads.\n\n" + markdown_table(res["rows"], COLUMNS)
+    if res["roofline_rows"]:
+        text += ("\n\nSteps against the roofline:\n\n"
+                 + markdown_table(res["roofline_rows"], ["context", *roofline.ROOFLINE_COLUMNS]))
+    return text
 
 
 def plot_decode(rows: list[dict], path: str) -> None:

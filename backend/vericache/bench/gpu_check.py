@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     from vericache.bench.throughput import plot_timeline, run_throughput
 
     report["decode"] = run_decode_bench(DEFAULT_MODEL, [8000], 96, ["full", "lossy", "vericache"],
-                                        "snapkv:ratio=0.125", with_transformers=False, dtype="bfloat16", device="cuda")
+                                        "snapkv:ratio=0.125", with_transformers=False, dtype="bfloat16",
+                                        device="cuda")["rows"]
     report["batch"] = run_batch(DEFAULT_MODEL, 16, 8000, 128, ["full", "lossy", "vericache"], "snapkv:ratio=0.125",
                                 device="cuda")["rows"]
     from vericache.sim.cost_model import GPUS, MODELS, SimConfig, simulate

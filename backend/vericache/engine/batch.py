@@ -42,6 +42,15 @@ class StepBatch:
         """The kinds of work in this step, for timelines ("draft+verify")."""
         return "+".join(k for k in (PREFILL, DECODE, DRAFT, VERIFY) if any(r.kind == k for r in self.rows))
 
+    def attention_work(self) -> tuple[int, int, int]:
+        """(rows, K/V bytes read, query-key pairs per query head and layer) of this step's forward,
+        from each row's cache before it runs: what the roofline charges (``sim.roofline``)."""
+        rows = kv_bytes = pairs = 0
+        for row in self.rows:
+            b, p = row.cache.attention_cost(row.start, len(row.tokens))
+            rows, kv_bytes, pairs = rows + len(row.tokens), kv_bytes + b, pairs + p
+        return rows, kv_bytes, pairs
+
     def of(self, kind: str) -> list[Row]:
         return [r for r in self.rows if r.kind == kind]
 

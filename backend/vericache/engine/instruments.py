@@ -8,10 +8,23 @@ intervals feed timelines and utilisation; ``request_stats`` is what every caller
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from vericache.engine.memory import KVMemory
 from vericache.engine.request import Request
+
+
+@dataclass
+class StepRecord:
+    """One forward: when, what kinds of rows, and the work the roofline charges for it."""
+    start: float
+    end: float
+    kinds: str
+    seqs: int
+    rows: int
+    kv_bytes: int     # K/V bytes its attention reads (all layers)
+    pairs: int        # query-key pairs per query head and layer
 
 
 @dataclass
@@ -24,6 +37,7 @@ class Instruments:
     preemptions: int = 0          # requests sent back to waiting (their KV recomputed on re-admission)
     failures: int = 0             # requests failed by an exception in a step
     group_plans: list[int] = field(default_factory=lambda: [0, 0])   # (sum of planned group counts, plans)
+    steps: deque = field(default_factory=lambda: deque(maxlen=4096))   # StepRecord per forward, the latest
 
     def busy_s(self) -> float:
         return sum(e - s for s, e, _ in self.intervals)

@@ -28,7 +28,7 @@ from vericache.drafting.round import add_draft, finish_round
 from vericache.engine import remote
 from vericache.engine.batch import DECODE, DRAFT, VERIFY, StepBatch
 from vericache.engine.batch import PREFILL as PREFILL_ROW
-from vericache.engine.instruments import Instruments, request_stats
+from vericache.engine.instruments import Instruments, StepRecord, request_stats
 from vericache.engine.memory import KVMemory
 from vericache.engine.options import RequestOptions, ResolvedOptions
 from vericache.engine.request import (
@@ -230,6 +230,7 @@ class ServingEngine:
         for row in batch.of(VERIFY):
             if isinstance(row.cache, StreamedKV) and not row.req.transfer.ready():
                 self.instruments.early_verifies += 1
+        work = batch.attention_work()
         t0 = time.perf_counter()
         try:
             batch.run(self.eng.model, self.eng.loaded.device)
@@ -240,6 +241,7 @@ class ServingEngine:
             return False
         t1 = time.perf_counter()
         self.instruments.intervals.append((t0, t1, batch.kinds))
+        self.instruments.steps.append(StepRecord(t0, t1, batch.kinds, len(batch.rows), *work))
         if batch.of(VERIFY) and batch.kinds == VERIFY:  # a clean measurement of the verification
             self.instruments.note_verify(t1 - t0, self.eng.cfg.num_hidden_layers)
         return True

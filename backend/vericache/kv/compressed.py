@@ -293,6 +293,12 @@ class CompressedKVCache:
         """What a full cache of the same positions would hold, in the same dtype."""
         return self.length * self.residual.nbytes_per_position()
 
+    def attention_cost(self, start: int, t: int) -> tuple[int, int]:
+        """(bytes read, query-key pairs per query head and layer) of ``t`` queries at ``start``: the
+        whole store for each, the residual causally (as ``FullKVCache.attention_cost``)."""
+        res_bytes, res_pairs = self.residual.attention_cost(start - self.res_start, t)
+        return self.nbytes() - self.residual.nbytes() + res_bytes, t * self.count + res_pairs
+
     def kept_tokens(self) -> int:
         """Tokens visible to each KV head (store + residual)."""
         return self.count + self.residual.length

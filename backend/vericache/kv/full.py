@@ -43,6 +43,11 @@ class FullKVCache:
         """Bytes held for valid positions (what a transfer of this KV would move)."""
         return self.length * self.nbytes_per_position()
 
+    def attention_cost(self, start: int, t: int) -> tuple[int, int]:
+        """What ``t`` queries written at ``start`` cost the attention: (K/V bytes read over all layers,
+        query-key pairs per query head and layer). Query i sees positions 0..start+i."""
+        return (start + t) * self.nbytes_per_position(), t * start + t * (t + 1) // 2
+
     def _grow(self, needed: int) -> None:
         new_cap = max(needed, 2 * self.capacity)
         for name in ("k", "v"):

@@ -208,6 +208,10 @@ class StreamedKV:
         if self.t.first_layer:
             self.resident.begin(start, count)
 
+    def attention_cost(self, start: int, t: int) -> tuple[int, int]:
+        nbytes, pairs = self.buf.attention_cost(start, t)
+        return nbytes + (self.resident.attention_cost(start, t)[0] if self.t.first_layer else 0), pairs
+
     def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         first = self.t.first_layer
         if layer < first:

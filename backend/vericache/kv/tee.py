@@ -18,6 +18,9 @@ class TeeCache:
     def begin(self, start: int, count: int) -> None:
         self.full.begin(start, count)
 
+    def attention_cost(self, start: int, t: int) -> tuple[int, int]:
+        return self.full.attention_cost(start, t)
+
     def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         self.draft.observe(layer, q)
         return self.full.parts(layer, q, k, v)

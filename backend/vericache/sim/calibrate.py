@@ -7,7 +7,9 @@ Measured with the real model and kernels (the same code the engine runs):
 - ``attention``: one-query attention over long KV gives the KV read bandwidth (bytes/s); a chunk of
   queries over the same KV gives the compute rate (query-key pairs per second) that bounds
   verification;
-- ``link``: the emulated link's achieved bytes/s at a nominal rate (its efficiency).
+- ``link``: the emulated link's achieved bytes/s at a nominal rate (its efficiency);
+- ``roofline`` (``sim.roofline``): the read bandwidth, the weight matmuls by row count and the
+  packed op's peak flop rate, what every bench step is compared against.
 
 ``predict`` turns them into tokens/s for ``bench throughput``'s rows (decode only; the prefill is
 shared and not timed), so every measured row is printed beside what the model says it should be.
@@ -37,6 +39,7 @@ class Calibration:
     attn_pairs_per_s: float  # query-key pairs (all layers, all query heads) per second, chunked queries
     link_efficiency: float   # achieved / nominal bytes per second of the emulated link
     kv_bytes_per_position: int
+    roofline: dict | None = None   # sim.roofline.Roofline: read bandwidth, weight matmuls by rows, op peak
 
     def step_s(self, seqs: int, rows: int | None = None) -> float:
         """A forward over ``seqs`` sequences with ``rows`` tokens in all (default: one each)."""
@@ -115,8 +118,10 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     eff = (src.nbytes() / (time.perf_counter() - t0)) / link.bytes_per_s
     link.close()
     log(f"link: {eff:.0%} of nominal")
+    from vericache.sim.roofline import measure
+
     return Calibration(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."), torch.get_num_threads(),
-                       a, per_seq - row, row, bw, pairs, eff, per_pos)
+                       a, per_seq - row, row, bw, pairs, eff, per_pos, measure(llm, log).to_dict())
 
 
 def _slope(xs: list[int], ys: list[float]) -> float:

@@ -1,0 +1,115 @@
+"""llama.cpp on the same GGUF, side by side with our rows: what CPU users run today.
+
+Through llama-cpp-python's bindings of llama.h (``pip install -e '.[llamacpp]'``, a build of about
+10 minutes; CI does not need it): the model's own GGUF (its quantized weights as shipped), f16 KV,
+flash attention, one KV stream per sequence (``kv_unified = false``), the bench's thread count and
+the same prompts. Each prompt is prefilled (not timed), then every sequence decodes greedily, one
+token per sequence per ``llama_decode``; tokens/s counts the decode only, as our rows do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_path(model_name: str) -> Path | None:
+    """The GGUF file a model name or path comes from (None: the model has none, e.g. ``tiny``)."""
+    from vericache.model.registry import MODELS, ALIASES, model_file
+
+    path = model_file(model_name) if model_name in MODELS or model_name in ALIASES else Path(model_name)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+class LlamaCppRunner:
+    """One llama.cpp context for ``n_seqs`` sequences of up to ``n_ctx_seq`` positions each."""
+
+    def __init__(self, gguf: Path, n_seqs: int, n_ctx_seq: int, threads: int, n_batch: int = 512) -> None:
+        import llama_cpp as L
+
+        self.L, self.n_batch = L, n_batch
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_seqs * n_ctx_seq, n_batch, n_batch
+        cp.n_seq_max, cp.kv_unified = n_seqs, False
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(n_batch, 0, 1)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, position, sequence, wants logits); returns the argmax of each logits row."""
+        b = self.batch
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed (context full?)")
+        out = []
+        for i, item in enumerate(items):
+            if item[3]:
+                ptr = self.L.llama_get_logits_ith(self.ctx, i)
+                row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+                out.append(int(row.argmax()))
+        return out
+
+    def prefill(self, prompts: list[list[int]], log=print) -> list[int]:
+        """Each prompt into its own sequence, ``n_batch`` tokens a call; the first greedy token of each."""
+        first = []
+        for s, ids in enumerate(prompts):
+            for at in range(0, len(ids), self.n_batch):
+                chunk = ids[at : at + self.n_batch]
+                last = at + len(chunk) == len(ids)
+                top = self._decode([(t, at + i, s, last and i == len(chunk) - 1) for i, t in enumerate(chunk)])
+            first.append(top[0])
+            log(f"  llama.cpp prefill {s + 1}/{len(prompts)}")
+        return first
+
+    def decode(self, prompts: list[list[int]], first: list[int], max_tokens: int) -> tuple[float, int]:
+        """Every sequence decodes ``max_tokens - 1`` more tokens together; (seconds, tokens decoded)."""
+        last, pos = list(first), [len(p) for p in prompts]
+        t0 = time.perf_counter()
+        for _ in range(max_tokens - 1):
+            last = self._decode([(last[s], pos[s], s, True) for s in range(len(prompts))])
+            pos = [p + 1 for p in pos]
+        return time.perf_counter() - t0, len(prompts) * (max_tokens - 1)
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+
+def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print) -> dict | None:
+    """llama.cpp's row for ``prompts`` decoded together; None when the model has no GGUF."""
+    gguf = gguf_path(model_name)
+    if gguf is None:
+        log(f"llama.cpp: {model_name} has no GGUF file; no llama.cpp row")
+        return None
+    threads = torch.get_num_threads()
+    runner = LlamaCppRunner(gguf, len(prompts), max(len(p) for p in prompts) + max_tokens + 8, threads)
+    try:
+        first = runner.prefill(prompts, log)
+        seconds, tokens = runner.decode(prompts, first, max_tokens)
+    finally:
+        runner.close()
+    row = {"mode": f"llama.cpp ({gguf.name.split('.')[-2]} weights, f16 KV, flash attention)",
+           "tokens_per_s": round(tokens / seconds, 2), "decode_s": round(seconds, 2), "steps": max_tokens - 1}
+    log(f"llama.cpp: {row['tokens_per_s']} tok/s over {len(prompts)} sequence(s), {threads} threads")
+    return row
