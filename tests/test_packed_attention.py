@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kernels import packed_kernels
-from vericache.kv.packed import KeyPart, torch_part, attend_packed
+from vericache.kv.packed import KeyPart, attend_packed, op_args, torch_part
 from vericache.kv.attention import merge
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
 
@@ -56,8 +56,11 @@ def test_parts_merge_like_torch_per_part():
         assert torch.allclose(out[rows].transpose(0, 1), ref, atol=2e-6)
 
 
+# every dequantizer path: 2/4/8-bit codes, channel and token groups (>= 16 channels: vectorised; 8: scalar)
 LAYOUTS = {"kivi-2": (Layout(CHANNEL_GROUPS, 2, 32), Layout(TOKEN_GROUPS, 2, 32)),
-           "int4": (Layout(TOKEN_GROUPS, 4, 32),) * 2, "fp8": (Layout(FP8),) * 2}
+           "kivi-4": (Layout(CHANNEL_GROUPS, 4, 64), Layout(TOKEN_GROUPS, 4, 16)),
+           "int4": (Layout(TOKEN_GROUPS, 4, 32),) * 2, "int8": (Layout(TOKEN_GROUPS, 8, 64),) * 2,
+           "int4-g8": (Layout(TOKEN_GROUPS, 4, 8),) * 2, "fp8": (Layout(FP8),) * 2}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -73,6 +76,8 @@ def test_quantized_part_matches_dequantize_then_attend(name):
     out = attend_packed(q, [3], [[part]], HKV)
     ref = torch_part(q, part)[0][0]                                 # dequantize, then attend in torch
     assert torch.allclose(out.transpose(0, 1), ref, atol=2e-5)
+    ints, tensors = op_args(0, part, q.shape[-1])                   # the portable build: the same bits
+    assert torch.equal(packed_kernels(portable=True).attend_packed(q, HKV, [3], ints, tensors), out)
 
 
 def _row_alone(k, v, q, pos, part_extra=None):

@@ -84,8 +84,84 @@ struct Affine {
   int64_t key = -1;
 };
 
+// Position group of stored token t (kind 1): groups are powers of two (compress/quant.py checks).
+inline int64_t group_row(const Format& f, int64_t h, int64_t t) {
+  const int64_t p = f.pos ? f.pos[h * f.pos_h + t] : t;
+  return p >> __builtin_ctz((unsigned)f.group);
+}
+
+inline void load_affine(const Format& f, int64_t h, int64_t row, int d, Affine& a) {
+  const at::Half* s = f.scale + h * f.sc_h + row * f.sc_t;
+  const at::Half* z = f.zero + h * f.sc_h + row * f.sc_t;
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= d; j += 16) {
+    _mm512_store_ps(a.s + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + j))));
+    _mm512_store_ps(a.z + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(z + j))));
+  }
+#endif
+  for (; j < d; ++j) {
+    a.s[j] = half_to_float(s[j]);
+    a.z[j] = half_to_float(z[j]);
+  }
+  a.key = h * (int64_t(1) << 40) + row;
+}
+
+#if defined(__AVX512F__)
+// dequant_row for D = 64, integer kinds (0, 1), bits 2/4/8, token groups of >= 16 channels: the
+// scalar path's operations on 16 lanes at a time (exact int -> float, then a multiply and an add),
+// so the same bits. codes16: the 16 codes of channels 16 chunk .. 16 chunk + 15 as floats.
+template <int BITS>
+inline __m512 codes16(const uint8_t* c, int chunk) {
+  if (BITS == 8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * chunk))));
+  // planar: byte i of pass p holds channel p * N + i (N = 64 / PER); chunk c of 16 channels is
+  // pass c / (N / 16), bytes (c % (N / 16)) * 16 ..
+  constexpr int PER = 8 / BITS, CH = 64 / PER / 16;   // chunks per pass
+  const int p = chunk / CH, i0 = (chunk % CH) * 16;
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + i0)));
+  const __m512i v = _mm512_and_si512(_mm512_srli_epi32(x, p * BITS), _mm512_set1_epi32((1 << BITS) - 1));
+  return _mm512_cvtepi32_ps(v);
+}
+
+template <int BITS>
+inline void dequant64(const Format& f, const uint8_t* c, int64_t h, int64_t t, Affine& a, float* __restrict out) {
+  if (f.kind == 0) {
+    const at::Half* s = f.scale + h * f.sc_h + t * f.sc_t;
+    const at::Half* z = f.zero + h * f.sc_h + t * f.sc_t;
+    const int shift = __builtin_ctz((unsigned)f.group);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const int g = (16 * k) >> shift;
+      const __m512 o = _mm512_mul_ps(codes16<BITS>(c, k), _mm512_set1_ps(half_to_float(s[g])));
+      _mm512_store_ps(out + 16 * k, _mm512_add_ps(o, _mm512_set1_ps(half_to_float(z[g]))));
+    }
+    return;
+  }
+  const int64_t row = group_row(f, h, t);
+  if (h * (int64_t(1) << 40) + row != a.key) load_affine(f, h, row, 64, a);
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m512 o = _mm512_mul_ps(codes16<BITS>(c, k), _mm512_load_ps(a.s + 16 * k));
+    _mm512_store_ps(out + 16 * k, _mm512_add_ps(o, _mm512_load_ps(a.z + 16 * k)));
+  }
+}
+
+inline bool dequant_row64(const Format& f, int64_t h, int64_t t, Affine& a, float* __restrict out) {
+  if (f.kind == 2 || (f.kind == 0 && f.group < 16)) return false;
+  const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
+  switch (f.bits) {
+    case 2: dequant64<2>(f, c, h, t, a, out); return true;
+    case 4: dequant64<4>(f, c, h, t, a, out); return true;
+    default: dequant64<8>(f, c, h, t, a, out); return true;
+  }
+}
+#endif
+
 inline void dequant_row(const Format& f, const float* fp8_lut, int64_t h, int64_t t, int d, Affine& a,
                         float* __restrict out) {
+#if defined(__AVX512F__)
+  if (d == 64 && dequant_row64(f, h, t, a, out)) return;
+#endif
   const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
   if (f.kind == 2) {
     const float s = (float)f.scale[h * f.sc_h + t * f.sc_t];
@@ -110,16 +186,8 @@ inline void dequant_row(const Format& f, const float* fp8_lut, int64_t h, int64_
     }
     return;
   }
-  const int64_t row = (f.pos ? f.pos[h * f.pos_h + t] : t) / f.group;
-  if (h * (int64_t(1) << 40) + row != a.key) {
-    const at::Half* s = f.scale + h * f.sc_h + row * f.sc_t;
-    const at::Half* z = f.zero + h * f.sc_h + row * f.sc_t;
-    for (int j = 0; j < d; ++j) {
-      a.s[j] = half_to_float(s[j]);
-      a.z[j] = half_to_float(z[j]);
-    }
-    a.key = h * (int64_t(1) << 40) + row;
-  }
+  const int64_t row = group_row(f, h, t);
+  if (h * (int64_t(1) << 40) + row != a.key) load_affine(f, h, row, d, a);
 #pragma omp simd
   for (int j = 0; j < d; ++j) out[j] = out[j] * a.s[j] + a.z[j];
 }

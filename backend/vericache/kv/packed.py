@@ -45,7 +45,7 @@ class KeyPart:
             raise ValueError(f"a part needs n >= 0 and diag >= 0 or None, got n={self.n}, diag={self.diag}")
 
 
-def _native_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
+def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
     """The op's 9 ints and 7 tensors for one part."""
     diag = -1 if p.diag is None else p.diag
     if p.layouts is None:
@@ -72,7 +72,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
         tensors: list[torch.Tensor | None] = []
         for seq, seq_parts in enumerate(parts):
             for p in seq_parts:
-                i, t = _native_args(seq, p, d)
+                i, t = op_args(seq, p, d)
                 ints += i
                 tensors += t
         return packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
