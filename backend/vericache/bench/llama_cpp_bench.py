@@ -42,10 +42,16 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: Path, n_seqs: int, n_ctx_seq: int, threads: int, n_batch: int = 512) -> None:
         import llama_cpp as L
+        from llama_cpp._logger import set_verbose
 
+        set_verbose(False)  # llama.cpp's load and graph logs: errors only
         self.L, self.n_batch = L, n_batch
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+        mp = L.llama_model_default_params()
+        # no extra (repacked-weight) buffer types: on a CPU with AMX, ggml's AMX matmul segfaulted in
+        # this process (llama-cpp-python 0.3.36); ggml's regular CPU kernels run instead
+        mp.use_extra_bufts = False
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         cp = L.llama_context_default_params()
