@@ -64,6 +64,16 @@ def test_vericache_equals_full(llm, identity_prompts, full_reference, spec, batc
             assert st["drafted_tokens"] <= st["rounds"] * draft_len
 
 
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_vericache_with_int8_draft_weights_equals_full(llm, identity_prompts, full_reference, spec):
+    """Drafts on int8 weights (and compressed KV), verification on the exact ones: still the full output."""
+    eng = Engine(llm.loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights="int8")
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    outs = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
+    assert [o.token_ids for o in outs] == full_reference
+    assert all(o.stats["rounds"] > 0 for o in outs)
+
+
 @pytest.fixture(scope="session")
 def lossy_prompts(llm) -> list[list[int]]:
     from vericache.bench.common import code_prompt

@@ -24,6 +24,8 @@ def _add_mode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="full", choices=MODES)
     p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
     p.add_argument("--draft-len", default="auto", type=_draft_len, help="tokens per draft round, or auto")
+    p.add_argument("--draft-weights", default="fp32", choices=["fp32", "int8"],
+                   help="weights the drafts read (CPU): fp32 (exact) or int8; verification is exact either way")
 
 
 def _draft_len(text: str) -> int | str:
@@ -76,7 +78,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, mode=args.mode, compressor=args.compressor,
-              draft_len=args.draft_len)
+              draft_len=args.draft_len, draft_weights=args.draft_weights)
     out = llm.generate(prompt, params)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
@@ -152,7 +154,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
           prefix_store=args.prefix_store, prefix_link=args.prefix_link,
           verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
-          prefill_chunk=args.prefill_chunk)
+          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights)
     return 0
 
 

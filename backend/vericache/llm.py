@@ -21,14 +21,17 @@ class LLM:
     baselines) or "vericache" (draft from the compressed KV, verify with the full KV: lossless).
     compressor: a spec string such as "snapkv:ratio=0.25" or "snapkv:ratio=0.25+kivi:bits=4".
     draft_len: tokens drafted per round, or "auto" (adapts per request).
+    draft_weights: what drafts read: "fp32" (the exact weights) or "int8" (CPU; verification exact).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, mode: str = "full",
-                 compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto") -> None:
+                 compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto",
+                 draft_weights: str = "fp32") -> None:
         self.engine = None
         self.loaded = load_model(model, device=device, dtype=dtype)
-        self.engine = Engine(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len)
+        self.engine = Engine(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len,
+                             draft_weights=draft_weights)
         self._next_id = 0
 
     @property

@@ -13,7 +13,7 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import code_prompt, cpu_model, markdown_table
+from vericache.bench.common import code_prompt, cpu_model, engine_for, markdown_table
 from vericache.engine.memory import KVMemory
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
@@ -66,7 +66,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
-    eng, tok = llm.engine, llm.tokenizer
+    eng, tok, engines = llm.engine, llm.tokenizer, {}
     prompts = distinct_prompts(tok, n_requests, context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each, {llm.loaded.name} "
@@ -78,12 +78,13 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     prefill_s = time.perf_counter() - t0
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     rows, reference, runs = [], None, {}
-    for mode in modes:
+    for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
+        mode_eng, base = engine_for(llm, mode, engines)
         seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(prompts)]
-        opts = eng.resolve(None if mode == eng.mode else _options(mode))
-        srv = ServingEngine(eng, offload=False)
+        opts = mode_eng.resolve(None)
+        srv = ServingEngine(mode_eng, offload=False)
         res = decode_all(srv, seqs, opts, prefills, log, mode)
-        runs[mode] = (mode, res["step_records"])
+        runs[mode] = (base, res["step_records"])
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
         decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
@@ -99,8 +100,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
             f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
             + (f", {row['mean_acceptance_length']} tokens/round" if rounds else ""))
     if llamacpp and llama_cpp_bench.available() and llm.loaded.device.type == "cpu":
-        row = llama_cpp_bench.run(model, prompts, max_tokens, log)
-        rows += [row] if row else []
+        rows += llama_cpp_bench.rows(model, prompts, max_tokens, log)
     full = next((r for r in rows if r["mode"] == "full"), None)
     for r in rows:
         r["x_full"] = round(r["tokens_per_s"] / full["tokens_per_s"], 2) if full else None
@@ -109,14 +109,9 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."), "cpu": cpu_model(),
             "threads": torch.get_num_threads(), "prefill_s": round(prefill_s, 1),
             "rows": rows, "roofline": roof.to_dict() if roof else None,
-            "roofline_rows": [x for m, st in runs.values() for x in roofline.summarize(st, roof, m)] if roof else [],
+            "roofline_rows": [x for label, (m, st) in runs.items() for x in roofline.summarize(st, roof, m, label)]
+            if roof else [],
             "step_records": runs}
-
-
-def _options(mode: str):
-    from vericache.engine.options import RequestOptions
-
-    return RequestOptions(mode=mode)
 
 
 def batch_markdown(res: dict) -> str:

@@ -160,7 +160,8 @@ def add_bench_parser(sub) -> None:
 
     b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
     b.add_argument("--model", default=DEFAULT_MODEL)
-    b.add_argument("--modes", default="full", help="comma-separated: full,lossy,vericache")
+    b.add_argument("--modes", default="full",
+                   help="comma-separated: full,lossy,vericache (vericache+int8: drafts on int8 weights)")
     b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
     b.add_argument("--draft-len", default="auto", type=_draft_len)
     b.add_argument("--context", type=_ints, default=[1024, 4096, 16384])
@@ -203,7 +204,8 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--requests", type=int, default=16)
     bt.add_argument("--context", type=int, default=8000)
     bt.add_argument("--max-tokens", type=int, default=128)
-    bt.add_argument("--modes", default="full,lossy,vericache", help="comma-separated: full,lossy,vericache")
+    bt.add_argument("--modes", default="full,lossy,vericache",
+                    help="comma-separated: full,lossy,vericache (vericache+int8: drafts on int8 weights)")
     bt.add_argument("--compressor", default="snapkv:ratio=0.125")
     bt.add_argument("--draft-len", default="auto", type=_draft_len)
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; KV stays fp32)")

@@ -19,6 +19,20 @@ def code_prompt(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
+def engine_for(llm, label: str, engines: dict):
+    """A bench mode label's engine and mode: "vericache+int8" is vericache with int8 draft weights
+    (``model.draft_weights``); the engines share ``llm``'s model and are made once per label."""
+    mode, _, weights = label.partition("+")
+    if label not in engines:
+        from vericache.engine.engine import Engine
+
+        e = llm.engine
+        draft_len = "auto" if e.policy.fixed is None else e.policy.fixed
+        engines[label] = Engine(llm.loaded, mode=mode, compressor=e.compressor, draft_len=draft_len,
+                                prefill_chunk=e.prefill_chunk, draft_weights=weights or "fp32")
+    return engines[label], mode
+
+
 def cpu_model() -> str:
     """The CPU this bench runs on (``lscpu``'s model name), named beside every figure."""
     info = Path("/proc/cpuinfo")

@@ -12,7 +12,7 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import code_prompt, cpu_model, markdown_table
+from vericache.bench.common import code_prompt, cpu_model, engine_for, markdown_table
 from vericache.engine.options import RequestOptions
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
@@ -40,7 +40,7 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
-def generate_with_steps(eng, prompt: list[int], params: SamplingParams, mode: str) -> tuple:
+def generate_with_steps(eng, mode: str, prompt: list[int], params: SamplingParams) -> tuple:
     """``eng.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
     srv = ServingEngine(eng, offload=False, prefill_chunk=eng.prefill_chunk)
     seq = eng.new_sequence(0, prompt, params)
@@ -58,16 +58,16 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
     each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
-    eng = llm.engine
+    eng, engines = llm.engine, {}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     rows, roof_rows, runs = [], [], {}
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
-        results = {m: generate_with_steps(eng, prompt, params, m) for m in modes}
+        results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
         ref = results["full"][0] if "full" in results else None
-        for mode, (out, steps) in results.items():
+        for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
             st = out.stats
             row = {"context": ctx, "mode": mode, "tokens_per_s": round(st["decode_tokens_per_s"], 1),
                    "compressor": "" if mode == "full" else st["compressor"],
@@ -79,15 +79,15 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
                 row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
                 row["identical_to_full"] = out.token_ids == ref.token_ids
             if roof is not None:
-                roof_rows += [{"context": ctx, **r} for r in roofline.summarize(steps, roof, mode)]
-                runs[f"{mode} {ctx}"] = (mode, steps)
+                base = mode.partition("+")[0]
+                roof_rows += [{"context": ctx, **r} for r in roofline.summarize(steps, roof, base, mode)]
+                runs[f"{mode} {ctx}"] = (base, steps)
             rows.append(row)
             log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
                 + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
                 + (f", mean acceptance length {row['mean_acceptance_length']}" if mode == "vericache" else ""))
         if llamacpp and roof is not None and llama_cpp_bench.available():
-            lc = llama_cpp_bench.run(model, [prompt], max_tokens, log)
-            if lc:
+            for lc in llama_cpp_bench.rows(model, [prompt], max_tokens, log):
                 rows.append({"context": ctx, "mode": lc["mode"], "tokens_per_s": round(lc["tokens_per_s"], 1),
                              "ratio_to_full": round(lc["tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2) if ref else ""})
         if with_transformers:

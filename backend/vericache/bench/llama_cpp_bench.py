@@ -2,9 +2,10 @@
 
 Through llama-cpp-python's bindings of llama.h (``pip install -e '.[llamacpp]'``, a build of about
 10 minutes; CI does not need it): the model's own GGUF (its quantized weights as shipped), f16 KV,
-flash attention, one KV stream per sequence (``kv_unified = false``), the bench's thread count and
-the same prompts. Each prompt is prefilled (not timed), then every sequence decodes greedily, one
-token per sequence per ``llama_decode``; tokens/s counts the decode only, as our rows do.
+one KV stream per sequence (``kv_unified = false``), the bench's thread count and
+the same prompts, with and without its flash attention. Each prompt is prefilled (not timed), then
+every sequence decodes greedily, one token per sequence per ``llama_decode``; tokens/s counts the
+decode only, as our rows do.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def gguf_path(model_name: str) -> Path | None:
 class LlamaCppRunner:
     """One llama.cpp context for ``n_seqs`` sequences of up to ``n_ctx_seq`` positions each."""
 
-    def __init__(self, gguf: Path, n_seqs: int, n_ctx_seq: int, threads: int, n_batch: int = 512) -> None:
+    def __init__(self, gguf: Path, n_seqs: int, n_ctx_seq: int, threads: int, flash_attn: bool = True,
+                 n_batch: int = 512) -> None:
         import llama_cpp as L
         from llama_cpp._logger import set_verbose
 
@@ -58,7 +60,7 @@ class LlamaCppRunner:
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_seqs * n_ctx_seq, n_batch, n_batch
         cp.n_seq_max, cp.kv_unified = n_seqs, False
         cp.n_threads = cp.n_threads_batch = threads
-        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -109,7 +111,7 @@ class LlamaCppRunner:
         self.L.llama_model_free(self.model)
 
 
-def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print) -> dict | None:
+def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print, flash_attn: bool = True) -> dict | None:
     """llama.cpp's row for ``prompts`` decoded together; None when the model has no GGUF."""
     gguf = gguf_path(model_name)
     if gguf is None:
@@ -117,7 +119,8 @@ def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print) -
         return None
     threads = torch.get_num_threads()
     try:  # a side-by-side row: if llama.cpp fails, say so and keep the bench's own figures
-        runner = LlamaCppRunner(gguf, len(prompts), max(len(p) for p in prompts) + max_tokens + 8, threads)
+        runner = LlamaCppRunner(gguf, len(prompts), max(len(p) for p in prompts) + max_tokens + 8, threads,
+                                flash_attn)
         try:
             first = runner.prefill(prompts, log)
             seconds, tokens = runner.decode(prompts, first, max_tokens)
@@ -126,7 +129,14 @@ def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print) -
     except Exception as exc:  # noqa: BLE001 - any failure of the optional row
         log(f"llama.cpp: failed ({type(exc).__name__}: {exc}); no llama.cpp row")
         return None
-    row = {"mode": f"llama.cpp ({gguf.name.split('.')[-2]} weights, f16 KV, flash attention)",
+    attn = "flash attention" if flash_attn else "no flash attention"
+    row = {"mode": f"llama.cpp ({gguf.name.split('.')[-2]} weights, f16 KV, {attn})",
            "tokens_per_s": round(tokens / seconds, 2), "decode_s": round(seconds, 2), "steps": max_tokens - 1}
-    log(f"llama.cpp: {row['tokens_per_s']} tok/s over {len(prompts)} sequence(s), {threads} threads")
+    log(f"llama.cpp ({attn}): {row['tokens_per_s']} tok/s over {len(prompts)} sequence(s), {threads} threads")
     return row
+
+
+def rows(model_name: str, prompts: list[list[int]], max_tokens: int, log=print) -> list[dict]:
+    """Both of llama.cpp's attention paths (its CPU flash attention is the slower one on some CPUs,
+    3.5x at 8K on an Intel Xeon with AVX-512 here): each its own prefill, then the decode."""
+    return [r for fa in (True, False) if (r := run(model_name, prompts, max_tokens, log, fa)) is not None]

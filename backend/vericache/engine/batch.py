@@ -54,10 +54,16 @@ class StepBatch:
     def of(self, kind: str) -> list[Row]:
         return [r for r in self.rows if r.kind == kind]
 
-    def run(self, model, device: torch.device) -> None:
-        """One forward over all rows; fills each row's ``logits``."""
+    def run(self, model, device: torch.device, draft_weights: bool = False) -> None:
+        """One forward over all rows; fills each row's ``logits``. With ``draft_weights`` (the model's
+        ``quantize_drafts`` copies) the draft rows go first and read them; every other row reads the
+        exact weights."""
+        rows = self.rows
+        if draft_weights:
+            rows = sorted(rows, key=lambda r: r.kind != DRAFT)    # stable: the others keep their order
+        n_draft = sum(len(r.tokens) for r in rows if r.kind == DRAFT) if rows is not self.rows else 0
         tokens, index, offset = [], [], 0
-        for row in self.rows:
+        for row in rows:
             tokens.extend(row.tokens)
             n = len(row.tokens)
             if row.logits_for == "all":
@@ -65,12 +71,13 @@ class StepBatch:
             elif row.logits_for == "last":
                 index.append(offset + n - 1)
             offset += n
-        logits = model(torch.tensor(tokens, device=device), [r.start for r in self.rows],
-                       [len(r.tokens) for r in self.rows], [r.cache for r in self.rows],
-                       logits_index=torch.tensor(index, dtype=torch.long, device=device))           # [len(index), V]
+        extra = {"n_draft": n_draft} if n_draft else {}
+        logits = model(torch.tensor(tokens, device=device), [r.start for r in rows],
+                       [len(r.tokens) for r in rows], [r.cache for r in rows],
+                       logits_index=torch.tensor(index, dtype=torch.long, device=device), **extra)   # [len(index), V]
         top = logits.argmax(dim=-1).tolist()
         at = 0
-        for row in self.rows:
+        for row in rows:
             n = {"all": len(row.tokens), "last": 1}.get(row.logits_for, 0)
             row.logits, row.argmax = (logits[at : at + n], top[at : at + n]) if n else (None, None)
             at += n

@@ -26,6 +26,7 @@ from vericache.engine.sequence import RequestOutput, Sequence
 from vericache.engine.serving import ServingEngine
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
+from vericache.model.draft_weights import check_draft_weights
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams
 
@@ -62,8 +63,13 @@ class SharedPrefill:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
-                 draft_len: int | str = "auto", prefill_chunk: int = 2048) -> None:
+                 draft_len: int | str = "auto", prefill_chunk: int = 2048, draft_weights: str = "fp32") -> None:
+        """``draft_weights``: what draft rows read, "fp32" (the exact weights) or "int8"
+        (``model.draft_weights``); verification, full and lossy rows always read the exact ones."""
         check_mode(mode)
+        check_draft_weights(draft_weights)
+        if draft_weights != "fp32" and loaded.device.type != "cpu":
+            raise ValueError(f"draft_weights={draft_weights!r} runs on CPU (fbgemm) only, not on {loaded.device}")
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
@@ -73,6 +79,9 @@ class Engine:
         self.compressor = parse_compressor(compressor)
         self.policy = DraftLengthPolicy.from_arg(draft_len)
         self.defaults = ResolvedOptions(mode, self.compressor, self.policy)
+        if draft_weights != "fp32" and self.model.draft_weights != draft_weights:
+            self.model.quantize_drafts(draft_weights)   # an extra copy: the exact weights stay for the rest
+        self.draft_weights = draft_weights
 
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""

@@ -23,6 +23,7 @@ from torch import nn
 
 from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, attend_packed
+from vericache.model.draft_weights import Int8Linear, mixed_linear
 
 
 class AttentionCache(Protocol):
@@ -91,6 +92,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights (``fuse``)
+        self.qkv_draft: Int8Linear | None = None   # draft rows' weights (``Transformer.quantize_drafts``)
+        self.o_draft: Int8Linear | None = None
 
     def fuse(self) -> None:
         """One [Hq*D + 2*Hkv*D, hidden] matmul instead of three (inference): q/k/v_proj become views
@@ -109,10 +112,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 seq_lens: Sequence[int],
-                caches: Sequence[AttentionCache] | None) -> torch.Tensor:
-        # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]
+                caches: Sequence[AttentionCache] | None, n_draft: int = 0) -> torch.Tensor:
+        # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]; rows :n_draft are drafts (draft weights)
         n, dq, dkv = x.shape[0], self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        if self.qkv is not None:
+        if n_draft and self.qkv_draft is not None:
+            q, k, v = mixed_linear(x, n_draft, self._qkv_exact, self.qkv_draft).split([dq, dkv, dkv], dim=-1)
+        elif self.qkv is not None:
             q, k, v = F.linear(x, *self.qkv).split([dq, dkv, dkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -127,7 +132,12 @@ class Attention(nn.Module):
         else:
             out = self._attend_caches(q, k, v, layer, seq_lens, caches)
         # out: [N, Hq, D] -> [N, Hq*D]
-        return self.o_proj(out.reshape(n, -1).to(x.dtype))
+        return mixed_linear(out.reshape(n, -1).to(x.dtype), n_draft, self.o_proj, self.o_draft)
+
+    def _qkv_exact(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv is not None:
+            return F.linear(x, *self.qkv)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def _attend_caches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                        seq_lens: Sequence[int], caches: Sequence[AttentionCache]) -> torch.Tensor:
@@ -173,6 +183,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused weights (``fuse``)
+        self.gate_up_draft: Int8Linear | None = None   # draft rows' weights
+        self.down_draft: Int8Linear | None = None
 
     def fuse(self) -> None:
         """One matmul for gate and up (inference); the two projections become views of it."""
@@ -182,11 +194,19 @@ class MLP(nn.Module):
         self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
         self.gate_up = w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_draft: int = 0) -> torch.Tensor:
+        if n_draft and self.gate_up_draft is not None:
+            gate, up = mixed_linear(x, n_draft, self._gate_up_exact, self.gate_up_draft).chunk(2, dim=-1)
+            return mixed_linear(F.silu(gate) * up, n_draft, self.down_proj, self.down_draft)
         if self.gate_up is not None:
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _gate_up_exact(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            return F.linear(x, self.gate_up)
+        return torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -215,6 +235,8 @@ class Transformer(nn.Module):
         # dtype of attention and of the KV caches; None = the weights' dtype. On CPU bf16 weights
         # run on AMX while attention stays fp32 (this CPU's bf16 attention kernels are ~10x slower).
         self.attn_dtype: torch.dtype | None = None
+        self.draft_weights = "fp32"                      # the draft copies it holds (``quantize_drafts``)
+        self.lm_head_draft: Int8Linear | None = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
@@ -222,14 +244,34 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def quantize_drafts(self, kind: str = "int8") -> None:
+        """Give every linear layer an int8 copy that the ``n_draft`` rows of a forward read; the exact
+        weights stay for every other row. Inference only, CPU (fbgemm)."""
+        if kind == "fp32":
+            return
+        from vericache.model.draft_weights import check_draft_weights
+
+        check_draft_weights(kind)
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = [a.q_proj, a.k_proj, a.v_proj]
+            bias = torch.cat([p.bias for p in qkv]) if a.q_proj.bias is not None else None
+            a.qkv_draft = Int8Linear(torch.cat([p.weight for p in qkv]), bias)
+            a.o_draft = Int8Linear(a.o_proj.weight)
+            mlp.gate_up_draft = Int8Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            mlp.down_draft = Int8Linear(mlp.down_proj.weight)
+        self.lm_head_draft = Int8Linear(self.lm_head.weight)
+        self.draft_weights = kind
+
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
                 caches: Sequence[AttentionCache] | None = None,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, n_draft: int = 0) -> torch.Tensor:
         """tokens: [N] (packed sequences); returns logits [N, V] (or [M, V] with ``logits_index``).
 
         ``logits_index`` ([M] indices into N) restricts the LM head to the rows
         that are sampled from (the last prefill token, say), which saves a
-        [N, V] matmul on long prefills.
+        [N, V] matmul on long prefills. The first ``n_draft`` rows are draft rows: with
+        ``quantize_drafts`` they read the int8 weights (sequences must not straddle that boundary).
         """
         if sum(seq_lens) != tokens.shape[0]:
             raise ValueError(f"seq_lens sum to {sum(seq_lens)} but there are {tokens.shape[0]} tokens")
@@ -243,8 +285,9 @@ class Transformer(nn.Module):
         adt = self.attn_dtype or x.dtype
         cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
+            x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
         if logits_index is not None:
+            n_draft = int((logits_index < n_draft).sum()) if n_draft else 0   # indices ascend
             x = x[logits_index]
-        return self.lm_head(self.model.norm(x)).float()
+        return mixed_linear(self.model.norm(x), n_draft, self.lm_head, self.lm_head_draft).float()

@@ -134,9 +134,9 @@ def step_kind(kinds: str, mode: str) -> str | None:
     return "full" if kinds == "decode" and mode == "full" else "draft"
 
 
-def summarize(steps, roofline: Roofline, mode: str) -> list[dict]:
-    """Per step kind of one mode's run: steps, median step_ms and roofline_ms, and their ratio
-    (total measured time over total roofline time)."""
+def summarize(steps, roofline: Roofline, mode: str, label: str | None = None) -> list[dict]:
+    """Per step kind of one mode's run (shown as ``label``, default the mode): steps, median step_ms
+    and roofline_ms, and their ratio (total measured time over total roofline time)."""
     groups: dict[str, list[tuple[float, float]]] = {}
     for s in steps:
         kind = step_kind(s.kinds, mode)
@@ -145,7 +145,7 @@ def summarize(steps, roofline: Roofline, mode: str) -> list[dict]:
     out = []
     for kind, pairs in groups.items():
         measured, roof = [p[0] for p in pairs], [p[1] for p in pairs]
-        out.append({"mode": mode, "step_kind": kind, "steps": len(pairs),
+        out.append({"mode": label or mode, "step_kind": kind, "steps": len(pairs),
                     "step_ms": round(statistics.median(measured) * 1e3, 2),
                     "roofline_ms": round(statistics.median(roof) * 1e3, 2),
                     "x_roofline": round(sum(measured) / sum(roof), 2)})
