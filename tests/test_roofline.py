@@ -55,3 +55,12 @@ def test_steps_are_classed_by_kind_and_prefill_is_left_out():
     (row,) = summarize(steps, roof, "full")
     assert row["step_kind"] == "full" and row["steps"] == 2 and row["roofline_ms"] == pytest.approx(20.0)
     assert row["x_roofline"] == pytest.approx(0.08 / 0.04)
+
+
+def test_best_of_two_measurements_keeps_each_faster_figure():
+    a = Roofline(1e10, 2e11, 1000, [1, 16], [0.010, 0.030])
+    b = Roofline(2e10, 1e11, 1000, [1, 16], [0.020, 0.020])
+    best = a.best(b)
+    assert (best.read_bytes_per_s, best.attn_flops_per_s, best.weight_s) == (2e10, 2e11, [0.010, 0.020])
+    with pytest.raises(ValueError, match="different row counts"):
+        a.best(Roofline(1e10, 1e11, 1000, [1, 8], [0.01, 0.02]))

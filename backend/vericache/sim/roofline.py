@@ -49,6 +49,15 @@ class Roofline:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def best(self, other: "Roofline") -> "Roofline":
+        """The faster of two measurements, figure by figure: on a shared machine a slow moment
+        (another tenant's burst) should not lower what the hardware is credited with."""
+        if other.weight_rows != self.weight_rows:
+            raise ValueError("rooflines measured at different row counts")
+        return Roofline(max(self.read_bytes_per_s, other.read_bytes_per_s),
+                        max(self.attn_flops_per_s, other.attn_flops_per_s), self.flops_per_pair,
+                        list(self.weight_rows), [min(a, b) for a, b in zip(self.weight_s, other.weight_s)])
+
 
 def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
     """This machine's memory read rate (bytes/s): the best of ``repeats`` sums over ``n_bytes`` of fp32."""
