@@ -62,7 +62,7 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_f
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
               dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
-              llamacpp: bool = True) -> dict:
+              llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False) -> dict:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
@@ -100,7 +100,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
             f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
             + (f", {row['mean_acceptance_length']} tokens/round" if rounds else ""))
     if llamacpp and llama_cpp_bench.available() and llm.loaded.device.type == "cpu":
-        rows += llama_cpp_bench.rows(model, prompts, max_tokens, log)
+        rows += llama_cpp_bench.rows(model, prompts, max_tokens, log, llamacpp_flash_attn, llamacpp_copies)
     if roof is not None:  # measured again after the runs: each figure's better value counts
         roof = roof.best(roofline.measure(llm, log))
     full = next((r for r in rows if r["mode"] == "full"), None)

@@ -122,7 +122,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
-                    args.draft_len, args.device, log=_progress(args), llamacpp=not args.no_llamacpp)
+                    args.draft_len, args.device, log=_progress(args), llamacpp=not args.no_llamacpp,
+                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -212,6 +213,10 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
+    bt.add_argument("--llamacpp-flash-attn", default="both", choices=["both", "on", "off"],
+                    help="llama.cpp rows with its flash attention, without, or both (each prefills again)")
+    bt.add_argument("--llamacpp-copies", action="store_true",
+                    help="llama.cpp prefills the first prompt once and decodes every sequence from a copy of its KV")
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--plot", default=None, help="PNG: every decode step's time against its roofline")
     bt.add_argument("--record", default=None)

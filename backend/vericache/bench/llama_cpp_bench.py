@@ -96,6 +96,15 @@ class LlamaCppRunner:
             log(f"  llama.cpp prefill {s + 1}/{len(prompts)}")
         return first
 
+    def prefill_copies(self, prompt: list[int], n_seqs: int, log=print) -> list[int]:
+        """Prefill ``prompt`` once into sequence 0 and copy its KV to sequences 1..n-1 (llama.cpp's
+        own ``llama_memory_seq_cp``): the same bytes to read per decode step as n prefills."""
+        first = self.prefill([prompt], log)
+        mem = self.L.llama_get_memory(self.ctx)
+        for s in range(1, n_seqs):
+            self.L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+        return first * n_seqs
+
     def decode(self, prompts: list[list[int]], first: list[int], max_tokens: int) -> tuple[float, int]:
         """Every sequence decodes ``max_tokens - 1`` more tokens together; (seconds, tokens decoded)."""
         last, pos = list(first), [len(p) for p in prompts]
@@ -111,8 +120,11 @@ class LlamaCppRunner:
         self.L.llama_model_free(self.model)
 
 
-def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print, flash_attn: bool = True) -> dict | None:
-    """llama.cpp's row for ``prompts`` decoded together; None when the model has no GGUF."""
+def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print, flash_attn: bool = True,
+        copies: bool = False) -> dict | None:
+    """llama.cpp's row for ``prompts`` decoded together; None when the model has no GGUF. ``copies``:
+    prefill the first prompt only and decode every sequence from a copy of its KV (for batches whose
+    prefill would take long: llama.cpp prefilled ~73 tokens/s on the machine of docs/BENCHMARKS.md)."""
     gguf = gguf_path(model_name)
     if gguf is None:
         log(f"llama.cpp: {model_name} has no GGUF file; no llama.cpp row")
@@ -122,7 +134,11 @@ def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print, f
         runner = LlamaCppRunner(gguf, len(prompts), max(len(p) for p in prompts) + max_tokens + 8, threads,
                                 flash_attn)
         try:
-            first = runner.prefill(prompts, log)
+            if copies:
+                prompts = [prompts[0]] * len(prompts)
+                first = runner.prefill_copies(prompts[0], len(prompts), log)
+            else:
+                first = runner.prefill(prompts, log)
             seconds, tokens = runner.decode(prompts, first, max_tokens)
         finally:
             runner.close()
@@ -130,13 +146,18 @@ def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print, f
         log(f"llama.cpp: failed ({type(exc).__name__}: {exc}); no llama.cpp row")
         return None
     attn = "flash attention" if flash_attn else "no flash attention"
-    row = {"mode": f"llama.cpp ({gguf.name.split('.')[-2]} weights, f16 KV, {attn})",
+    how = ", KV copied from one prefill" if copies else ""
+    row = {"mode": f"llama.cpp ({gguf.name.split('.')[-2]} weights, f16 KV, {attn}{how})",
            "tokens_per_s": round(tokens / seconds, 2), "decode_s": round(seconds, 2), "steps": max_tokens - 1}
     log(f"llama.cpp ({attn}): {row['tokens_per_s']} tok/s over {len(prompts)} sequence(s), {threads} threads")
     return row
 
 
-def rows(model_name: str, prompts: list[list[int]], max_tokens: int, log=print) -> list[dict]:
-    """Both of llama.cpp's attention paths (its CPU flash attention is the slower one on some CPUs,
-    3.5x at 8K on an Intel Xeon with AVX-512 here): each its own prefill, then the decode."""
-    return [r for fa in (True, False) if (r := run(model_name, prompts, max_tokens, log, fa)) is not None]
+def rows(model_name: str, prompts: list[list[int]], max_tokens: int, log=print,
+         flash_attn: str = "both", copies: bool = False) -> list[dict]:
+    """llama.cpp's attention paths ("both", "on", "off"; its CPU flash attention is the slower one on
+    some CPUs, 2.5x at 8K on an Intel Xeon with AVX-512 here): each its own prefill, then the decode."""
+    paths = {"both": (True, False), "on": (True,), "off": (False,)}
+    if flash_attn not in paths:
+        raise ValueError(f"flash_attn must be both, on or off, got {flash_attn!r}")
+    return [r for fa in paths[flash_attn] if (r := run(model_name, prompts, max_tokens, log, fa, copies)) is not None]

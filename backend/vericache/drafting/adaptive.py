@@ -20,6 +20,12 @@ class DraftState:
     failed_rounds: int = 0
     cooldown: int = 0
     fallbacks: int = 0
+    accepted_total: int = 0       # drafted tokens accepted, all rounds
+    rejections: int = 0           # rounds that ended at a mismatch
+
+    def acceptance(self) -> float:
+        """Per-token acceptance, a geometric model's estimate (Laplace-smoothed)."""
+        return (self.accepted_total + 1) / (self.accepted_total + self.rejections + 2)
 
 
 @dataclass
@@ -54,6 +60,8 @@ class DraftLengthPolicy:
             if st.cooldown == 0 and self.fixed is None:
                 st.k = max(self.min_len, 4)
             return
+        st.accepted_total += accepted
+        st.rejections += accepted < drafted
         if self.fixed is not None:
             return
         st.ema_accepted = 0.6 * st.ema_accepted + 0.4 * accepted

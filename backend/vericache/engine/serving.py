@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from vericache.drafting.cost import DraftCost
 from vericache.drafting.round import add_draft, finish_round
 from vericache.engine import remote
 from vericache.engine.batch import DECODE, DRAFT, VERIFY, StepBatch
@@ -68,6 +69,7 @@ class ServingEngine:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.eng = engine
+        self.draft_cost = DraftCost()  # draft lengths from this engine's fitted step costs
         self.schedule = make_schedule(scheduler)
         self.scheduler = scheduler
         # offload: vericache full KV in the host tier, brought over ``link`` for each verification;
@@ -179,7 +181,11 @@ class ServingEngine:
             if not rs.started:  # a new round
                 remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
                 k = r.opts.policy.next_len(r.policy_state, remaining)
-                rs.start(self.schedule.new_round(self, r, k) if self.memory.is_offloaded(r) else k)
+                if self.memory.is_offloaded(r):
+                    k = self.schedule.new_round(self, r, k)
+                elif k > 0 and r.opts.policy.fixed is None:
+                    k = self._cost_len(r, k, remaining)
+                rs.start(k)
             remote_verified = r.session is not None  # a complete round goes out in remote.send_verifies
             if not rs.complete and (remote_verified or self.schedule.may_draft(self, r)):
                 tok = rs.drafts[-1] if rs.drafts else r.last_token
@@ -187,6 +193,14 @@ class ServingEngine:
             elif rs.complete and not remote_verified and not self.memory.is_offloaded(r):  # full KV here: verify
                 batch.add(r, VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
         return batch
+
+    def _cost_len(self, r: Request, k: int, remaining: int) -> int:
+        """The draft length the fitted step costs call for (``drafting/cost.py``); ``k`` until fitted."""
+        pos, k_max = r.position, min(r.opts.policy.max_len, remaining - 1)
+        n = len(self.in_state(DRAFTING, DECODING))
+        choice = self.draft_cost.choose(r.policy_state.acceptance(), n, r.draft.attention_cost(pos, 1),
+                                        lambda j: r.full.attention_cost(pos, j + 1), k_max)
+        return k if choice is None else choice
 
     def _plan_prefill(self, req: Request, batch: StepBatch, budget: int) -> int:
         """Add the request's next prefill chunk; returns the tokens planned."""
@@ -242,6 +256,7 @@ class ServingEngine:
         t1 = time.perf_counter()
         self.instruments.intervals.append((t0, t1, batch.kinds))
         self.instruments.steps.append(StepRecord(t0, t1, batch.kinds, len(batch.rows), *work))
+        self.draft_cost.tick(self.instruments.steps)
         if batch.of(VERIFY) and batch.kinds == VERIFY:  # a clean measurement of the verification
             self.instruments.note_verify(t1 - t0, self.eng.cfg.num_hidden_layers)
         return True

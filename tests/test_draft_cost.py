@@ -1,0 +1,73 @@
+"""The cost-chosen draft length: the fit of step costs, and the k it calls for."""
+
+from __future__ import annotations
+
+import pytest
+
+from vericache.drafting.adaptive import DraftLengthPolicy
+from vericache.drafting.cost import DraftCost, StepCostFit, best_draft_len, expected_tokens
+from vericache.engine.instruments import StepRecord
+
+
+def test_expected_tokens_counts_the_bonus_token():
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_compute_bound_verification_calls_for_short_drafts_and_cheap_for_long():
+    # verification grows with its rows (a CPU batch): short drafts
+    short = best_draft_len(0.93, draft_s=0.3, verify_s=lambda k: 0.3 + 0.1 * (k + 1), k_max=48)
+    # verification costs one step whatever its rows (memory-bound): drafts as long as acceptance allows
+    long = best_draft_len(0.97, draft_s=0.05, verify_s=lambda k: 0.4, k_max=48)
+    assert 1 <= short <= 6 and long >= 12
+    assert best_draft_len(0.1, 0.05, lambda k: 0.4, 48) <= 2      # a poor drafter: hardly worth drafting
+    with pytest.raises(ValueError, match="k_max must be >= 1, got 0"):
+        best_draft_len(0.9, 0.1, lambda k: 0.1, 0)
+
+
+def _steps(t0, t_row, t_byte, t_pair):
+    out, t = [], 0.0
+    for i in range(30):   # draft and verification steps of several sizes (requests at several lengths)
+        verify, n = i % 3 == 0, 4 + i % 13
+        keys = 2000 + 500 * (i % 7)
+        rows, kv, pairs = (n * (1 + i % 5), n * keys * 7e4, n * (1 + i % 5) * keys) if verify else (n, n * 1e7, n * 900)
+        dt = t0 + rows * t_row + kv * t_byte + pairs * t_pair
+        out.append(StepRecord(t, t + dt, "draft+verify" if verify else "draft", 16, rows, kv, pairs))
+        t += dt
+    return out
+
+
+def test_the_fit_recovers_the_step_costs_and_waits_for_enough_steps():
+    true = (0.02, 0.002, 5e-11, 4e-9)
+    fit = StepCostFit.fit(_steps(*true))
+    assert fit is not None
+    for got, want in zip(fit.coef, true):
+        assert got == pytest.approx(want, rel=1e-3)
+    degenerate = [StepRecord(0, 0.5, "draft", 16, 16, 8e8, 16000)] * 10 + [
+        StepRecord(0, 0.9 + 0.1 * r, "draft+verify", 16, 16 * r, 6e9, 16 * r * 8000) for r in range(1, 6)]
+    rough = StepCostFit.fit(degenerate)          # fewer distinct steps than unknowns: it still predicts them
+    assert all(rough.seconds(s.rows, s.kv_bytes, s.pairs) == pytest.approx(s.end - s.start, rel=0.05)
+               for s in degenerate)
+    assert StepCostFit.fit(_steps(*true)[:5]) is None                       # too few
+    assert StepCostFit.fit([s for s in _steps(*true) if "verify" not in s.kinds]) is None
+
+
+def test_draft_cost_chooses_nothing_until_fitted_then_a_k_within_bounds():
+    cost = DraftCost(every=4)
+    assert cost.choose(0.9, 16, (1e6, 1000), lambda k: (4e8, (k + 1) * 8000), 48) is None
+    steps = _steps(0.02, 0.002, 5e-11, 4e-9)
+    for i in range(len(steps)):
+        cost.tick(steps[: i + 1])
+    k = cost.choose(0.9, 16, (1e6, 1000), lambda k: (4e8, (k + 1) * 8000), 48)
+    assert k is not None and 1 <= k <= 48
+
+
+def test_acceptance_estimate_follows_the_rounds():
+    policy = DraftLengthPolicy()
+    st = policy.new_state()
+    assert st.acceptance() == 0.5
+    for _ in range(5):
+        policy.update(st, 8, 8)          # all accepted
+    high = st.acceptance()
+    policy.update(st, 8, 2)
+    assert high > 0.95 and st.acceptance() < high and st.rejections == 1
