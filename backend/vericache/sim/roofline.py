@@ -193,7 +193,7 @@ def plot_roofline(runs: dict[str, tuple[str, list]], roofline: Roofline, path: s
     ax.set_yscale("log")
     ax.set_xlabel("roofline ms (weights + max(KV bytes / bandwidth, attention flops / op peak))")
     ax.set_ylabel("measured step ms")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
