@@ -47,7 +47,8 @@ class StepBatch:
         from each row's cache before it runs: what the roofline charges (``sim.roofline``)."""
         rows = kv_bytes = pairs = 0
         for row in self.rows:
-            b, p = row.cache.attention_cost(row.start, len(row.tokens))
+            cost = getattr(row.cache, "attention_cost", None)   # a cache that cannot say counts nothing
+            b, p = cost(row.start, len(row.tokens)) if cost else (0, 0)
             rows, kv_bytes, pairs = rows + len(row.tokens), kv_bytes + b, pairs + p
         return rows, kv_bytes, pairs
 

@@ -183,8 +183,8 @@ class ServingEngine:
                 k = r.opts.policy.next_len(r.policy_state, remaining)
                 if self.memory.is_offloaded(r):
                     k = self.schedule.new_round(self, r, k)
-                elif k > 0 and r.opts.policy.fixed is None:
-                    k = self._cost_len(r, k, remaining)
+                elif k > 0 and r.opts.policy.fixed is None and r.full is not None and r.session is None:
+                    k = self._cost_len(r, k, remaining)   # full KV here: the local step costs decide
                 rs.start(k)
             remote_verified = r.session is not None  # a complete round goes out in remote.send_verifies
             if not rs.complete and (remote_verified or self.schedule.may_draft(self, r)):

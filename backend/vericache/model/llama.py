@@ -23,7 +23,7 @@ from torch import nn
 
 from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, attend_packed
-from vericache.model.draft_weights import Int8Linear, mixed_linear
+from vericache.model.draft_weights import Int8Linear, check_draft_weights, mixed_linear
 
 
 class AttentionCache(Protocol):
@@ -247,11 +247,8 @@ class Transformer(nn.Module):
     def quantize_drafts(self, kind: str = "int8") -> None:
         """Give every linear layer an int8 copy that the ``n_draft`` rows of a forward read; the exact
         weights stay for every other row. Inference only, CPU (fbgemm)."""
-        if kind == "fp32":
+        if check_draft_weights(kind) == "fp32":
             return
-        from vericache.model.draft_weights import check_draft_weights
-
-        check_draft_weights(kind)
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv = [a.q_proj, a.k_proj, a.v_proj]
