@@ -10,24 +10,18 @@ at k+1, a prefill chunk at 512). Best of 15 calls each, side by side in one proc
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
 from vericache.kv.attention import merge
 from vericache.kv.packed import KeyPart, attend_packed, torch_part
+from vericache.sim.roofline import best_seconds
 
 HQ, HKV, D = 9, 3, 64
 
 
 def best_ms(fn, repeats: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    return best_seconds(fn, repeats) * 1e3
 
 
 def case(seqs: int, keys: int, queries: int) -> None:

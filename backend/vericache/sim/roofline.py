@@ -70,7 +70,8 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
     return n_bytes / best
 
 
-def _best_s(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` (after one warm-up call), in seconds."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -105,7 +106,7 @@ def weights_seconds(model, rows: int, repeats: int = 3) -> float:
             a.o_proj(xo), mlp.down_proj(xi)
         model.lm_head(x)
 
-    return _best_s(run, repeats)
+    return best_seconds(run, repeats)
 
 
 @torch.inference_mode()
@@ -116,7 +117,7 @@ def attention_flop_rate(cfg, dtype: torch.dtype, queries: int = 256, keys: int =
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     k, v = torch.randn(hkv, keys, d, dtype=dtype), torch.randn(hkv, keys, d, dtype=dtype)
     q = torch.randn(hq, queries, d, dtype=dtype)
-    s = _best_s(lambda: attend_packed(q, [queries], [[KeyPart(k, v, n=keys)]], hkv), 5)
+    s = best_seconds(lambda: attend_packed(q, [queries], [[KeyPart(k, v, n=keys)]], hkv), 5)
     return 4 * d * hq * queries * keys / s
 
 
