@@ -70,6 +70,12 @@ def test_bench_batch_command(tmp_path, capsys):
     # vericache holds the full KV and the compressed one: more resident bytes than full alone
     assert rows["vericache"]["kv_resident_bytes"] > rows["full"]["kv_resident_bytes"]
     assert "bench batch" in (tmp_path / "B.md").read_text()
+    # the stall figure: lossy and vericache draft; the slowest step includes postprocess (commits)
+    stalls = {r["mode"]: r for r in out["stalls"]}
+    assert set(stalls) == {"lossy", "vericache"}
+    for r in stalls.values():
+        assert r["slowest_ms"] >= r["slowest_draft_ms"] >= r["median_draft_ms"] > 0
+    assert "median draft step" in (tmp_path / "B.md").read_text()
 
 
 def test_bench_throughput_command(tmp_path, capsys):

@@ -24,6 +24,9 @@ COLUMNS = ["mode", "tokens_per_s", "x_full", "identical_to_full", "mean_acceptan
            "kv_resident_x_full", "decode_s", "load_s", "steps"]
 
 
+STALL_COLUMNS = ["mode", "slowest_ms", "slowest_draft_ms", "median_draft_ms", "x_median_draft"]
+
+
 def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
     """``n`` prompts of ``context`` tokens, each a different stretch of real code."""
     ids = code_prompt(tokenizer, context + 997 * n)
@@ -113,6 +116,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
             "rows": rows, "roofline": roof.to_dict() if roof else None,
             "roofline_rows": [x for label, (m, st) in runs.items() for x in roofline.summarize(st, roof, m, label)]
             if roof else [],
+            "stalls": [{"mode": label} | st for label, (m, steps) in runs.items()
+                       if (st := roofline.stall(steps, m)) is not None],
             "step_records": runs}
 
 
@@ -120,4 +125,7 @@ def batch_markdown(res: dict) -> str:
     text = f"{res['cpu']}, {res['threads']} threads.\n\n" + markdown_table(res["rows"], COLUMNS)
     if res["roofline_rows"]:
         text += "\n\nSteps against the roofline:\n\n" + markdown_table(res["roofline_rows"], roofline.ROOFLINE_COLUMNS)
+    if res.get("stalls"):
+        text += ("\n\nThe slowest decode step (forward + postprocess) against the median draft step:\n\n"
+                 + markdown_table(res["stalls"], STALL_COLUMNS))
     return text

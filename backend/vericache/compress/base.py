@@ -5,8 +5,11 @@ cache (``vericache.kv.compressed``) calls it when a batch of committed tokens
 leaves the full-precision recent window (the KIVI residual idea), so it works
 during decoding, not only at prefill.
 
-- Eviction methods rank tokens: they write only ``score`` (higher = keep);
-  the cache keeps the top ``ratio`` of all tokens seen, per KV head.
+- Eviction methods rank tokens: they write only ``score`` (higher = keep); the cache keeps the
+  top ``ratio`` of all tokens seen, per KV head. A move scores only the tokens entering the store:
+  kept tokens carry the score they entered with, so scores from different moves must compare
+  (``observed_attention`` is relative to uniform attention, whatever the number of candidates).
+  A method that updates its kept tokens' scores (H2O) sets ``rescores_kept`` and is shown them.
 - Quantization methods write ``layouts``: how K and V are stored (``kv.quantized.Layout``: codes
   and scales; its encode, its reference dequantization and its attention-kernel format). The
   draft attention reads the codes as stored.
@@ -29,23 +32,26 @@ class ScoreInputs:
 
     keys: [H, S, D] candidate keys (dequantised, fp32), positions: [H, S];
     queries: [L * Hq, W, D] the most recent observed queries (rotated);
-    state: a dict the scorer may keep across compression events (entries named ``row:*`` are
-    [H, S] and are gathered alongside the kept tokens).
+    state: a dict the scorer may keep across compression events (KVzip's prompt scores);
+    carried: [H, c] the scores the first c candidates (kept tokens) carry, for methods that
+    re-score them (``rescores_kept``); None when every candidate is entering.
     """
     keys: torch.Tensor
     positions: torch.Tensor
     queries: torch.Tensor
     state: dict[str, Any]
     prompt_len: int
+    carried: torch.Tensor | None = None
 
 
 def observed_attention(inp: ScoreInputs) -> torch.Tensor:
-    """Attention probabilities of the observed queries over the candidates, summed per KV head: [Hkv, W, S]."""
+    """Attention of the observed queries over the candidates relative to uniform (probability x S, so
+    1.0 = an average candidate, whatever S), summed over each KV head's query heads: [Hkv, W, S]."""
     hq, w, d = inp.queries.shape
     hkv, s, _ = inp.keys.shape
     q = inp.queries.view(hkv, hq // hkv, w, d).float()              # [Hkv, G, W, D]
     logits = torch.einsum("hgwd,hsd->hgws", q, inp.keys.float()) / math.sqrt(d)
-    return torch.softmax(logits, dim=-1).sum(dim=1)                  # [Hkv, W, S]
+    return torch.softmax(logits, dim=-1).sum(dim=1) * s              # [Hkv, W, S]
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Compressor:
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""  # "eviction" or "quantization"
+    rescores_kept: ClassVar[bool] = False  # eviction: score kept tokens again at every move (H2O)
     window: int = 32
 
     def __post_init__(self) -> None:
@@ -145,6 +152,7 @@ class Composed(Compressor):
 
     evicts = property(lambda self: True)
     quantizes = property(lambda self: True)
+    rescores_kept = property(lambda self: self.evictor.rescores_kept)
 
     def keep_budget(self, total_tokens: int) -> int:
         return self.evictor.keep_budget(total_tokens)

@@ -46,17 +46,17 @@ class H2O(EvictionCompressor):
     """Heavy hitters: attention accumulated over every compression event so far (Zhang et al., H2O).
 
     Accumulation is batched: at each event the queries observed since the last
-    one add their attention to each surviving token's running total.
+    one add their attention to each surviving token's running total (so, unlike the
+    others, a move re-scores the kept tokens: work in proportion to them).
     """
 
     name: ClassVar[str] = "h2o"
+    rescores_kept: ClassVar[bool] = True
 
     def score(self, inp: ScoreInputs) -> torch.Tensor:
         att = observed_attention(inp).sum(dim=1)                                # [Hkv, S]
-        acc = inp.state.get("row:acc")
-        if acc is not None:  # older candidates carry their total; new ones start from this event
-            att[:, : acc.shape[1]] += acc
-        inp.state["row:acc"] = att
+        if inp.carried is not None:  # kept candidates carry their total; new ones start from this event
+            att[:, : inp.carried.shape[1]] += inp.carried
         return att
 
 
@@ -89,4 +89,6 @@ class KVzip(EvictionCompressor):
             return recent
         from_prompt = inp.positions < inp.prompt_len
         idx = inp.positions.clamp(max=prompt_scores.shape[1] - 1)
-        return torch.where(from_prompt, prompt_scores.gather(1, idx), recent)
+        # the reconstruction's probabilities over the P prompt tokens, made relative as ``recent`` is
+        relative = prompt_scores.gather(1, idx) * prompt_scores.shape[1]
+        return torch.where(from_prompt, relative, recent)

@@ -25,6 +25,7 @@ class StepRecord:
     rows: int
     kv_bytes: int     # K/V bytes its attention reads (all layers)
     pairs: int        # query-key pairs per query head and layer
+    post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
 
 
 @dataclass

@@ -136,7 +136,9 @@ class ServingEngine:
         remote.poll(self)
         batch = self._plan()
         if batch.rows and self._run(batch):
+            t0 = time.perf_counter()
             self._postprocess(batch)
+            self.instruments.steps[-1].post = time.perf_counter() - t0
         remote.send_verifies(self)
         if self.link is not None:
             self.schedule.start_transfers(self, self.in_state(DRAFTING))

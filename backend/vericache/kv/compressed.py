@@ -12,8 +12,13 @@ Layout, every tensor allocated once for the request (all layers in one tensor ea
 
 Tokens move from the residual to the store in batches (whole position groups, at least
 ``window``), only once they are *committed* (verified by the full model, or accepted as-is in
-lossy mode), so speculative draft tokens can always be rolled back. Eviction re-scores at every
-move, all layers in one call, so the kept budget tracks ``ratio`` x tokens seen.
+lossy mode), so speculative draft tokens can always be rolled back.
+
+Eviction at a move costs work in proportion to the tokens moved, not to the tokens kept: only the
+entering tokens are scored (all layers in one call; H2O, which accumulates, re-scores its kept
+ones), kept tokens carry the score they entered with (``scores``), the top ``ratio`` x tokens seen
+stay, and each entering token that stays is written into a slot an evicted one left. The store is
+therefore not in position order (``pos`` says where each token lies; attention does not care).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def store_spec(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity:
         spec["k.tok.x"] = spec["v.tok.x"] = ((n_layers, hkv, c, d), dtype)
     if comp.evicts:
         spec["pos"] = ((n_layers, hkv, c), torch.int32)
+        spec["scores"] = ((n_layers, hkv, c), torch.float32)
     spec["queries"] = ((n_layers, hq, comp.window, d), dtype)
     return spec
 
@@ -77,6 +83,7 @@ class CompressedKVCache:
         spec = store_spec(compressor, cfg, dtype, capacity)
         t = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
         self.pos: torch.Tensor | None = t.pop("pos", None)          # [L, Hkv, C] int32
+        self.scores: torch.Tensor | None = t.pop("scores", None)    # [L, Hkv, C] each kept token's score
         self.queries = t.pop("queries")                            # [L, Hq, W, D], the last W in order
         self.fields = t                                            # "k.tok.codes" -> [L, Hkv, C, w], ...
         self.count = 0                                             # tokens per KV head in the store
@@ -229,27 +236,58 @@ class CompressedKVCache:
                 self.fields[name][:, :, c : c + n] = y
             self.count = c + n
             return
-        # eviction: the kept tokens then the new ones are candidates; keep the top budget per head
+        # eviction: the kept tokens (their carried scores) and the entering ones compete for the budget
         n_l, hkv = k.shape[:2]
         positions = torch.arange(rs, rs + n, device=k.device, dtype=torch.int32).expand(n_l, hkv, n)
-        positions = torch.cat([self.pos[:, :, :c], positions], dim=2)                   # [L, Hkv, S]
-        keys = torch.cat([self._stored_keys(), k.float()], dim=2)                       # [L, Hkv, S, D]
+        scores = self._candidate_scores(k, positions)                                   # [L*Hkv, c+n]
+        budget = max(comp.keep_budget(committed) - (committed - rs - n), 0)
+        entering = new | {"pos": positions, "scores": scores[:, c:].view(n_l, hkv, n)}
+        self._keep_top(scores, min(budget, c + n), entering)
+
+    def _candidate_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[L*Hkv, count + n]: the kept tokens' scores, then the n entering ones' (k: [L, Hkv, n, D]).
+        Only the entering tokens are scored, unless the method re-scores what it keeps (H2O)."""
+        comp, c = self.compressor, self.count
         w = min(self.q_seen, self.window)
         queries = self.queries[:, :, self.window - w :].flatten(0, 1)                  # [L*Hq, w, D]
-        scores = comp.score(ScoreInputs(keys.flatten(0, 1), positions.flatten(0, 1).long(), queries,
-                                        self.state, self.prompt_len)).view(n_l, hkv, -1)
-        budget = max(comp.keep_budget(committed) - (committed - rs - n), 0)
-        keep = scores.topk(min(budget, c + n), dim=2).indices.sort(dim=2).values       # [L, Hkv, B]
-        b = keep.shape[2]
-        for name, y in new.items():
-            store = self.fields[name]
-            cand = torch.cat([store[:, :, :c], y], dim=2)
-            store[:, :, :b] = cand.gather(2, keep[..., None].expand(*keep.shape, cand.shape[3]))
-        self.pos[:, :, :b] = positions.gather(2, keep)
-        flat = keep.flatten(0, 1)
-        for name in [x for x in self.state if x.startswith("row:")]:
-            self.state[name] = self.state[name].gather(1, flat)
+        carried = self.scores[:, :, :c].flatten(0, 1)                                   # [L*Hkv, c]
+        if comp.rescores_kept:
+            keys = torch.cat([self._stored_keys(), k.float()], dim=2)                   # [L, Hkv, c+n, D]
+            pos = torch.cat([self.pos[:, :, :c], positions], dim=2)
+            scores = comp.score(ScoreInputs(keys.flatten(0, 1), pos.flatten(0, 1).long(), queries,
+                                            self.state, self.prompt_len, carried))
+            carried.copy_(scores[:, :c])
+            return scores
+        new = comp.score(ScoreInputs(k.float().flatten(0, 1), positions.flatten(0, 1).long(), queries,
+                                     self.state, self.prompt_len))
+        return torch.cat([carried, new], dim=1)
+
+    def _keep_top(self, scores: torch.Tensor, b: int, entering: dict[str, torch.Tensor]) -> None:
+        """Keep the b best of the candidates ([H, c+n] scores: store slots 0..c-1, then the entering
+        tokens) in slots 0..b-1. Tokens already in those slots stay put; every other kept one (an
+        entering token, or a stored one beyond b when the budget shrinks) fills a hole left by an
+        evicted one, so the writes are O(tokens moved). ``entering``: name -> [L, Hkv, n, ...]."""
+        h, s = scores.shape
+        c = self.count
+        idx = torch.arange(s, device=scores.device)
+        kept = torch.zeros(h, s, dtype=torch.bool, device=scores.device)
+        kept.scatter_(1, scores.topk(b, dim=1).indices, True)
+        stay = kept & (idx < min(b, c))
+        # per head, as many movers as holes (b - stayers each); nonzero lists them head by head in order
+        mover_h, mover_j = (kept & ~stay).nonzero(as_tuple=True)
+        hole_h, hole_j = ((idx < b) & ~stay).nonzero(as_tuple=True)
+        stored = mover_j < c
+        for name, y in entering.items():
+            store = self._store_tensor(name).flatten(0, 1)                                # [H, C, ...]
+            y = y.flatten(0, 1)                                                           # [H, n, ...]
+            vals = torch.empty((len(mover_h), *store.shape[2:]), dtype=store.dtype, device=store.device)
+            vals[stored] = store[mover_h[stored], mover_j[stored]]
+            vals[~stored] = y[mover_h[~stored], mover_j[~stored] - c].to(store.dtype)
+            store[hole_h, hole_j] = vals
         self.count = b
+
+    def _store_tensor(self, name: str) -> torch.Tensor:
+        return {"pos": self.pos, "scores": self.scores}.get(name, self.fields.get(name))
 
     def _stored_keys(self) -> torch.Tensor:
         """The store's keys in fp32: [L, Hkv, count, D] (dequantized for scoring)."""
@@ -282,8 +320,8 @@ class CompressedKVCache:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds."""
         state = [x for x in self.state.values() if isinstance(x, torch.Tensor)]
-        return [*self.fields.values(), self.queries, self.residual.k, self.residual.v, *state,
-                *([self.pos] if self.pos is not None else [])]
+        evict = [self.pos, self.scores] if self.pos is not None else []
+        return [*self.fields.values(), self.queries, self.residual.k, self.residual.v, *state, *evict]
 
     def resident_bytes(self) -> int:
         """Bytes of every storage the cache holds, each counted once (allocated, not only used)."""

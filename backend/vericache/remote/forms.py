@@ -121,6 +121,7 @@ def load_compressed(cache: CompressedKVCache, blocks: list[Form], block_tokens: 
         dst[:, :, : x.shape[2]] = x.to(dst)
     if cache.pos is not None:
         cache.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(cache.pos)
+        cache.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
     cache.count = count
     cache.res_start = cache.committed = cache.prompt_len = n
     cache.residual.truncate(0)

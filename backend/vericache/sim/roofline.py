@@ -146,23 +146,39 @@ def step_kind(kinds: str, mode: str) -> str | None:
 
 def summarize(steps, roofline: Roofline, mode: str, label: str | None = None) -> list[dict]:
     """Per step kind of one mode's run (shown as ``label``, default the mode): steps, median step_ms
-    and roofline_ms, and their ratio (total measured time over total roofline time)."""
-    groups: dict[str, list[tuple[float, float]]] = {}
+    (the forward) and roofline_ms, their ratio (total measured time over total roofline time), the
+    median postprocess (commits, compression moves) and the slowest step, forward + postprocess."""
+    groups: dict[str, list[tuple[float, float, float]]] = {}
     for s in steps:
         kind = step_kind(s.kinds, mode)
         if kind is not None:
-            groups.setdefault(kind, []).append((s.end - s.start, roofline.step_s(s.rows, s.kv_bytes, s.pairs)))
+            roof = roofline.step_s(s.rows, s.kv_bytes, s.pairs)
+            groups.setdefault(kind, []).append((s.end - s.start, roof, s.post))
     out = []
-    for kind, pairs in groups.items():
-        measured, roof = [p[0] for p in pairs], [p[1] for p in pairs]
-        out.append({"mode": label or mode, "step_kind": kind, "steps": len(pairs),
+    for kind, rows in groups.items():
+        measured, roof, post = zip(*rows)
+        out.append({"mode": label or mode, "step_kind": kind, "steps": len(rows),
                     "step_ms": round(statistics.median(measured) * 1e3, 2),
                     "roofline_ms": round(statistics.median(roof) * 1e3, 2),
-                    "x_roofline": round(sum(measured) / sum(roof), 2)})
+                    "x_roofline": round(sum(measured) / sum(roof), 2),
+                    "post_ms": round(statistics.median(post) * 1e3, 2),
+                    "slowest_ms": round(max(m + p for m, _, p in rows) * 1e3, 2)})
     return out
 
 
-ROOFLINE_COLUMNS = ["mode", "step_kind", "steps", "step_ms", "roofline_ms", "x_roofline"]
+def stall(steps, mode: str) -> dict | None:
+    """The slowest decode step (forward + postprocess, any kind) against the median draft step:
+    how much one step stalls every request in it (None without draft steps)."""
+    drafts = [s.end - s.start + s.post for s in steps if step_kind(s.kinds, mode) == "draft"]
+    decode = [s.end - s.start + s.post for s in steps if step_kind(s.kinds, mode) is not None]
+    if not drafts:
+        return None
+    median = statistics.median(drafts)
+    return {"slowest_ms": round(max(decode) * 1e3, 1), "median_draft_ms": round(median * 1e3, 1),
+            "slowest_draft_ms": round(max(drafts) * 1e3, 1), "x_median_draft": round(max(decode) / median, 2)}
+
+
+ROOFLINE_COLUMNS = ["mode", "step_kind", "steps", "step_ms", "roofline_ms", "x_roofline", "post_ms", "slowest_ms"]
 
 
 def plot_roofline(runs: dict[str, tuple[str, list]], roofline: Roofline, path: str, title: str) -> None:
