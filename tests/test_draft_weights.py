@@ -1,4 +1,4 @@
-"""Draft weights: int8 copies for draft rows only; every other row reads the exact weights."""
+"""Draft weights: int8 or int4 copies for draft rows only; every other row reads the exact weights."""
 
 from __future__ import annotations
 
@@ -8,15 +8,32 @@ import torch.nn.functional as F
 
 from vericache import LLM
 from vericache.engine.engine import Engine
-from vericache.model.draft_weights import Int8Linear, mixed_linear
+from vericache.model.draft_weights import Int4Linear, Int8Linear, mixed_linear
 
 
-def test_int8_linear_is_close_to_the_exact_linear_but_not_equal():
+@pytest.mark.parametrize("cls, tolerance", [(Int8Linear, 0.02), (Int4Linear, 0.12)])
+def test_quantized_linear_is_close_to_the_exact_linear_but_not_equal(cls, tolerance):
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(5, 64, generator=g)
-    ref, y = F.linear(x, w, b), Int8Linear(w, b)(x)
-    assert y.shape == ref.shape and not torch.equal(y, ref)
-    assert (y - ref).norm() / ref.norm() < 0.02
+    ref, y = F.linear(x, w, b), cls(w, b)(x)
+    assert y.shape == ref.shape and y.dtype == torch.float32 and not torch.equal(y, ref)
+    assert (y - ref).norm() / ref.norm() < tolerance
+
+
+def test_int4_linear_computes_its_own_dequantized_weight():
+    """The kernel's product is x times the weight the codes describe (min-max per 32 inputs), not another."""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(64, 96, generator=g), torch.randn(3, 96, generator=g)
+    lin = Int4Linear(w)
+    wg = w.view(64, 3, 32)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    deq = (((wg - lo) / scale).round().clamp(0, 15) * scale + lo).view(64, 96)
+    want = x.bfloat16().float() @ deq.t()
+    assert (lin(x) - want).norm() / want.norm() < 0.01   # bf16 scales and activations
+    assert (lin(x) - x @ w.t()).norm() / (x @ w.t()).norm() > 0.02   # and it is 4-bit, not exact
+    with pytest.raises(ValueError, match="100"):
+        Int4Linear(torch.randn(8, 100))
 
 
 def test_mixed_linear_sends_only_the_first_rows_to_the_draft_weights():
@@ -39,6 +56,19 @@ def test_draft_rows_read_int8_and_the_rest_the_exact_weights(llm):
     exact_err, draft_err = (mixed[6:] - exact[6:]).abs().max(), (mixed[:6] - exact[:6]).abs().max()
     assert exact_err < 1e-3 and draft_err > 100 * exact_err
     assert (mixed[:6].argmax(-1) == exact[:6].argmax(-1)).float().mean() > 0.5
+
+
+def test_engines_on_one_model_draft_on_their_own_copies(llm):
+    """An int4 engine and an int8 engine share the model; each step's draft rows read its engine's copies."""
+    e8, e4 = Engine(llm.loaded, draft_weights="int8"), Engine(llm.loaded, draft_weights="int4")
+    model = e8.model
+    tokens = torch.tensor(llm.tokenizer.encode("def add(a, b):\n    return a + b\n")[:6])
+    outs = {}
+    for kind in ("int8", "int4", "int8"):
+        model.quantize_drafts(kind)
+        outs.setdefault(kind, []).append(model(tokens, [0], [6], n_draft=6))
+    assert torch.equal(outs["int8"][0], outs["int8"][1]) and not torch.equal(outs["int8"][0], outs["int4"][0])
+    assert set(model.draft_sets) == {"int8", "int4"} and e4.draft_weights == "int4"
 
 
 def test_bad_draft_weights_are_refused():

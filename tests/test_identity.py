@@ -64,10 +64,11 @@ def test_vericache_equals_full(llm, identity_prompts, full_reference, spec, batc
             assert st["drafted_tokens"] <= st["rounds"] * draft_len
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("spec", COMPRESSORS)
-def test_vericache_with_int8_draft_weights_equals_full(llm, identity_prompts, full_reference, spec):
-    """Drafts on int8 weights (and compressed KV), verification on the exact ones: still the full output."""
-    eng = Engine(llm.loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights="int8")
+def test_vericache_with_quantized_draft_weights_equals_full(llm, identity_prompts, full_reference, spec, weights):
+    """Drafts on int8 or int4 weights (and compressed KV), verification on the exact ones: still the full output."""
+    eng = Engine(llm.loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outs = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
     assert [o.token_ids for o in outs] == full_reference

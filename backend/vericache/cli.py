@@ -24,8 +24,8 @@ def _add_mode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="full", choices=MODES)
     p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
     p.add_argument("--draft-len", default="auto", type=_draft_len, help="tokens per draft round, or auto")
-    p.add_argument("--draft-weights", default="fp32", choices=["fp32", "int8"],
-                   help="weights the drafts read (CPU): fp32 (exact) or int8; verification is exact either way")
+    p.add_argument("--draft-weights", default="fp32", choices=["fp32", "int8", "int4"],
+                   help="weights the drafts read (CPU): fp32 (exact), int8 or int4; verification is exact either way")
 
 
 def _draft_len(text: str) -> int | str:

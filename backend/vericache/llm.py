@@ -21,7 +21,7 @@ class LLM:
     baselines) or "vericache" (draft from the compressed KV, verify with the full KV: lossless).
     compressor: a spec string such as "snapkv:ratio=0.25" or "snapkv:ratio=0.25+kivi:bits=4".
     draft_len: tokens drafted per round, or "auto" (adapts per request).
-    draft_weights: what drafts read: "fp32" (the exact weights) or "int8" (CPU; verification exact).
+    draft_weights: what drafts read: "fp32" (the exact weights), "int8" or "int4" (CPU; verification exact).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str | torch.device | None = None,

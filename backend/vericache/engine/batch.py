@@ -55,12 +55,14 @@ class StepBatch:
     def of(self, kind: str) -> list[Row]:
         return [r for r in self.rows if r.kind == kind]
 
-    def run(self, model, device: torch.device, draft_weights: bool = False) -> None:
-        """One forward over all rows; fills each row's ``logits``. With ``draft_weights`` (the model's
-        ``quantize_drafts`` copies) the draft rows go first and read them; every other row reads the
-        exact weights."""
+    def run(self, model, device: torch.device, draft_weights: str = "fp32") -> None:
+        """One forward over all rows; fills each row's ``logits``. With ``draft_weights`` "int8" or
+        "int4" (the model's ``quantize_drafts`` copies) the draft rows go first and read them; every
+        other row reads the exact weights."""
         rows = self.rows
-        if draft_weights:
+        if draft_weights != "fp32" and self.of(DRAFT):
+            if model.draft_weights != draft_weights:  # engines sharing one model may draft on different copies
+                model.quantize_drafts(draft_weights)
             rows = sorted(rows, key=lambda r: r.kind != DRAFT)    # stable: the others keep their order
         n_draft = sum(len(r.tokens) for r in rows if r.kind == DRAFT) if rows is not self.rows else 0
         tokens, index, offset = [], [], 0

@@ -64,12 +64,12 @@ class SharedPrefill:
 class Engine:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
                  draft_len: int | str = "auto", prefill_chunk: int = 2048, draft_weights: str = "fp32") -> None:
-        """``draft_weights``: what draft rows read, "fp32" (the exact weights) or "int8"
+        """``draft_weights``: what draft rows read, "fp32" (the exact weights), "int8" or "int4"
         (``model.draft_weights``); verification, full and lossy rows always read the exact ones."""
         check_mode(mode)
         check_draft_weights(draft_weights)
         if draft_weights != "fp32" and loaded.device.type != "cpu":
-            raise ValueError(f"draft_weights={draft_weights!r} runs on CPU (fbgemm) only, not on {loaded.device}")
+            raise ValueError(f"draft_weights={draft_weights!r} runs on CPU only (fbgemm, the int4 CPU kernel), not on {loaded.device}")
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
@@ -79,7 +79,7 @@ class Engine:
         self.compressor = parse_compressor(compressor)
         self.policy = DraftLengthPolicy.from_arg(draft_len)
         self.defaults = ResolvedOptions(mode, self.compressor, self.policy)
-        if draft_weights != "fp32" and self.model.draft_weights != draft_weights:
+        if draft_weights != "fp32" and draft_weights not in self.model.draft_sets:
             self.model.quantize_drafts(draft_weights)   # an extra copy: the exact weights stay for the rest
         self.draft_weights = draft_weights
 

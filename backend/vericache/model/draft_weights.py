@@ -1,12 +1,17 @@
-"""Quantized weights for draft rows: the drafter reads int8 weights, the verifier the exact ones.
+"""Quantized weights for draft rows: the drafter reads int8 or int4 weights, the verifier the exact ones.
 
 A draft is only a proposal that verification checks against the full-KV, full-precision model, so
-its matmuls may be approximate: the design card's FP8/INT4 draft engine, here int8 on the CPU.
-Each linear layer gets a per-output-channel int8 copy of its weight run through fbgemm's dynamic
-int8 linear (``torch.ops.quantized.linear_dynamic``: activations quantized per call), which reads
-a quarter of the fp32 bytes (one forward's matmuls, SmolLM2-135M, measured on an Intel Xeon with
-AVX-512, 2 threads: 3.1x faster at 1 row, 3.6x at 16, 3.4x at 64). A step's draft rows come first in its packed rows (``StepBatch``), so
-every linear runs the first ``n_draft`` rows on the int8 copy and the rest on the exact weight.
+its matmuls may be approximate: the design card's FP8/INT4 draft engine, here on the CPU:
+- ``int8``: a per-output-channel int8 copy through fbgemm's dynamic int8 linear
+  (``torch.ops.quantized.linear_dynamic``: activations quantized per call), a quarter of the fp32 bytes;
+- ``int4``: 4-bit min-max codes in groups of 32 input channels (the GGUF Q4_1 idea) through PyTorch's
+  CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations), an eighth of the bytes.
+Measured on an Intel Xeon (AVX-512, AMX), 2 threads, SmolLM2-135M's 121 matmuls of one forward
+(``python scripts/draft_weights_bench.py``): fp32 28 / 32 / 74 / 136 ms at 1 / 3 / 16 / 64 rows,
+int8 12 / 13 / 19 / 44, int4 8 / 12 / 45 / 169: int4 wins for one sequence's drafts, int8 for a
+batch's (the int4 kernel's bf16 path has no many-row blocking here).
+A step's draft rows come first in its packed rows (``StepBatch``), so every linear runs the first
+``n_draft`` rows on the draft copy and the rest on the exact weight.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Callable
 
 import torch
 
-DRAFT_WEIGHTS = ("fp32", "int8")
+DRAFT_WEIGHTS = ("fp32", "int8", "int4")
 
 
 class Int8Linear:
@@ -36,8 +41,36 @@ class Int8Linear:
         return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, False)
 
 
+class Int4Linear:
+    """y = x W^T + b with W in 4-bit codes, min-max per ``group`` input channels; x, y fp32 [N, *].
+    PyTorch's kernel dequantizes (code - 8) * scale + zero, so zero is stored as min + 8 * scale."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32) -> None:
+        w = weight.detach().float().cpu()
+        n, k = w.shape
+        if k % group:
+            raise ValueError(f"int4 draft weights need input width divisible by {group}, got {k}")
+        wg = w.view(n, k // group, group)
+        lo, hi = wg.amin(-1), wg.amax(-1)                                       # [N, K/g]
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        codes = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+        self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)      # [K/g, N, 2] scales beside
+        self.bias = None if bias is None else bias.detach().float().cpu()
+        self.group, self.out_features = group, n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.bfloat16().contiguous(), self.packed, self.group,
+                                              self.scales_zeros).float()
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
+DraftLinear = Int8Linear | Int4Linear
+
+
 def mixed_linear(x: torch.Tensor, n_draft: int, exact: Callable[[torch.Tensor], torch.Tensor],
-                 draft: Int8Linear | None) -> torch.Tensor:
+                 draft: DraftLinear | None) -> torch.Tensor:
     """x [N, in] -> [N, out]: rows :n_draft through ``draft`` (when there is one), the rest exact."""
     if not n_draft or draft is None:
         return exact(x)

@@ -23,7 +23,7 @@ from torch import nn
 
 from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, attend_packed
-from vericache.model.draft_weights import Int8Linear, check_draft_weights, mixed_linear
+from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear
 
 
 class AttentionCache(Protocol):
@@ -92,8 +92,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights (``fuse``)
-        self.qkv_draft: Int8Linear | None = None   # draft rows' weights (``Transformer.quantize_drafts``)
-        self.o_draft: Int8Linear | None = None
+        self.qkv_draft: DraftLinear | None = None   # draft rows' weights (``Transformer.quantize_drafts``)
+        self.o_draft: DraftLinear | None = None
 
     def fuse(self) -> None:
         """One [Hq*D + 2*Hkv*D, hidden] matmul instead of three (inference): q/k/v_proj become views
@@ -183,8 +183,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused weights (``fuse``)
-        self.gate_up_draft: Int8Linear | None = None   # draft rows' weights
-        self.down_draft: Int8Linear | None = None
+        self.gate_up_draft: DraftLinear | None = None   # draft rows' weights
+        self.down_draft: DraftLinear | None = None
 
     def fuse(self) -> None:
         """One matmul for gate and up (inference); the two projections become views of it."""
@@ -235,8 +235,9 @@ class Transformer(nn.Module):
         # dtype of attention and of the KV caches; None = the weights' dtype. On CPU bf16 weights
         # run on AMX while attention stays fp32 (this CPU's bf16 attention kernels are ~10x slower).
         self.attn_dtype: torch.dtype | None = None
-        self.draft_weights = "fp32"                      # the draft copies it holds (``quantize_drafts``)
-        self.lm_head_draft: Int8Linear | None = None
+        self.draft_weights = "fp32"                      # the draft copies draft rows read (``quantize_drafts``)
+        self.draft_sets: dict[str, tuple] = {}           # kind -> (per-layer copies, lm_head copy)
+        self.lm_head_draft: DraftLinear | None = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
@@ -245,19 +246,24 @@ class Transformer(nn.Module):
             layer.mlp.fuse()
 
     def quantize_drafts(self, kind: str = "int8") -> None:
-        """Give every linear layer an int8 copy that the ``n_draft`` rows of a forward read; the exact
-        weights stay for every other row. Inference only, CPU (fbgemm)."""
-        if check_draft_weights(kind) == "fp32":
-            return
-        for layer in self.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            qkv = [a.q_proj, a.k_proj, a.v_proj]
-            bias = torch.cat([p.bias for p in qkv]) if a.q_proj.bias is not None else None
-            a.qkv_draft = Int8Linear(torch.cat([p.weight for p in qkv]), bias)
-            a.o_draft = Int8Linear(a.o_proj.weight)
-            mlp.gate_up_draft = Int8Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            mlp.down_draft = Int8Linear(mlp.down_proj.weight)
-        self.lm_head_draft = Int8Linear(self.lm_head.weight)
+        """Make the ``n_draft`` rows of a forward read ``kind`` copies of every linear layer (int8 or
+        int4, built once per kind and kept; "fp32": the exact weights); the exact weights stay for
+        every other row. Inference only, CPU."""
+        if check_draft_weights(kind) not in self.draft_sets and kind != "fp32":
+            q = QUANTIZERS[kind]
+            copies = []
+            for layer in self.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                qkv = [a.q_proj, a.k_proj, a.v_proj]
+                bias = torch.cat([p.bias for p in qkv]) if a.q_proj.bias is not None else None
+                copies.append((q(torch.cat([p.weight for p in qkv]), bias), q(a.o_proj.weight),
+                               q(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), q(mlp.down_proj.weight)))
+            self.draft_sets[kind] = (copies, q(self.lm_head.weight))
+        copies, head = self.draft_sets.get(kind, ([(None,) * 4] * len(self.model.layers), None))
+        for layer, (qkv, o, gate_up, down) in zip(self.model.layers, copies):
+            layer.self_attn.qkv_draft, layer.self_attn.o_draft = qkv, o
+            layer.mlp.gate_up_draft, layer.mlp.down_draft = gate_up, down
+        self.lm_head_draft = head
         self.draft_weights = kind
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
@@ -268,7 +274,7 @@ class Transformer(nn.Module):
         ``logits_index`` ([M] indices into N) restricts the LM head to the rows
         that are sampled from (the last prefill token, say), which saves a
         [N, V] matmul on long prefills. The first ``n_draft`` rows are draft rows: with
-        ``quantize_drafts`` they read the int8 weights (sequences must not straddle that boundary).
+        ``quantize_drafts`` they read the quantized copies (sequences must not straddle that boundary).
         """
         if sum(seq_lens) != tokens.shape[0]:
             raise ValueError(f"seq_lens sum to {sum(seq_lens)} but there are {tokens.shape[0]} tokens")
