@@ -11,18 +11,8 @@ import torch
 
 from vericache.bench.common import cpu_model
 from vericache.llm import LLM
-from vericache.model.draft_weights import QUANTIZERS
-from vericache.sim.roofline import best_seconds
-
-
-def linears(model) -> list[torch.Tensor]:
-    """Every weight matrix one forward multiplies by (fused as the engine runs them)."""
-    out = []
-    for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
-    return out + [model.lm_head.weight]
+from vericache.model.draft_weights import QUANTIZERS, weight_matrices
+from vericache.timing import best_seconds
 
 
 def main() -> None:
@@ -30,7 +20,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rows", default="1,3,16,64")
     args = ap.parse_args()
-    weights = [w.detach().float() for w in linears(LLM(args.model, device="cpu").loaded.model)]
+    weights = weight_matrices(LLM(args.model, device="cpu").loaded.model)
     copies = {kind: [q(w) for w in weights] for kind, q in QUANTIZERS.items()}
     print(f"{cpu_model()}, {torch.get_num_threads()} threads; {len(weights)} matmuls per forward")
     print("rows  fp32 ms  " + "  ".join(f"{k} ms (x fp32)" for k in copies))

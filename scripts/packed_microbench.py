@@ -15,7 +15,7 @@ import torch
 
 from vericache.kv.attention import merge
 from vericache.kv.packed import KeyPart, attend_packed, torch_part
-from vericache.sim.roofline import best_seconds
+from vericache.timing import best_seconds
 
 HQ, HKV, D = 9, 3, 64
 

@@ -47,7 +47,9 @@ def test_mixed_linear_sends_only_the_first_rows_to_the_draft_weights():
 
 def test_draft_rows_read_int8_and_the_rest_the_exact_weights(llm):
     eng = Engine(llm.loaded, draft_weights="int8")
+    assert eng.draft_kind(6) == "int8" and eng.draft_kind(0) == "fp32"   # built on the first draft rows
     model = eng.model
+    model.quantize_drafts("int8")
     tokens = torch.tensor(llm.tokenizer.encode("def add(a, b):\n    return a + b\n")[:12])
     exact = model(tokens, [0, 0], [6, 6])
     mixed = model(tokens, [0, 0], [6, 6], n_draft=6)
@@ -74,3 +76,20 @@ def test_engines_on_one_model_draft_on_their_own_copies(llm):
 def test_bad_draft_weights_are_refused():
     with pytest.raises(ValueError, match="'int3'"):
         LLM("tiny", draft_weights="int3")
+
+
+def test_auto_draft_weights_measure_and_pick_per_step(llm):
+    """auto: both copies, timed at engine start; each row count gets the kind measured fastest for it."""
+    from vericache.model.draft_weights import DraftChoice, _interpolate
+
+    eng = Engine(llm.loaded, mode="vericache", draft_weights="auto")
+    choice = eng.model.draft_choice
+    assert set(choice.seconds) >= {"int8", "int4"} and all(len(v) == len(choice.rows) for v in choice.seconds.values())
+    assert all(t > 0 for v in choice.seconds.values() for t in v)
+    for n in (1, 3, 16, 64, 200):
+        assert eng.draft_kind(n) == min(choice.seconds, key=lambda k: _interpolate(choice.rows, choice.seconds[k], n))
+    # the choice follows the measurements, whichever they are
+    fake = DraftChoice((1, 16), {"int8": [2.0, 3.0], "int4": [1.0, 5.0]})
+    assert fake.kind_for(1) == "int4" and fake.kind_for(4) == "int4"          # 1.8 < 2.2 between the two
+    assert fake.kind_for(12) == "int8" and fake.kind_for(100) == "int8"
+    assert Engine(llm.loaded, draft_weights="fp32").draft_kind(4) == "fp32"

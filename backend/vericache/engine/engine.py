@@ -26,7 +26,7 @@ from vericache.engine.sequence import RequestOutput, Sequence
 from vericache.engine.serving import ServingEngine
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
-from vericache.model.draft_weights import check_draft_weights
+from vericache.model.draft_weights import DraftChoice, check_draft_weights
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams
 
@@ -65,9 +65,13 @@ class Engine:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
                  draft_len: int | str = "auto", prefill_chunk: int = 2048, draft_weights: str = "fp32") -> None:
         """``draft_weights``: what draft rows read, "fp32" (the exact weights), "int8" or "int4"
-        (``model.draft_weights``); verification, full and lossy rows always read the exact ones."""
+        (``model.draft_weights``), or "auto": on CPU both copies, each step's draft rows on the one
+        measured faster for their count here (``DraftChoice``), on other devices fp32. Verification,
+        full and lossy rows always read the exact weights."""
         check_mode(mode)
         check_draft_weights(draft_weights)
+        if draft_weights == "auto" and loaded.device.type != "cpu":
+            draft_weights = "fp32"
         if draft_weights != "fp32" and loaded.device.type != "cpu":
             raise ValueError(f"draft_weights={draft_weights!r} runs on CPU only (fbgemm, the int4 CPU kernel), not on {loaded.device}")
         self.loaded = loaded
@@ -79,9 +83,28 @@ class Engine:
         self.compressor = parse_compressor(compressor)
         self.policy = DraftLengthPolicy.from_arg(draft_len)
         self.defaults = ResolvedOptions(mode, self.compressor, self.policy)
-        if draft_weights != "fp32" and draft_weights not in self.model.draft_sets:
-            self.model.quantize_drafts(draft_weights)   # an extra copy: the exact weights stay for the rest
         self.draft_weights = draft_weights
+        if mode == "vericache":  # otherwise on the first draft step (a request that asks for vericache)
+            self._build_drafts()
+
+    def _build_drafts(self) -> None:
+        """The draft copies this engine's steps read (an extra copy each: the exact weights stay for
+        the rest), and for "auto" their measured times (once per model; engines sharing it share them)."""
+        kinds = ("int8", "int4") if self.draft_weights == "auto" else (self.draft_weights,)
+        for kind in kinds:
+            if kind != "fp32" and kind not in self.model.draft_sets:
+                self.model.quantize_drafts(kind)
+        if self.draft_weights == "auto" and self.model.draft_choice is None:
+            self.model.draft_choice = DraftChoice.measure(self.model)
+
+    def draft_kind(self, n_draft_rows: int) -> str:
+        """The weights a step with ``n_draft_rows`` draft rows runs them on."""
+        if self.draft_weights == "fp32" or not n_draft_rows:
+            return "fp32"
+        self._build_drafts()
+        if self.draft_weights == "auto":
+            return self.model.draft_choice.kind_for(n_draft_rows)
+        return self.draft_weights
 
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""

@@ -249,7 +249,8 @@ class ServingEngine:
         work = batch.attention_work()
         t0 = time.perf_counter()
         try:
-            batch.run(self.eng.model, self.eng.loaded.device, draft_weights=self.eng.draft_weights)
+            n_draft = sum(len(r.tokens) for r in batch.of(DRAFT))
+            batch.run(self.eng.model, self.eng.loaded.device, draft_weights=self.eng.draft_kind(n_draft))
         except Exception as exc:  # noqa: BLE001 - whatever broke, the other requests go on
             log.exception("step forward failed for requests %s", [r.req.id for r in batch.rows])
             for row in batch.rows:

@@ -10,18 +10,23 @@ Measured on an Intel Xeon (AVX-512, AMX), 2 threads, SmolLM2-135M's 121 matmuls 
 (``python scripts/draft_weights_bench.py``): fp32 28 / 32 / 74 / 136 ms at 1 / 3 / 16 / 64 rows,
 int8 12 / 13 / 19 / 44, int4 8 / 12 / 45 / 169: int4 wins for one sequence's drafts, int8 for a
 batch's (the int4 kernel's bf16 path has no many-row blocking here).
-A step's draft rows come first in its packed rows (``StepBatch``), so every linear runs the first
-``n_draft`` rows on the draft copy and the rest on the exact weight.
+``auto`` measures that on the machine it runs on (``DraftChoice``, at engine start) and lets each
+step's draft row count pick the faster copy. A step's draft rows come first in its packed rows
+(``StepBatch``), so every linear runs the first ``n_draft`` rows on the draft copy and the rest on
+the exact weight.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-DRAFT_WEIGHTS = ("fp32", "int8", "int4")
+from vericache.timing import best_seconds
+
+DRAFT_WEIGHTS = ("fp32", "int8", "int4", "auto")
 
 
 class Int8Linear:
@@ -77,6 +82,50 @@ def mixed_linear(x: torch.Tensor, n_draft: int, exact: Callable[[torch.Tensor], 
     if n_draft == x.shape[0]:
         return draft(x).to(x.dtype)
     return torch.cat([draft(x[:n_draft]).to(x.dtype), exact(x[n_draft:])])
+
+
+def weight_matrices(model) -> list[torch.Tensor]:
+    """Every weight matrix one forward of a ``Transformer`` multiplies by, fused as the engine runs them."""
+    out = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+    return [w.detach().float() for w in out + [model.lm_head.weight]]
+
+
+@dataclass
+class DraftChoice:
+    """Which quantized copy runs a step's draft rows fastest, by row count: seconds of one forward's
+    matmuls per kind at ``rows`` (measured), linearly interpolated between them."""
+    rows: tuple[int, ...]
+    seconds: dict[str, list[float]]
+
+    @classmethod
+    def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> "DraftChoice":
+        """Time the copies ``model.quantize_drafts`` built (``model.draft_sets``) on random rows."""
+        widths = [w.shape[1] for w in weight_matrices(model)]
+        seconds: dict[str, list[float]] = {}
+        with torch.inference_mode():
+            for kind, (copies, head) in model.draft_sets.items():
+                lins = [lin for layer in copies for lin in layer] + [head]
+                seconds[kind] = []
+                for n in rows:
+                    xs = [torch.randn(n, w) for w in widths]
+                    seconds[kind].append(best_seconds(lambda: [lin(x) for x, lin in zip(xs, lins)], repeats))
+        return cls(rows, seconds)
+
+    def kind_for(self, n_rows: int) -> str:
+        return min(self.seconds, key=lambda k: _interpolate(self.rows, self.seconds[k], n_rows))
+
+
+def _interpolate(xs: tuple[int, ...], ys: list[float], x: int) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1] * x / xs[-1]   # beyond the last measurement: proportional to rows
 
 
 def check_draft_weights(kind: str) -> str:

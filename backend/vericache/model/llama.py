@@ -237,6 +237,7 @@ class Transformer(nn.Module):
         self.attn_dtype: torch.dtype | None = None
         self.draft_weights = "fp32"                      # the draft copies draft rows read (``quantize_drafts``)
         self.draft_sets: dict[str, tuple] = {}           # kind -> (per-layer copies, lm_head copy)
+        self.draft_choice = None                         # draft_weights.DraftChoice once measured ("auto")
         self.lm_head_draft: DraftLinear | None = None
 
     def fuse_projections(self) -> None:

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from vericache.timing import best_seconds
+
 WEIGHT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -68,17 +70,6 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return n_bytes / best
-
-
-def best_seconds(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` calls of ``fn`` (after one warm-up call), in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @torch.inference_mode()
