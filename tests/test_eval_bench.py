@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vericache.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_calibration(tmp_path_factory) -> str:
+    """`vericache sim --calibrate` for the tiny model, once: the benches' predicted columns read it."""
+    path = tmp_path_factory.mktemp("cal") / "cal.json"
+    assert main(["sim", "--calibrate", "--calib-model", "tiny", "--calib-out", str(path)]) == 0
+    return str(path)
 from vericache.eval.long_tasks import function_parses
 
 
@@ -35,8 +45,9 @@ def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
     assert again == rows and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # nothing rerun
 
 
-def test_bench_decode_command(tmp_path, capsys):
+def test_bench_decode_command(tmp_path, capsys, tiny_calibration):
     rc = main(["bench", "decode", "--model", "tiny", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
+               "--calibration", tiny_calibration,
                "--context", "600", "--max-tokens", "12", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png"),
                "--roofline-plot", str(tmp_path / "r.png")])
     assert rc == 0
@@ -51,11 +62,13 @@ def test_bench_decode_command(tmp_path, capsys):
     assert kinds[("full", "full")]["steps"] == 11  # 12 tokens: the first comes from the prefill
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["x_roofline"] > 0 for r in kinds.values())
     assert out["roofline"]["read_bytes_per_s"] > 1e9 and (tmp_path / "r.png").stat().st_size > 1000
+    assert all(r["predicted_tokens_per_s"] > 0 and r["measured_over_predicted"] > 0 for r in rows.values())
 
 
-def test_bench_batch_command(tmp_path, capsys):
+def test_bench_batch_command(tmp_path, capsys, tiny_calibration):
     rc = main(["bench", "batch", "--model", "tiny", "--requests", "3", "--context", "300", "--max-tokens", "12",
-               "--compressor", "snapkv:ratio=0.25", "--json", "--record", str(tmp_path / "B.md"),
+               "--compressor", "snapkv:ratio=0.25", "--modes", "full,lossy,vericache,vericache+int4@kivi:bits=2",
+               "--json", "--record", str(tmp_path / "B.md"), "--calibration", tiny_calibration,
                "--plot", str(tmp_path / "r.png")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -63,8 +76,11 @@ def test_bench_batch_command(tmp_path, capsys):
     assert steps[("full", "full")] == out["rows"][0]["steps"] and ("vericache", "verification") in steps
     assert (tmp_path / "r.png").stat().st_size > 1000 and out["cpu"]
     rows = {r["mode"]: r for r in out["rows"]}
-    assert set(rows) == {"full", "lossy", "vericache"}
+    assert set(rows) == {"full", "lossy", "vericache", "vericache+int4@kivi:bits=2"}
     assert rows["vericache"]["identical_to_full"] and rows["full"]["identical_to_full"]
+    # a label's own compressor and draft weights: still identical
+    assert rows["vericache+int4@kivi:bits=2"]["identical_to_full"]
+    assert rows["vericache+int4@kivi:bits=2"]["compressor"].startswith("kivi:") and rows["vericache"]["compressor"].startswith("snapkv")
     assert rows["vericache"]["mean_acceptance_length"] >= 1 and rows["full"]["mean_acceptance_length"] is None
     assert all(r["tokens_per_s"] > 0 and r["kv_resident_bytes"] > 0 for r in rows.values())
     # vericache holds the full KV and the compressed one: more resident bytes than full alone
@@ -72,10 +88,14 @@ def test_bench_batch_command(tmp_path, capsys):
     assert "bench batch" in (tmp_path / "B.md").read_text()
     # the stall figure: lossy and vericache draft; the slowest step includes postprocess (commits)
     stalls = {r["mode"]: r for r in out["stalls"]}
-    assert set(stalls) == {"lossy", "vericache"}
+    assert set(stalls) == {"lossy", "vericache", "vericache+int4@kivi:bits=2"}
     for r in stalls.values():
         assert r["slowest_ms"] >= r["slowest_draft_ms"] >= r["median_draft_ms"] > 0
     assert "median draft step" in (tmp_path / "B.md").read_text()
+    # every row beside the cost model's figure (calibration + the draft copies' and moves' measured costs)
+    for r in rows.values():
+        assert r["predicted_tokens_per_s"] > 0
+        assert r["measured_over_predicted"] == round(r["tokens_per_s"] / r["predicted_tokens_per_s"], 2)
 
 
 def test_bench_throughput_command(tmp_path, capsys):

@@ -13,14 +13,15 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import code_prompt, cpu_model, engine_for, markdown_table
+from vericache.bench.common import (RowPredictor, code_prompt, cpu_model, engine_for, load_calibration,
+                                    markdown_table)
 from vericache.engine.memory import KVMemory
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache.sim import roofline
 
-COLUMNS = ["mode", "tokens_per_s", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
+COLUMNS = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
            "kv_resident_x_full", "decode_s", "load_s", "steps"]
 
 
@@ -65,7 +66,8 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_f
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
               dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
-              llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False) -> dict:
+              llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False,
+              calibration: str | None = None) -> dict:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
@@ -80,6 +82,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
     prefill_s = time.perf_counter() - t0
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
+    cal = load_calibration(llm, calibration, log)
+    predictor = RowPredictor(cal, llm, context, log) if cal is not None else None
     rows, reference, runs = [], None, {}
     for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
         mode_eng, base = engine_for(llm, mode, engines)
@@ -92,14 +96,20 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         reference = outs if mode == "full" else reference
         decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
         rounds = sum(s.stats.get("rounds", 0) for s in seqs)
+        drafted = sum(s.stats.get("drafted_tokens", 0) for s in seqs)
         row = {"mode": mode, "tokens_per_s": round(res["decoded"] / res["decode_s"], 2),
                "decode_s": round(res["decode_s"], 2), "load_s": round(res["load_s"], 2),
                "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
                "identical_to_full": outs == reference if reference is not None else None,
                "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-               "compressor": "" if mode == "full" else compressor}
+               "compressor": "" if base == "full" else mode_eng.compressor.spec()}
+        if predictor is not None:
+            per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
+            row["predicted_tokens_per_s"] = round(predictor(mode_eng, base, n_requests, *per_round), 2)
+            row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
-        log(f"{mode}: {row['tokens_per_s']} tok/s, identical={row['identical_to_full']}, "
+        log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
+            f"identical={row['identical_to_full']}, "
             f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
             + (f", {row['mean_acceptance_length']} tokens/round" if rounds else ""))
     if llamacpp and llama_cpp_bench.available() and llm.loaded.device.type == "cpu":

@@ -35,7 +35,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
                            with_transformers=not args.no_transformers, dtype=args.dtype, log=_progress(args),
-                           llamacpp=not args.no_llamacpp)
+                           llamacpp=not args.no_llamacpp, calibration=args.calibration)
     runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
     if args.plot:
@@ -123,7 +123,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
                     args.draft_len, args.device, log=_progress(args), llamacpp=not args.no_llamacpp,
-                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies)
+                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies,
+                    calibration=args.calibration)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -153,6 +154,9 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
     return 0
 
 
+CALIBRATION_HELP = "calibration file from `vericache sim --calibrate` for predicted_tokens_per_s (default: the cache dir's)"
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -162,12 +166,14 @@ def add_bench_parser(sub) -> None:
     b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--modes", default="full",
-                   help="comma-separated: full,lossy,vericache (vericache+int8: drafts on int8 weights)")
+                   help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
+                         "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
     b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
     b.add_argument("--draft-len", default="auto", type=_draft_len)
     b.add_argument("--context", type=_ints, default=[1024, 4096, 16384])
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--calibration", default=None, help=CALIBRATION_HELP)
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
@@ -188,8 +194,7 @@ def add_bench_parser(sub) -> None:
                    help="device KV budget in GB (overrides --device-budget)")
     t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
     t.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
-    t.add_argument("--calibration", default=None,
-                   help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
+    t.add_argument("--calibration", default=None, help=CALIBRATION_HELP)
     t.add_argument("--compressor", default="snapkv:ratio=0.125")
     t.add_argument("--resident-layers", type=int, default=0,
                    help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
@@ -206,13 +211,15 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--context", type=int, default=8000)
     bt.add_argument("--max-tokens", type=int, default=128)
     bt.add_argument("--modes", default="full,lossy,vericache",
-                    help="comma-separated: full,lossy,vericache (vericache+int8: drafts on int8 weights)")
+                    help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
+                         "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
     bt.add_argument("--compressor", default="snapkv:ratio=0.125")
     bt.add_argument("--draft-len", default="auto", type=_draft_len)
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; KV stays fp32)")
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
+    bt.add_argument("--calibration", default=None, help=CALIBRATION_HELP)
     bt.add_argument("--llamacpp-flash-attn", default="both", choices=["both", "on", "off"],
                     help="llama.cpp rows with its flash attention, without, or both (each prefills again)")
     bt.add_argument("--llamacpp-copies", action="store_true",

@@ -19,17 +19,26 @@ def code_prompt(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
+def label_parts(label: str) -> tuple[str, str, str | None]:
+    """A bench mode label ``mode[+weights][@compressor]`` -> (mode, draft weights, compressor or None):
+    "vericache+int8" drafts on int8 weights, "lossy@kivi:bits=2" decodes over KIVI-2 whatever the
+    bench's --compressor, "vericache+auto@snapkv:ratio=0.125+kivi:bits=2" both."""
+    head, _, compressor = label.partition("@")
+    mode, _, weights = head.partition("+")
+    return mode, weights or "fp32", compressor or None
+
+
 def engine_for(llm, label: str, engines: dict):
-    """A bench mode label's engine and mode: "vericache+int8" is vericache with int8 draft weights
-    (``model.draft_weights``); the engines share ``llm``'s model and are made once per label."""
-    mode, _, weights = label.partition("+")
+    """A bench mode label's engine and mode (``label_parts``); the engines share ``llm``'s model and
+    are made once per label."""
+    mode, weights, compressor = label_parts(label)
     if label not in engines:
         from vericache.engine.engine import Engine
 
         e = llm.engine
         draft_len = "auto" if e.policy.fixed is None else e.policy.fixed
-        engines[label] = Engine(llm.loaded, mode=mode, compressor=e.compressor, draft_len=draft_len,
-                                prefill_chunk=e.prefill_chunk, draft_weights=weights or "fp32")
+        engines[label] = Engine(llm.loaded, mode=mode, compressor=compressor or e.compressor, draft_len=draft_len,
+                                prefill_chunk=e.prefill_chunk, draft_weights=weights)
     return engines[label], mode
 
 
@@ -60,3 +69,51 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def load_calibration(llm, path: str | None, log=print):
+    """``vericache sim --calibrate``'s measurements for this model (CPU only), or None with a hint."""
+    from vericache.sim.calibrate import default_path, load
+
+    if llm.loaded.device.type != "cpu":
+        return None
+    cal_path = Path(path or default_path(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch.")))
+    cal = load(cal_path)
+    if cal is None:
+        log(f"no calibration at {cal_path}: run `vericache sim --calibrate` for predicted_tokens_per_s")
+    return cal
+
+
+class RowPredictor:
+    """The cost model's tokens/s for a bench row (``sim.calibrate.predict``), charged what the run
+    spends beyond the calibration: the draft weights' own matmul times (measured on the model's
+    copies) and one compression move per ``window`` tokens (measured here per compressor)."""
+
+    def __init__(self, cal, llm, context: int, log=print) -> None:
+        self.cal, self.llm, self.context, self.log, self.moves = cal, llm, context, log, {}
+
+    def move_s(self, comp) -> float:
+        from vericache.sim.calibrate import move_seconds
+
+        if comp.spec() not in self.moves:
+            self.moves[comp.spec()] = move_seconds(comp, self.llm.loaded.config, self.llm.loaded.kv_dtype, self.context)
+            self.log(f"one compression move of {comp.spec()} at {self.context}: {self.moves[comp.spec()] * 1e3:.1f} ms")
+        return self.moves[comp.spec()]
+
+    def __call__(self, eng, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
+        from vericache.model.draft_weights import DraftChoice
+        from vericache.sim.calibrate import predict
+
+        comp, model, matmuls = eng.compressor, eng.model, None
+        if mode == "vericache" and eng.draft_weights != "fp32":
+            eng.draft_kind(1)   # builds the copies
+            if model.draft_choice is None or not set(model.draft_sets) <= set(model.draft_choice.seconds):
+                model.draft_choice = DraftChoice.measure(model)
+            choice, kind = model.draft_choice, eng.draft_weights
+            matmuls = lambda rows: choice.seconds_at(kind, rows)  # noqa: E731
+        # eviction reads `ratio` of the keys; a quantized store is read at about the dense rate
+        # here (its dequantization, not its bytes, bounds it: docs/BENCHMARKS.md, issue 19)
+        kept = comp.keep_budget(self.context) / self.context if comp.evicts else 1.0
+        move = self.move_s(comp) if mode != "full" else 0.0
+        return predict(self.cal, mode, n, self.context, kept=kept, window=comp.window,
+                       acceptance=tokens_per_round, draft_len=drafted_per_round, draft_matmul_s=matmuls, move_s=move)

@@ -12,7 +12,8 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import code_prompt, cpu_model, engine_for, markdown_table
+from vericache.bench.common import (RowPredictor, code_prompt, cpu_model, engine_for, load_calibration,
+                                    markdown_table)
 from vericache.engine.options import RequestOptions
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
@@ -54,7 +55,7 @@ def generate_with_steps(eng, mode: str, prompt: list[int], params: SamplingParam
 
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
                      draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
-                     device: str = "cpu", log=print, llamacpp: bool = True) -> dict:
+                     device: str = "cpu", log=print, llamacpp: bool = True, calibration: str | None = None) -> dict:
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
     each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
@@ -62,10 +63,13 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
+    cal = load_calibration(llm, calibration, log)
     rows, roof_rows, runs = [], [], {}
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
         results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
+        bases = {m: engine_for(llm, m, engines)[1] for m in modes}
+        predictor = RowPredictor(cal, llm, ctx, log) if cal is not None else None
         ref = results["full"][0] if "full" in results else None
         for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
             st = out.stats
@@ -78,12 +82,18 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             if ref is not None:
                 row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
                 row["identical_to_full"] = out.token_ids == ref.token_ids
+            if predictor is not None:
+                rounds = st.get("rounds", 0)
+                per_round = ((len(out.token_ids) - 1) / rounds, st["drafted_tokens"] / rounds) if rounds else (1.0, 0.0)
+                row["predicted_tokens_per_s"] = round(predictor(engine_for(llm, mode, engines)[0], bases[mode], 1,
+                                                                *per_round), 1)
+                row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
             if roof is not None:
-                runs[f"{mode} {ctx}"] = (mode.partition("+")[0], steps)
+                runs[f"{mode} {ctx}"] = (bases[mode], steps)
             rows.append(row)
             log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
                 + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
-                + (f", mean acceptance length {row['mean_acceptance_length']}" if mode == "vericache" else ""))
+                + (f", mean acceptance length {row['mean_acceptance_length']}" if bases[mode] == "vericache" else ""))
         if llamacpp and roof is not None and llama_cpp_bench.available():
             for lc in llama_cpp_bench.rows(model, [prompt], max_tokens, log):
                 rows.append({"context": ctx, "mode": lc["mode"], "tokens_per_s": round(lc["tokens_per_s"], 1),
@@ -107,7 +117,8 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             "roofline": roof.to_dict() if roof else None, "roofline_rows": roof_rows, "step_records": runs}
 
 
-COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "ratio_to_full", "identical_to_full",
+COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted",
+           "ratio_to_full", "identical_to_full",
            "mean_acceptance_length", "acceptance_rate", "compression_ratio"]
 
 

@@ -116,7 +116,11 @@ class DraftChoice:
         return cls(rows, seconds)
 
     def kind_for(self, n_rows: int) -> str:
-        return min(self.seconds, key=lambda k: _interpolate(self.rows, self.seconds[k], n_rows))
+        return min(self.seconds, key=lambda k: self.seconds_at(k, n_rows))
+
+    def seconds_at(self, kind: str, n_rows: int) -> float:
+        """One forward's matmuls on ``kind`` ("auto": the faster kind) at ``n_rows`` rows."""
+        return _interpolate(self.rows, self.seconds[self.kind_for(n_rows) if kind == "auto" else kind], n_rows)
 
 
 def _interpolate(xs: tuple[int, ...], ys: list[float], x: int) -> float:
