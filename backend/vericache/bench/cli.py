@@ -154,7 +154,8 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
     return 0
 
 
-CALIBRATION_HELP = "calibration file from `vericache sim --calibrate` for predicted_tokens_per_s (default: the cache dir's)"
+CALIBRATION_HELP = ("for predicted_tokens_per_s: a file from `vericache sim --calibrate` (default: the cache dir's), "
+                    "or 'here' to measure it in this run")
 
 
 def add_bench_parser(sub) -> None:
@@ -173,7 +174,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--context", type=_ints, default=[1024, 4096, 16384])
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
-    b.add_argument("--calibration", default=None, help=CALIBRATION_HELP)
+    b.add_argument("--calibration", default="here", help=CALIBRATION_HELP + " (the default here)")
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
@@ -219,7 +220,7 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
-    bt.add_argument("--calibration", default=None, help=CALIBRATION_HELP)
+    bt.add_argument("--calibration", default="here", help=CALIBRATION_HELP + " (the default here)")
     bt.add_argument("--llamacpp-flash-attn", default="both", choices=["both", "on", "off"],
                     help="llama.cpp rows with its flash attention, without, or both (each prefills again)")
     bt.add_argument("--llamacpp-copies", action="store_true",

@@ -72,11 +72,16 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def load_calibration(llm, path: str | None, log=print):
-    """``vericache sim --calibrate``'s measurements for this model (CPU only), or None with a hint."""
-    from vericache.sim.calibrate import default_path, load
+    """The cost model's measurements for this model (CPU only): ``path`` "here" measures them now, in
+    this run (on a shared machine, a calibration from another moment predicts another machine);
+    otherwise ``vericache sim --calibrate``'s file (None with a hint when there is none)."""
+    from vericache.sim.calibrate import calibrate, default_path, load
 
     if llm.loaded.device.type != "cpu":
         return None
+    if path == "here":
+        log("calibrating the cost model in this run (vericache sim --calibrate's measurements)")
+        return calibrate(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."), log=log)
     cal_path = Path(path or default_path(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch.")))
     cal = load(cal_path)
     if cal is None:
