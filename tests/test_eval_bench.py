@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from vericache.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_calibration(tmp_path_factory) -> str:
-    """`vericache sim --calibrate` for the tiny model, once: the benches' predicted columns read it."""
-    path = tmp_path_factory.mktemp("cal") / "cal.json"
-    assert main(["sim", "--calibrate", "--calib-model", "tiny", "--calib-out", str(path)]) == 0
-    return str(path)
 from vericache.eval.long_tasks import function_parses
 
 
@@ -61,14 +51,14 @@ def test_bench_decode_command(tmp_path, capsys):
     assert kinds[("full", "full")]["steps"] == 11  # 12 tokens: the first comes from the prefill
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["x_roofline"] > 0 for r in kinds.values())
     assert out["roofline"]["read_bytes_per_s"] > 1e9 and (tmp_path / "r.png").stat().st_size > 1000
-    # the cost model calibrated in this run (the default): every row beside its prediction
+    # the cost model's step costs measured in this run: every row beside its prediction
     assert all(r["predicted_tokens_per_s"] > 0 and r["measured_over_predicted"] > 0 for r in rows.values())
 
 
-def test_bench_batch_command(tmp_path, capsys, tiny_calibration):
+def test_bench_batch_command(tmp_path, capsys):
     rc = main(["bench", "batch", "--model", "tiny", "--requests", "3", "--context", "300", "--max-tokens", "12",
                "--compressor", "snapkv:ratio=0.25", "--modes", "full,lossy,vericache,vericache+int4@kivi:bits=2",
-               "--json", "--record", str(tmp_path / "B.md"), "--calibration", tiny_calibration,
+               "--json", "--record", str(tmp_path / "B.md"),
                "--plot", str(tmp_path / "r.png")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -92,7 +82,7 @@ def test_bench_batch_command(tmp_path, capsys, tiny_calibration):
     for r in stalls.values():
         assert r["slowest_ms"] >= r["slowest_draft_ms"] >= r["median_draft_ms"] > 0
     assert "median draft step" in (tmp_path / "B.md").read_text()
-    # every row beside the cost model's figure (calibration + the draft copies' and moves' measured costs)
+    # every row beside the cost model's figure (step costs, draft copies and moves measured in the run)
     for r in rows.values():
         assert r["predicted_tokens_per_s"] > 0
         assert r["measured_over_predicted"] == round(r["tokens_per_s"] / r["predicted_tokens_per_s"], 2)

@@ -123,7 +123,7 @@ def test_illegal_transitions_are_refused(llm):
     srv = S.ServingEngine(Engine(llm.loaded, mode="full"), device_budget=1 << 30)
     rid = srv.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="waiting -> drafting"):
-        srv._set(srv.requests[rid], S.DRAFTING)
+        srv.set_state(srv.requests[rid], S.DRAFTING)
     for src, dsts in S.ALLOWED.items():
         assert S.ABORTED in dsts and src not in (S.FINISHED, S.ABORTED)
 
@@ -263,7 +263,7 @@ def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_
         assert len(flying) <= 1, flying
         groups_seen |= {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING}
     assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference
-    assert len(groups_seen) >= 2 and srv.instruments.mean_groups > 1
+    assert len(groups_seen) >= 2 and srv.schedule.mean_groups > 1
 
 
 @pytest.mark.parametrize("resident", [3, 6])
@@ -297,3 +297,24 @@ def test_resident_layers_are_validated(llm):
     cache = FullKVCache(llm.loaded.config, "cpu", torch.float32, 4)
     with pytest.raises(ValueError, match="resident cache"):
         StreamedKV(Transfer(cache, 0, cache, first_layer=2))
+
+
+def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, serving_prompts):
+    """Under EngineService the metrics get every phase once, and the engine keeps the history its
+    schedules' measured rates read (it used to be emptied after every step)."""
+    from vericache.serving.service import EngineService
+
+    events = []
+    svc = EngineService(S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"),
+                                        device_budget=1 << 30), metrics=lambda e, f: events.append((e, f)))
+    try:
+        stream = svc.submit(serving_prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
+        while not stream.get(timeout=60).finished:
+            pass
+        inst = svc.serving.instruments
+        phases = [f for e, f in events if e == "phase"]
+        assert inst.draft_step_s() is not None and len(inst.intervals) > 0
+        assert len(phases) == len(inst.intervals)   # each forward reported once
+        assert inst.take_events() == ([], [], [])   # the loop took them all
+    finally:
+        svc.shutdown()

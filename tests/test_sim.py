@@ -92,21 +92,21 @@ def test_cuda_link_copies_layer_by_layer():
     assert torch.equal(half.k[0].cpu(), src.k[2])
 
 
-def test_calibrated_prediction_charges_draft_weights_and_moves():
-    """The bench rows' model: cheaper draft matmuls raise VeriCache's figure, compression moves lower
-    every compressed mode's, and without a link a round is only its compute."""
-    from vericache.sim.calibrate import Calibration, predict
+def test_step_cost_model_composes_measured_step_costs(llm):
+    """sim.step_costs: measured on real caches (tiny model, short context), every cost positive where
+    it must be, and the predictions follow from them: drafts over a compressed cache beat full,
+    cheaper draft matmuls raise VeriCache, and one sequence's round is k drafts then a verification."""
+    from vericache.compress.registry import parse_compressor
+    from vericache.sim.step_costs import StepCosts, measure_step_costs, predict_tokens_per_s
 
-    roof = {"read_bytes_per_s": 2e10, "attn_flops_per_s": 1e11, "flops_per_pair": 4 * 64 * 9 * 30,
-            "weight_rows": [1, 16, 64], "weight_s": [0.03, 0.07, 0.14]}
-    cal = Calibration("m", "float32", 2, 0.035, 0.002, 0.001, 2e10, 1e9, 1.0, 23040, roof)
-    args = dict(kept=0.125, window=32, acceptance=3.0, draft_len=2.0)
-    exact = predict(cal, "vericache", 16, 8000, **args)
-    cheap = predict(cal, "vericache", 16, 8000, draft_matmul_s=lambda rows: 0.3 * cal.weights_s(rows), **args)
-    assert cheap > exact > 0
-    assert predict(cal, "vericache", 16, 8000, move_s=0.007, **args) < exact
-    assert predict(cal, "lossy", 16, 8000, move_s=0.007, kept=0.125) < predict(cal, "lossy", 16, 8000, kept=0.125)
-    draft = cal.step_s(16) + cal.attention_s(16, 0.125 * 8000 + 32)
-    verify = 16 * (cal.step_seq + cal.step_row * 3) + cal.attention_s(16, 8000, 3)
-    assert abs(exact - 16 * 3.0 / (2 * draft + verify)) < 1e-9
-    assert predict(cal, "full", 16, 8000) == 16 / (cal.step_s(16) + cal.attention_s(16, 8000))
+    weights = lambda rows: 0.002 + 0.0001 * rows  # noqa: E731
+    c = measure_step_costs(llm, parse_compressor("snapkv:ratio=0.125"), 600, weights, repeats=2)
+    assert c.full > 0 and c.draft > 0 and c.verify(4) > 0 and c.c0 >= 0
+    fake = StepCosts(0.01, 0.02, 0.004, 0.02, 0.002, weights)
+    assert predict_tokens_per_s(fake, "lossy", 8) > predict_tokens_per_s(fake, "full", 8)
+    base = predict_tokens_per_s(fake, "vericache", 8, 3.0, 2.0)
+    assert predict_tokens_per_s(fake, "vericache", 8, 3.0, 2.0, draft_weights=lambda r: 0.5 * weights(r)) > base
+    assert predict_tokens_per_s(fake, "vericache", 8, 3.0, 2.0, move_s=0.01) < base
+    one = predict_tokens_per_s(fake, "vericache", 1, 3.0, 2.0)
+    round_s = 2 * (0.01 + weights(1) + 0.004) + 0.01 + weights(3) + fake.verify(3)
+    assert abs(one - 3.0 / round_s) < 1e-9

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from vericache.cli_args import draft_len
 from vericache.model.registry import DEFAULT_MODEL
 
 
@@ -23,19 +24,10 @@ def _add_mode_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--mode", default="full", choices=MODES)
     p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
-    p.add_argument("--draft-len", default="auto", type=_draft_len, help="tokens per draft round, or auto")
+    p.add_argument("--draft-len", default="auto", type=draft_len, help="tokens per draft round, or auto")
     p.add_argument("--draft-weights", default="auto", choices=["fp32", "int8", "int4", "auto"],
                    help="weights the drafts read (CPU): fp32 (exact), int8, int4, or auto (per step, the copy measured "
                         "faster here for its draft rows; the default, fp32 off CPU); verification is exact either way")
-
-
-def _draft_len(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-len must be an integer or 'auto', got {text!r}") from None
 
 
 def _cmd_compressors(args: argparse.Namespace) -> int:

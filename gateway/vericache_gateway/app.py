@@ -16,9 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vericache.engine.options import InvalidOption, RequestOptions, resolve_options
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
+from vericache.serving.metrics import Metrics, metrics_sink, refresh_gauges
 from vericache.serving.service import EngineService, QueueFull, ServiceStopped
 from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
-from vericache_gateway.metrics import Metrics
 from vericache_gateway.protocol import ChatRequest, CompletionRequest, chat_prompt, error_body
 
 
@@ -80,7 +80,7 @@ def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_n
 
     @app.get("/metrics")
     async def prometheus():
-        _refresh_gauges(backend.gauges(), metrics)
+        refresh_gauges(backend.gauges(), metrics)
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -217,49 +217,3 @@ def _request_options(body, backend) -> tuple[RequestOptions | None, dict]:
     except InvalidOption as exc:
         raise APIError(400, str(exc), param=f"vericache.{exc.field}") from None
     return options, {"mode": resolved.mode, "compressor": resolved.compressor_label}
-
-
-def metrics_sink(m: Metrics):
-    def sink(event: str, f: dict) -> None:
-        labels = {k: f[k] for k in ("mode", "compressor") if k in f}  # the request's own, when known
-        if event == "request_done":
-            m.lab(m.success, finished_reason=str(f.get("finish_reason")), **labels).inc()
-            m.lab(m.e2e, **labels).observe(f["e2e_s"])
-        elif event == "round":
-            m.lab(m.drafts, **labels).inc()
-            m.lab(m.draft_tokens, **labels).inc(f["drafted"])
-            m.lab(m.accepted_tokens, **labels).inc(f["accepted"])
-            for pos in range(f["accepted"]):
-                m.lab(m.accepted_per_pos, position=str(pos), **labels).inc()
-            m.lab(m.acceptance_length, **labels).observe(f["accepted"] + 1)
-        elif event == "phase" and ("draft" in f["kind"] or "verify" in f["kind"]):
-            # one forward per step: a step with a verification counts as a verify step
-            m.lab(m.verify_step if "verify" in f["kind"] else m.draft_step).observe(f["seconds"])
-        elif event == "verify_step":  # the verifier role's own forwards
-            m.lab(m.verify_step).observe(f["seconds"])
-        elif event == "prefix":
-            m.lab(m.prefix_hits).inc(f["hit_blocks"])
-            m.lab(m.prefix_misses).inc(f["miss_blocks"])
-            m.lab(m.prefix_bytes, link=f["link"], tier=f["tier"]).inc(f["bytes"])
-            m.lab(m.prefix_fetch, link=f["link"]).observe(f["seconds"])
-        elif event == "store_error":
-            m.lab(m.store_errors).inc()
-        elif event == "verifier_rtt":
-            m.lab(m.verifier_rtt).observe(f["seconds"])
-    return sink
-
-
-def _refresh_gauges(g: dict, m: Metrics) -> None:
-    """Engine-side gauges at scrape time (a Triton backend has its own /metrics and reports none here)."""
-    if not g:
-        return
-    m.lab(m.running).set(g["running"])
-    m.lab(m.waiting).set(g["waiting"])
-    m.lab(m.kv_bytes, tier="device").set(g["kv_device"])
-    m.lab(m.kv_bytes, tier="host").set(g["kv_host"])
-    m.lab(m.kv_usage).set(g["kv_usage"])
-    if g["link"] is not None:
-        kind, moved, busy = g["link"]
-        bytes_c, busy_c = m.lab(m.link_bytes, link=kind), m.lab(m.link_busy, link=kind)
-        bytes_c.inc(max(moved - bytes_c._value.get(), 0))  # counters follow the link's own totals
-        busy_c.inc(max(busy - busy_c._value.get(), 0))

@@ -13,8 +13,7 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import (RowPredictor, code_prompt, cpu_model, engine_for, load_calibration,
-                                    markdown_table)
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, markdown_table
 from vericache.engine.memory import KVMemory
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
@@ -66,8 +65,7 @@ def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_f
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
               dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
-              llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False,
-              calibration: str | None = None) -> dict:
+              llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False) -> dict:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
@@ -82,8 +80,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
     prefill_s = time.perf_counter() - t0
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
-    cal = load_calibration(llm, calibration, log)
-    predictor = RowPredictor(cal, llm, context, log) if cal is not None else None
+    predictor = RowPredictor(llm, context, roof.weights_s, log) if roof is not None else None
     rows, reference, runs = [], None, {}
     for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
         mode_eng, base = engine_for(llm, mode, engines)

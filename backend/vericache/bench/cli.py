@@ -6,21 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from vericache.cli_args import draft_len, ints, progress
 from vericache.model.registry import DEFAULT_MODEL
-
-
-def _progress(args: argparse.Namespace):
-    """Progress lines: on stdout, or on stderr when stdout carries the JSON result."""
-    import sys
-
-    return (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -34,8 +21,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
-                           with_transformers=not args.no_transformers, dtype=args.dtype, log=_progress(args),
-                           llamacpp=not args.no_llamacpp, calibration=args.calibration)
+                           with_transformers=not args.no_transformers, dtype=args.dtype, log=progress(args),
+                           llamacpp=not args.no_llamacpp)
     runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
     if args.plot:
@@ -59,7 +46,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     budget = args.device_budget_gb * 1e9 if args.device_budget_gb is not None else args.device_budget
     res = run_throughput(args.model, args.requests, args.context, args.max_tokens, budget,
                          args.link_gbps, args.compressor, device=args.device, resident_layers=args.resident_layers,
-                         dtype=args.dtype, calibration=args.calibration, log=_progress(args))
+                         dtype=args.dtype, calibration=args.calibration, log=progress(args))
     if args.plot:
         plot_timeline(res["timelines"], args.plot, res["link"])
     cols = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "x_naive",
@@ -80,7 +67,7 @@ def _cmd_prefix(args) -> int:
     try:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
                                Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps), args.compressor,
-                               [m for m in args.modes.split(",") if m], args.draft_dtype, log=_progress(args))
+                               [m for m in args.modes.split(",") if m], args.draft_dtype, log=progress(args))
     except RuntimeError as exc:  # no namespaces, no redis-server, a failed run: say so, exit non-zero
         import sys
         print(f"vericache bench prefix: error: {exc}", file=sys.stderr)
@@ -102,7 +89,7 @@ def _cmd_attention(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run_attention(args.model, args.context, [c for c in args.compressors.split(",") if c], args.repeats,
-                        args.dtype, args.device, log=_progress(args))
+                        args.dtype, args.device, log=progress(args))
     print(json.dumps(res, indent=None if args.json else 2))
     if args.plot:
         plot_attention(res, args.plot)
@@ -122,9 +109,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
-                    args.draft_len, args.device, log=_progress(args), llamacpp=not args.no_llamacpp,
-                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies,
-                    calibration=args.calibration)
+                    args.draft_len, args.device, log=progress(args), llamacpp=not args.no_llamacpp,
+                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -146,7 +132,7 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
         raise ValueError("give --requests N or --duration SECONDS")
     res = asyncio.run(run_load(args.url.rstrip("/"), args.model, args.concurrency, args.requests, args.duration,
                                args.max_tokens, args.request_rate, args.cancel_prob, args.seed, args.server_pid,
-                               log=_progress(args)))
+                               log=progress(args)))
     text = json.dumps(res, indent=None if args.json else 2)
     print(text)
     record(args.record, "Serving load" + (" (soak)" if args.duration else ""), f"```json\n{json.dumps(res, indent=2)}\n```",
@@ -154,14 +140,9 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
     return 0
 
 
-CALIBRATION_HELP = ("for predicted_tokens_per_s: a file from `vericache sim --calibrate` (default: the cache dir's), "
-                    "or 'here' to measure it in this run")
-
-
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from vericache.cli import _draft_len
     from vericache.engine.engine import DEFAULT_COMPRESSOR
 
     b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
@@ -170,11 +151,10 @@ def add_bench_parser(sub) -> None:
                    help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
                          "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
     b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
-    b.add_argument("--draft-len", default="auto", type=_draft_len)
-    b.add_argument("--context", type=_ints, default=[1024, 4096, 16384])
+    b.add_argument("--draft-len", default="auto", type=draft_len)
+    b.add_argument("--context", type=ints, default=[1024, 4096, 16384])
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
-    b.add_argument("--calibration", default="here", help=CALIBRATION_HELP + " (the default here)")
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
@@ -195,7 +175,8 @@ def add_bench_parser(sub) -> None:
                    help="device KV budget in GB (overrides --device-budget)")
     t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
     t.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
-    t.add_argument("--calibration", default=None, help=CALIBRATION_HELP)
+    t.add_argument("--calibration", default=None,
+                   help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
     t.add_argument("--compressor", default="snapkv:ratio=0.125")
     t.add_argument("--resident-layers", type=int, default=0,
                    help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
@@ -215,12 +196,11 @@ def add_bench_parser(sub) -> None:
                     help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
                          "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
     bt.add_argument("--compressor", default="snapkv:ratio=0.125")
-    bt.add_argument("--draft-len", default="auto", type=_draft_len)
+    bt.add_argument("--draft-len", default="auto", type=draft_len)
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; KV stays fp32)")
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
-    bt.add_argument("--calibration", default="here", help=CALIBRATION_HELP + " (the default here)")
     bt.add_argument("--llamacpp-flash-attn", default="both", choices=["both", "on", "off"],
                     help="llama.cpp rows with its flash attention, without, or both (each prefills again)")
     bt.add_argument("--llamacpp-copies", action="store_true",

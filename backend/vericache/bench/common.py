@@ -71,43 +71,31 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def load_calibration(llm, path: str | None, log=print):
-    """The cost model's measurements for this model (CPU only): ``path`` "here" measures them now, in
-    this run (on a shared machine, a calibration from another moment predicts another machine);
-    otherwise ``vericache sim --calibrate``'s file (None with a hint when there is none)."""
-    from vericache.sim.calibrate import calibrate, default_path, load
-
-    if llm.loaded.device.type != "cpu":
-        return None
-    if path == "here":
-        log("calibrating the cost model in this run (vericache sim --calibrate's measurements)")
-        return calibrate(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."), log=log)
-    cal_path = Path(path or default_path(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch.")))
-    cal = load(cal_path)
-    if cal is None:
-        log(f"no calibration at {cal_path}: run `vericache sim --calibrate` for predicted_tokens_per_s")
-    return cal
-
-
 class RowPredictor:
-    """The cost model's tokens/s for a bench row (``sim.calibrate.predict``), charged what the run
-    spends beyond the calibration: the draft weights' own matmul times (measured on the model's
-    copies) and one compression move per ``window`` tokens (measured here per compressor)."""
+    """The cost model's tokens/s for each bench row (``sim.step_costs``): the step costs measured
+    here, at the bench's context, on the engine's real caches, once per compressor; the draft
+    weights' own matmul times (measured on the model's copies); one compression move per
+    ``window`` tokens (measured per compressor); the run's own acceptance and draft lengths."""
 
-    def __init__(self, cal, llm, context: int, log=print) -> None:
-        self.cal, self.llm, self.context, self.log, self.moves = cal, llm, context, log, {}
+    def __init__(self, llm, context: int, weights_s, log=print) -> None:
+        self.llm, self.context, self.weights_s, self.log = llm, context, weights_s, log
+        self.costs, self.moves = {}, {}
 
-    def move_s(self, comp) -> float:
-        from vericache.sim.calibrate import move_seconds
+    def _measured(self, comp):
+        from vericache.sim.step_costs import measure_step_costs, move_seconds
 
-        if comp.spec() not in self.moves:
-            self.moves[comp.spec()] = move_seconds(comp, self.llm.loaded.config, self.llm.loaded.kv_dtype, self.context)
-            self.log(f"one compression move of {comp.spec()} at {self.context}: {self.moves[comp.spec()] * 1e3:.1f} ms")
-        return self.moves[comp.spec()]
+        key = comp.spec()
+        if key not in self.costs:
+            self.costs[key] = c = measure_step_costs(self.llm, comp, self.context, self.weights_s)
+            self.moves[key] = move_seconds(comp, self.llm.loaded.config, self.llm.loaded.kv_dtype, self.context)
+            self.log(f"step costs at {self.context} ({key}): fixed {c.c0 * 1e3:.1f} ms, per sequence full "
+                     f"{c.full * 1e3:.1f} / draft {c.draft * 1e3:.1f} / verify {c.verify0 * 1e3:.1f} + "
+                     f"{c.verify_row * 1e3:.2f} per row; one compression move {self.moves[key] * 1e3:.1f} ms")
+        return self.costs[key], self.moves[key]
 
     def __call__(self, eng, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
         from vericache.model.draft_weights import DraftChoice
-        from vericache.sim.calibrate import predict
+        from vericache.sim.step_costs import predict_tokens_per_s
 
         comp, model, matmuls = eng.compressor, eng.model, None
         if mode == "vericache" and eng.draft_weights != "fp32":
@@ -116,9 +104,6 @@ class RowPredictor:
                 model.draft_choice = DraftChoice.measure(model)
             choice, kind = model.draft_choice, eng.draft_weights
             matmuls = lambda rows: choice.seconds_at(kind, rows)  # noqa: E731
-        # eviction reads `ratio` of the keys; a quantized store is read at about the dense rate
-        # here (its dequantization, not its bytes, bounds it: docs/BENCHMARKS.md, issue 19)
-        kept = comp.keep_budget(self.context) / self.context if comp.evicts else 1.0
-        move = self.move_s(comp) if mode != "full" else 0.0
-        return predict(self.cal, mode, n, self.context, kept=kept, window=comp.window,
-                       acceptance=tokens_per_round, draft_len=drafted_per_round, draft_matmul_s=matmuls, move_s=move)
+        costs, move = self._measured(comp)
+        return predict_tokens_per_s(costs, mode, n, tokens_per_round, drafted_per_round, matmuls,
+                                    move if mode != "full" else 0.0, comp.window)

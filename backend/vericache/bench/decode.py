@@ -12,8 +12,7 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import (RowPredictor, code_prompt, cpu_model, engine_for, load_calibration,
-                                    markdown_table)
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, markdown_table
 from vericache.engine.options import RequestOptions
 from vericache.engine.serving import ServingEngine
 from vericache.llm import LLM
@@ -55,7 +54,7 @@ def generate_with_steps(eng, mode: str, prompt: list[int], params: SamplingParam
 
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
                      draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
-                     device: str = "cpu", log=print, llamacpp: bool = True, calibration: str | None = None) -> dict:
+                     device: str = "cpu", log=print, llamacpp: bool = True) -> dict:
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
     each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
@@ -63,13 +62,12 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
-    cal = load_calibration(llm, calibration, log)
     rows, roof_rows, runs = [], [], {}
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
         results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
         bases = {m: engine_for(llm, m, engines)[1] for m in modes}
-        predictor = RowPredictor(cal, llm, ctx, log) if cal is not None else None
+        predictor = RowPredictor(llm, ctx, roof.weights_s, log) if roof is not None else None
         ref = results["full"][0] if "full" in results else None
         for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
             st = out.stats

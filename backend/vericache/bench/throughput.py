@@ -84,7 +84,7 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
                "compute_utilization": round(srv.instruments.busy_s() / wall, 3),
                "link_bytes": link.stats.bytes_moved if link is not None else 0,
                "mean_acceptance_length": round(acceptance, 2) if rounds else None,
-               "mean_groups": round(srv.instruments.mean_groups, 2) if scheduler == "grouped" else None,
+               "mean_groups": round(srv.schedule.mean_groups, 2) if scheduler == "grouped" else None,
                "early_verifies": srv.instruments.early_verifies if engine_mode == "vericache" else None,
                "preemptions": srv.instruments.preemptions, "rounds": rounds,
                "kv_resident_bytes": res["kv_resident_bytes"]}

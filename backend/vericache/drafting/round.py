@@ -71,6 +71,15 @@ def add_draft(seq: Sequence, rs: RoundState, logits: torch.Tensor, argmax: int |
     rs.qs.append(q)
 
 
+def greedy_accepted(targets: list[int], draft: list[int]) -> int:
+    """How many leading draft tokens the verifier's greedy choices ``targets`` (one per verified
+    row: the last token's, then each draft token's) agree with."""
+    m = 0
+    while m < len(draft) and targets[m] == draft[m]:
+        m += 1
+    return m
+
+
 def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q: list,
                  targets: list[int] | None = None) -> int:
     """Append accepted draft tokens and the verifier's token; returns m, the accepted draft count.

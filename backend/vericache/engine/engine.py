@@ -50,9 +50,9 @@ class SharedPrefill:
         if len(seq.prompt_ids) != self.prompt_len:
             raise ValueError(f"request {seq.request_id} has a {len(seq.prompt_ids)}-token prompt; "
                              f"this prefill is of {self.prompt_len} tokens")
-        if self.full.capacity < self.prompt_len + seq.params.max_tokens + 1:
+        if self.full.capacity < seq.capacity:
             raise ValueError(f"this prefill has room for {self.full.capacity} positions; request "
-                             f"{seq.request_id} needs {self.prompt_len + seq.params.max_tokens + 1}")
+                             f"{seq.request_id} needs {seq.capacity}")
 
     def reset(self, seq: Sequence) -> FullKVCache:
         """The full cache, back at the end of the prompt, for ``seq`` (which must have this prompt)."""
@@ -155,7 +155,7 @@ class Engine:
 
     def new_cache(self, seq: Sequence) -> FullKVCache:
         return FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype,
-                           capacity=len(seq.prompt_ids) + seq.params.max_tokens + 1)
+                           capacity=seq.capacity)
 
     # ------------------------------------------------------------------ forward helpers
     @torch.inference_mode()

@@ -28,34 +28,50 @@ class StepRecord:
     post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
 
 
+def _bounded() -> deque:
+    return deque(maxlen=65536)   # a long-running server keeps a bounded history
+
+
 @dataclass
 class Instruments:
-    intervals: list[tuple[float, float, str]] = field(default_factory=list)   # (start, end, kinds) per forward
-    round_log: list[tuple[int, int, int]] = field(default_factory=list)       # (request, drafted, accepted)
-    remote_rtts: list[float] = field(default_factory=list)   # verifier round trips (drained by the service)
+    """What the engine measured. ``intervals`` and ``steps`` are histories (bounded); the server
+    takes what happened since its last look as events (``take_events``), leaving the histories
+    for the rates that read them (``draft_step_s``)."""
+    intervals: deque = field(default_factory=_bounded)      # (start, end, kinds) per forward or load
+    round_log: deque = field(default_factory=_bounded)      # (request, drafted, accepted) not yet taken
+    remote_rtts: deque = field(default_factory=_bounded)    # verifier round trips not yet taken
+    new_intervals: deque = field(default_factory=_bounded)  # intervals not yet taken
     verify_layer_s: float = 0.0   # forward seconds per layer of a verification (EMA)
     early_verifies: int = 0       # verifications started while their last layers were in flight
     preemptions: int = 0          # requests sent back to waiting (their KV recomputed on re-admission)
     failures: int = 0             # requests failed by an exception in a step
-    group_plans: list[int] = field(default_factory=lambda: [0, 0])   # (sum of planned group counts, plans)
     steps: deque = field(default_factory=lambda: deque(maxlen=4096))   # StepRecord per forward, the latest
+
+    def note_interval(self, start: float, end: float, kinds: str) -> None:
+        self.intervals.append((start, end, kinds))
+        self.new_intervals.append((start, end, kinds))
+
+    def take_events(self) -> tuple[list, list, list]:
+        """(intervals, rounds, verifier round trips) since the last call, for metrics; the
+        histories the engine's own rates read stay."""
+        out = list(self.new_intervals), list(self.round_log), list(self.remote_rtts)
+        self.new_intervals.clear()
+        self.round_log.clear()
+        self.remote_rtts.clear()
+        return out
 
     def busy_s(self) -> float:
         return sum(e - s for s, e, _ in self.intervals)
 
     def draft_step_s(self) -> float | None:
         """Mean seconds of a recent step that drafted (None before one ran)."""
-        spans = [e - s for s, e, k in self.intervals[-32:] if "draft" in k]
+        recent = [self.intervals[-i] for i in range(1, min(32, len(self.intervals)) + 1)]
+        spans = [e - s for s, e, k in recent if "draft" in k]
         return sum(spans) / len(spans) if spans else None
 
     def note_verify(self, seconds: float, n_layers: int) -> None:
         per_layer = seconds / n_layers
         self.verify_layer_s = per_layer if self.verify_layer_s <= 0 else 0.7 * self.verify_layer_s + 0.3 * per_layer
-
-    @property
-    def mean_groups(self) -> float:
-        total, plans = self.group_plans
-        return total / plans if plans else 0.0
 
 
 def request_stats(req: Request) -> dict:

@@ -34,8 +34,8 @@ class KVMemory:
     # ------------------------------------------------------------------ what a request needs
     @staticmethod
     def capacity(req: Request) -> int:
-        """Positions a request can ever hold: prompt + max_tokens + the one a verification may add."""
-        return len(req.seq.prompt_ids) + req.seq.params.max_tokens + 1
+        """Positions a request can ever hold (``Sequence.capacity``)."""
+        return req.seq.capacity
 
     def streamed(self, full_bytes: int) -> int:
         """The part of ``full_bytes`` (all layers) that crosses the link: the non-resident layers."""
@@ -84,9 +84,7 @@ class KVMemory:
                     req.full.k, req.full.v = req.full.k.pin_memory(), req.full.v.pin_memory()
                 if req.prefill is not None:
                     src = req.prefill.reset(req.seq)
-                    req.full.begin(0, src.length)
-                    req.full.k[:, :, : src.length].copy_(src.k[:, :, : src.length])
-                    req.full.v[:, :, : src.length].copy_(src.v[:, :, : src.length])
+                    req.full.load(src, src.length)
             if req.full.k.device != self.dev and req.prefill is None:
                 # prefill attends on the device: into a device buffer, copied home when done
                 req.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap)

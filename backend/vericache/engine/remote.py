@@ -33,9 +33,8 @@ def start(srv, req: Request) -> None:
     if srv.prefix is not None and req.prefill is None and (req.mode != "vericache" or srv.memory.remote):
         req.fetch = srv.prefix.fetch(ids, prefix_form(req), srv.eng.loaded.device)
     if srv.memory.is_remote(req):
-        remaining = req.seq.params.max_tokens - len(req.seq.output_ids)
         comp = req.opts.compressor.spec()
-        req.session = srv.verifier.session(ids, max(remaining, 1), comp)
+        req.session = srv.verifier.session(ids, max(req.seq.remaining, 1), comp)
 
 
 def fetch_pending(srv, req: Request) -> bool:
@@ -64,7 +63,7 @@ def poll(srv) -> None:
             try:
                 item = req.session.poll()
             except VerifierUnavailable as exc:
-                srv._fail(req, f"verifier unavailable: {exc}", status=503)
+                srv.fail(req, f"verifier unavailable: {exc}", status=503)
                 break
             if item is None:
                 break
@@ -86,29 +85,22 @@ def _first_token(srv, req: Request, msg: dict) -> None:
              "stored; drafter loaded %d, state %s)", req.id, req.first_token_at - req.added_at,
              req.verifier_hit_tokens, req.prefix_tokens, req.state)
     if finished:
-        srv._release(req, FINISHED)
+        srv.release(req, FINISHED)
     elif req.state == PREFILL and req.prefilled:
-        srv._set(req, DRAFTING)
+        srv.set_state(req, DRAFTING)
 
 
 def _verified(srv, req: Request, m: int, token: int, k, v) -> None:
-    rs, start, draft = req.round, req.position, req.draft
+    rs, start = req.round, req.position
     m = accept_draft(req.seq, None, rs.drafts, rs.qs, rs.drafts[:m] + [token])
-    keep = start + 1 + m
-    draft.begin(start, keep - start)          # the verifier's exact K/V replace the drafter's own
-    s = start - draft.res_start
-    draft.residual.k[:, :, s : s + keep - start] = k[:, :, : keep - start].to(draft.residual.k)
-    draft.residual.v[:, :, s : s + keep - start] = v[:, :, : keep - start].to(draft.residual.v)
-    draft.commit(keep)
+    req.draft.commit_exact(start, k, v, start + 1 + m)   # the verifier's K/V replace the drafter's own
     record_round(rs, len(rs.drafts), m)
-    srv.instruments.round_log.append((req.id, len(rs.drafts), m))
-    req.opts.policy.update(req.policy_state, len(rs.drafts), m)
-    rs.reset()
+    srv.round_done(req, m)
     if req.seq.finished:
-        srv._release(req, FINISHED)
+        srv.release(req, FINISHED)
     else:
-        srv._set(req, DRAFTING)
-        srv._charge(req)
+        srv.set_state(req, DRAFTING)
+        srv.charge(req)
 
 
 def send_verifies(srv) -> None:
@@ -116,7 +108,7 @@ def send_verifies(srv) -> None:
     for req in srv.in_state(DRAFTING):
         if req.session is not None and req.round.complete:
             req.session.verify(req.position, [req.last_token] + req.round.drafts)
-            srv._set(req, TRANSFERRING)
+            srv.set_state(req, TRANSFERRING)
 
 
 def waiting_on_remote(srv) -> bool:

@@ -23,6 +23,7 @@ SCHEDULERS = ("naive", "staggered", "grouped")
 
 class Naive:
     name = "naive"
+    verifies_in_turn = True   # nothing else runs meanwhile: verify layer by layer, one request at a time
 
     def may_draft(self, srv, req: Request) -> bool:
         """Naive: nobody drafts while verifications are pending (all draft, then all verify)."""
@@ -40,6 +41,7 @@ class Naive:
 
 class Staggered(Naive):
     name = "staggered"
+    verifies_in_turn = False
 
     def may_draft(self, srv, req: Request) -> bool:
         return True
@@ -47,8 +49,7 @@ class Staggered(Naive):
     def new_round(self, srv, req: Request, k: int) -> int:
         policy = req.opts.policy
         if k and policy.fixed is None:
-            remaining = req.seq.params.max_tokens - len(req.seq.output_ids)
-            k = max(k, min(self._draft_to_cover_link(srv), policy.max_len, remaining - 1))
+            k = max(k, min(self._draft_to_cover_link(srv), policy.max_len, req.seq.remaining - 1))
         return k
 
     def start_transfers(self, srv, drafting: list[Request]) -> None:
@@ -74,6 +75,12 @@ class Grouped(Staggered):
 
     def __init__(self) -> None:
         self.groups, self.turn = 2, 0
+        self.plans = [0, 0]   # (sum of planned group counts, plans): ``mean_groups``
+
+    @property
+    def mean_groups(self) -> float:
+        total, plans = self.plans
+        return total / plans if plans else 0.0
 
     def new_round(self, srv, req: Request, k: int) -> int:
         k = super().new_round(srv, req, k)
@@ -86,8 +93,7 @@ class Grouped(Staggered):
         for r in drafting:  # waiting for its group's turn, drafts mostly accepted: draft on (P2)
             policy, rs = r.opts.policy, r.round
             if rs.k and rs.complete and policy.fixed is None and r.policy_state.ema_accepted >= 0.75 * rs.k:
-                remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
-                rs.k = min(rs.k + 1, policy.max_len, max(remaining - 1, rs.k))
+                rs.k = min(rs.k + 1, policy.max_len, max(r.seq.remaining - 1, rs.k))
         on_link = {r.group for r in srv.in_state(TRANSFERRING) if not r.transfer.ready()}
         groups: dict[int, list[Request]] = {}
         for r in drafting:
@@ -109,8 +115,8 @@ class Grouped(Staggered):
             rate, step_s = rates
             per_request_s = sum(srv.memory.streamed(r.full.nbytes()) for r in vc) / len(vc) / rate
             self.groups = group_count(len(vc), per_request_s, step_s, draft_len)
-        srv.instruments.group_plans[0] += self.groups
-        srv.instruments.group_plans[1] += 1
+        self.plans[0] += self.groups
+        self.plans[1] += 1
         return self.groups
 
 

@@ -21,6 +21,12 @@ class RequestOutput:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+def positions_needed(prompt_len: int, max_tokens: int) -> int:
+    """Positions a request can ever hold in its KV: the prompt, every output token, and the one a
+    verification writes beyond the last accepted token (the bonus position)."""
+    return prompt_len + max_tokens + 1
+
+
 class Sequence:
     """Tokens and finish logic of one request.
 
@@ -42,6 +48,16 @@ class Sequence:
         # a stop string of c characters spans at most 4c byte-level tokens
         self._stop_window = 4 * max((len(s) for s in params.stop_list), default=0) + 1
         self.stats: dict[str, Any] = {}
+
+    @property
+    def capacity(self) -> int:
+        """``positions_needed`` for this request."""
+        return positions_needed(len(self.prompt_ids), self.params.max_tokens)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed by ``max_tokens``."""
+        return self.params.max_tokens - len(self.output_ids)
 
     @property
     def finished(self) -> bool:

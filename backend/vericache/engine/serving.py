@@ -70,8 +70,7 @@ class ServingEngine:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.eng = engine
         self.draft_cost = DraftCost()  # draft lengths from this engine's fitted step costs
-        self.schedule = make_schedule(scheduler)
-        self.scheduler = scheduler
+        self.schedule = make_schedule(scheduler)   # P1: when complete drafts' full KV goes on the link
         # offload: vericache full KV in the host tier, brought over ``link`` for each verification;
         # the first ``resident_layers`` layers of it stay on the device (fewer bytes cross)
         self.memory = KVMemory(engine.cfg, engine.loaded.device, engine.loaded.kv_dtype, device_budget,
@@ -94,12 +93,15 @@ class ServingEngine:
                     options: RequestOptions | ResolvedOptions | None = None, prefill=None) -> int:
         """Queue a request; ``options`` override the engine's mode, compressor and draft length;
         ``prefill`` (an ``Engine.shared_prefill`` of this prompt) is loaded instead of recomputed."""
-        return self.add_sequence(self.eng.new_sequence(-1, prompt_ids, params), options, prefill)
+        return self._add(self.eng.new_sequence(-1, prompt_ids, params), options, prefill)  # checks the input
 
     def add_sequence(self, seq: Sequence, options: RequestOptions | ResolvedOptions | None = None,
                      prefill=None) -> int:
         """``add_request`` for a ``Sequence`` made by the caller (who reads its output from it)."""
         self.eng.check_request(seq.prompt_ids, seq.params)
+        return self._add(seq, options, prefill)
+
+    def _add(self, seq: Sequence, options, prefill) -> int:
         opts = options if isinstance(options, ResolvedOptions) else self.eng.resolve(options)
         req = Request(-1, seq, opts, policy_state=opts.policy.new_state(), prefill=prefill)
         prompt_ids, params = seq.prompt_ids, seq.params
@@ -122,10 +124,23 @@ class ServingEngine:
     def abort(self, rid: int) -> None:
         req = self.requests.get(rid)
         if req is not None and not req.done:
-            self._release(req, ABORTED)
+            self.release(req, ABORTED)
 
     def has_unfinished(self) -> bool:
         return any(not r.done for r in self.requests.values())
+
+    def forget(self, rid: int) -> None:
+        """Drop a finished request's record (a long-running server keeps none); refused while it runs."""
+        req = self.requests.get(rid)
+        if req is not None and not req.done:
+            raise ValueError(f"request {rid} is still {req.state}: abort it first")
+        self.requests.pop(rid, None)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests: admitted and not done, and not yet admitted."""
+        reqs = list(self.requests.values())   # the server's threads read while the engine steps
+        waiting = sum(1 for r in reqs if r.state == WAITING)
+        return sum(1 for r in reqs if not r.done) - waiting, waiting
 
     def in_state(self, *states: str) -> list[Request]:
         return [r for r in self.requests.values() if r.state in states]
@@ -157,7 +172,7 @@ class ServingEngine:
             fits = reserved + need + buf <= self.device.capacity_bytes or not running  # alone it always fits
             if len(running) >= self.max_running or not fits:
                 break  # FIFO: later requests wait behind the first that does not fit
-            self._set(req, PREFILL)
+            self.set_state(req, PREFILL)
             running.append(req)
             reserved, transient = reserved + need, buf
 
@@ -168,7 +183,7 @@ class ServingEngine:
             if r.session is not None:
                 continue  # verified remotely: the reply is applied by remote.poll
             if r.transfer.error:
-                self._fail(r, f"transfer failed: {r.transfer.error}")
+                self.fail(r, f"transfer failed: {r.transfer.error}")
             elif self._can_verify(r):
                 batch.add(r, VERIFY, [r.last_token] + r.round.drafts, r.position,
                           StreamedKV(r.transfer, r.resident), "all")
@@ -181,12 +196,11 @@ class ServingEngine:
         for r in self.in_state(DRAFTING):
             rs = r.round
             if not rs.started:  # a new round
-                remaining = r.seq.params.max_tokens - len(r.seq.output_ids)
-                k = r.opts.policy.next_len(r.policy_state, remaining)
+                k = r.opts.policy.next_len(r.policy_state, r.seq.remaining)
                 if self.memory.is_offloaded(r):
                     k = self.schedule.new_round(self, r, k)
                 elif k > 0 and r.opts.policy.fixed is None and r.full is not None and r.session is None:
-                    k = self._cost_len(r, k, remaining)   # full KV here: the local step costs decide
+                    k = self._cost_len(r, k, r.seq.remaining)   # full KV here: the local step costs decide
                 rs.start(k)
             remote_verified = r.session is not None  # a complete round goes out in remote.send_verifies
             if not rs.complete and (remote_verified or self.schedule.may_draft(self, r)):
@@ -238,7 +252,7 @@ class ServingEngine:
         req.done_ids = shared.prompt_len
         if req.done_ids == len(req.seq.prompt_ids) + max(len(req.seq.output_ids) - 1, 0):
             self._finish_prefill(req, shared.logits, shared.full)
-        self.instruments.intervals.append((t0, time.perf_counter(), "load"))
+        self.instruments.note_interval(t0, time.perf_counter(), "load")
 
     # ------------------------------------------------------------------ run
     def _run(self, batch: StepBatch) -> bool:
@@ -254,10 +268,10 @@ class ServingEngine:
         except Exception as exc:  # noqa: BLE001 - whatever broke, the other requests go on
             log.exception("step forward failed for requests %s", [r.req.id for r in batch.rows])
             for row in batch.rows:
-                self._fail(row.req, f"{type(exc).__name__}: {exc}")
+                self.fail(row.req, f"{type(exc).__name__}: {exc}")
             return False
         t1 = time.perf_counter()
-        self.instruments.intervals.append((t0, t1, batch.kinds))
+        self.instruments.note_interval(t0, t1, batch.kinds)
         self.instruments.steps.append(StepRecord(t0, t1, batch.kinds, len(batch.rows), *work))
         self.draft_cost.tick(self.instruments.steps)
         if batch.of(VERIFY) and batch.kinds == VERIFY:  # a clean measurement of the verification
@@ -275,12 +289,12 @@ class ServingEngine:
             try:
                 handlers[row.kind](req, row)
                 if req.seq.finished:
-                    self._release(req, FINISHED)
+                    self.release(req, FINISHED)
                 elif req.state not in (WAITING, *DONE):
-                    self._charge(req)
+                    self.charge(req)
             except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
                 log.exception("request %s failed in %s", req.id, row.kind)
-                self._fail(req, f"{type(exc).__name__}: {exc}")
+                self.fail(req, f"{type(exc).__name__}: {exc}")
 
     def _after_prefill(self, req: Request, row) -> None:
         req.done_ids += len(row.tokens)
@@ -291,9 +305,7 @@ class ServingEngine:
         """The prompt (and any recomputed output) is in the caches: compress, pick the first token."""
         eng, seq, n = self.eng, req.seq, req.done_ids
         if req.prefill_buf is not None:  # home to the host tier
-            req.full.begin(0, n)
-            req.full.k[:, :, :n].copy_(req.prefill_buf.k[:, :, :n])
-            req.full.v[:, :, :n].copy_(req.prefill_buf.v[:, :, :n])
+            req.full.load(req.prefill_buf, n)
         if req.draft is not None:
             comp = req.opts.compressor
             ids = req.prefill_ids
@@ -305,20 +317,17 @@ class ServingEngine:
             # cache the draft cache takes the prompt's K/V from it
             req.draft.commit(n, source=context)
         if req.resident is not None:  # the resident layers go up once
-            src = req.prefill_buf or req.full
-            req.resident.begin(0, n)
-            req.resident.k[:, :, :n] = src.k[: self.memory.resident_layers, :, :n]
-            req.resident.v[:, :, :n] = src.v[: self.memory.resident_layers, :, :n]
+            req.resident.load(req.prefill_buf or req.full, n)
         req.prefill_buf = None
         if self.memory.is_remote(req):  # the first token is the verifier's (exact), not the drafter's
             req.prefilled = True
             if seq.output_ids:
-                self._set(req, DRAFTING)
+                self.set_state(req, DRAFTING)
             return
         if not seq.output_ids:
             seq.append(choose_token(logits, seq.params, seq.generator))
             req.first_token_at = time.perf_counter()
-        self._set(req, DRAFTING if req.mode == "vericache" else DECODING)
+        self.set_state(req, DRAFTING if req.mode == "vericache" else DECODING)
 
     def _after_decode(self, req: Request, row) -> None:
         if req.draft is not None:  # lossy: the drafter's own K/V are final
@@ -338,13 +347,11 @@ class ServingEngine:
             write_back = lambda s, e: self._write_back(req, row.cache, s, e)  # noqa: E731
         req.verify_bytes_read += req.full.nbytes()
         m = finish_round(req.seq, rs, row.logits, start, req.full, req.draft, write_back, row.argmax)
-        self.instruments.round_log.append((req.id, len(rs.drafts), m))
-        req.opts.policy.update(req.policy_state, len(rs.drafts), m)
-        rs.reset()
+        self.round_done(req, m)
         if req.state == TRANSFERRING:
             self.device.free(("verify", req.id))
             req.transfer = None
-            self._set(req, DRAFTING)
+            self.set_state(req, DRAFTING)
 
     def _write_back(self, req: Request, view: StreamedKV, start: int, keep: int) -> None:
         """The verified positions, written on the device, back to the host tier."""
@@ -374,7 +381,7 @@ class ServingEngine:
         buf = FullKVCache(self.eng.cfg, self.eng.loaded.device, self.eng.loaded.kv_dtype,
                           capacity=req.full.length + req.round.k + 1, layers=n_layers - self.memory.resident_layers)
         req.transfer = self.link.submit(req.full, req.full.length, buf, first_layer=self.memory.resident_layers)
-        self._set(req, TRANSFERRING)
+        self.set_state(req, TRANSFERRING)
         return True
 
     def _can_verify(self, req: Request) -> bool:
@@ -385,7 +392,7 @@ class ServingEngine:
         done = req.transfer.layers_done()
         if done == streamed:
             return True
-        if self.scheduler == "naive":  # nothing else runs meanwhile: verify layer by layer, in turn
+        if self.schedule.verifies_in_turn:
             return req is min(self.in_state(TRANSFERRING), key=lambda r: r.id)
         ahead = self.memory.resident_layers + done  # layers the forward can do without waiting
         rates = self.measured_rates()
@@ -414,7 +421,7 @@ class ServingEngine:
             min(in_flight, key=lambda r: r.id).transfer.wait_all()
 
     # ------------------------------------------------------------------ memory
-    def _charge(self, req: Request) -> None:
+    def charge(self, req: Request) -> None:
         """Charge the tiers for what the request holds now; preempt newer requests if the device is full."""
         self._make_room(self.memory.device_bytes(req), ("kv", req.id), req)
         if req.state not in (WAITING, *DONE) and self.memory.fits(req):
@@ -437,7 +444,7 @@ class ServingEngine:
         self._free(req)
         req.done_ids = 0
         req.round.reset()
-        self._set(req, WAITING)
+        self.set_state(req, WAITING)
 
     def _free(self, req: Request) -> None:
         if req.session is not None:  # cancels the stream: the verifier frees its KV
@@ -452,31 +459,44 @@ class ServingEngine:
             req.transfer = None
         self.memory.free(req)
 
-    def _release(self, req: Request, state: str) -> None:
+    # ------------------------------------------------------------------ the request lifecycle
+    # (public: engine.remote drives remote rounds through them)
+    def release(self, req: Request, state: str) -> None:
+        """End a request in ``state`` (finished, aborted, failed): its stats, then its memory."""
         req.finished_at = time.perf_counter()
         req.seq.stats.update(request_stats(req))  # before the caches go
         self._free(req)
-        self._set(req, state)
+        self.set_state(req, state)
 
-    def _fail(self, req: Request, error: str, status: int = 500) -> None:
+    def fail(self, req: Request, error: str, status: int = 500) -> None:
+        """End a request with an error (``status``: the HTTP status its caller answers)."""
         if req.done:
             return
         self.instruments.failures += 1
         req.error, req.error_status = error, status
-        self._release(req, FAILED)
+        self.release(req, FAILED)
+
+    def round_done(self, req: Request, m: int) -> None:
+        """A verified round with ``m`` of its drafts accepted (already appended and committed):
+        the round log (metrics), the draft-length policy, and a fresh round."""
+        rs = req.round
+        self.instruments.round_log.append((req.id, len(rs.drafts), m))
+        req.opts.policy.update(req.policy_state, len(rs.drafts), m)
+        rs.reset()
 
     def fail_unfinished(self, error: str) -> list[StepOutput]:
         """Fail every request not yet done (the step loop itself broke) and report them."""
         for req in list(self.requests.values()):
             if not req.done:
                 try:
-                    self._fail(req, error)
+                    self.fail(req, error)
                 except Exception:  # noqa: BLE001 - its state is broken too: end it regardless
                     req.state, req.error = FAILED, error
                     self.memory.free(req)
         return self.collect_outputs()
 
-    def _set(self, req: Request, state: str) -> None:
+    def set_state(self, req: Request, state: str) -> None:
+        """Move a request along ``request.ALLOWED`` (RuntimeError on any other transition)."""
         if state not in ALLOWED.get(req.state, set()):
             raise RuntimeError(f"request {req.id}: illegal transition {req.state} -> {state}")
         req.state = state

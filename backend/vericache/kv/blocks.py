@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class OutOfBlocks(RuntimeError):

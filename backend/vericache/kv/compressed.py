@@ -160,9 +160,7 @@ class CompressedKVCache:
         n = full.length
         if self.length or self.committed:
             raise ValueError("load_prefill needs an empty cache")
-        self.residual.begin(0, n)
-        self.residual.k[:, :, :n] = full.k[:, :, :n]
-        self.residual.v[:, :, :n] = full.v[:, :, :n]
+        self.residual.load(full, n)
         for layer, q in enumerate(queries):
             self.observe(layer, q)
 
@@ -199,6 +197,16 @@ class CompressedKVCache:
         elif n:  # shift the residual left by n
             self._place(self.residual.k, self.residual.v, n, 0, keep)
         self.residual.truncate(keep)
+
+    def commit_exact(self, start: int, k: torch.Tensor, v: torch.Tensor, upto: int) -> None:
+        """Positions start..upto-1 get exact K/V made elsewhere (a remote verifier's: k, v [L, Hkv,
+        >= upto - start, D]) in place of the drafter's own, then ``commit(upto)``."""
+        n = upto - start
+        self.begin(start, n)
+        s = start - self.res_start
+        self.residual.k[:, :, s : s + n] = k[:, :, :n].to(self.residual.k)
+        self.residual.v[:, :, s : s + n] = v[:, :, :n].to(self.residual.v)
+        self.commit(upto)
 
     def _movable(self, upto: int) -> int:
         """Tokens to move now: whole ``align`` groups, once at least ``window`` are past the window."""

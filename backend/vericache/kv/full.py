@@ -64,6 +64,14 @@ class FullKVCache:
         self._start = start
         self.length = start + count
 
+    def load(self, src: "FullKVCache", n: int) -> None:
+        """Hold src's positions 0..n-1 (of as many layers as this cache has: its first ones) and
+        nothing after them."""
+        layers = self.k.shape[0]
+        self.begin(0, n)
+        self.k[:, :, :n].copy_(src.k[:layers, :, :n])
+        self.v[:, :, :n].copy_(src.v[:layers, :, :n])
+
     def truncate(self, length: int) -> None:
         """Drop positions >= length (rollback past rejected draft tokens)."""
         if not 0 <= length <= self.length:

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vericache.drafting.round import greedy_accepted
 from vericache.engine.batch import VERIFY, StepBatch
+from vericache.engine.sequence import positions_needed
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.remote.forms import compressed_forms, full_forms, load_full
@@ -95,7 +97,7 @@ class VerifierCore:
         if not tokens or start != sess.full.length:
             raise ValueError(f"verify at position {start} with {len(tokens)} tokens; session {sess.id} "
                              f"expects position {sess.full.length} and at least one token")
-        if start + len(tokens) > len(sess.prompt_ids) + sess.max_tokens + 1:
+        if start + len(tokens) > positions_needed(len(sess.prompt_ids), sess.max_tokens):
             raise ValueError(f"verify of {len(tokens)} tokens at {start} runs past prompt + max_tokens")
         return self._submit("verify", sess, (start, list(tokens))).result()
 
@@ -145,7 +147,7 @@ class VerifierCore:
 
     def _prefill(self, sess: Session, blocks: list) -> int:
         eng, ids = self.eng, sess.prompt_ids
-        full = FullKVCache(eng.cfg, eng.loaded.device, eng.loaded.kv_dtype, capacity=len(ids) + sess.max_tokens + 1)
+        full = FullKVCache(eng.cfg, eng.loaded.device, eng.loaded.kv_dtype, capacity=positions_needed(len(ids), sess.max_tokens))
         n = load_full(full, blocks)
         sess.hit_tokens = n
         recorder = QueryRecorder(eng.cfg.num_hidden_layers, 64)
@@ -196,9 +198,7 @@ class VerifierCore:
         self._event("verify_step", {"rows": len(live), "seconds": time.perf_counter() - t0})
         for row, fut in zip(batch.rows, live):
             sess, start, targets = row.req, row.start, row.argmax
-            m = 0
-            while m < len(row.tokens) - 1 and targets[m] == row.tokens[m + 1]:
-                m += 1
+            m = greedy_accepted(targets, row.tokens[1:])
             keep = start + 1 + m
             sess.full.truncate(keep)
             fut.set_result((m, targets[m], sess.full.k[:, :, start:keep].clone(), sess.full.v[:, :, start:keep].clone()))

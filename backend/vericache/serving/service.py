@@ -100,10 +100,10 @@ class EngineService:
         self._commands.put(("abort", rid))
 
     def num_running(self) -> int:
-        return sum(1 for r in list(self.serving.requests.values()) if r.state != "waiting" and not r.done)
+        return self.serving.counts()[0]
 
     def num_waiting(self) -> int:
-        return sum(1 for r in list(self.serving.requests.values()) if r.state == "waiting")
+        return self.serving.counts()[1]
 
     def healthy(self) -> bool:
         """False only when the engine cannot go on (its thread is gone or its steps keep failing)."""
@@ -130,8 +130,6 @@ class EngineService:
                 except queue.Empty:
                     pass
                 continue
-            inst = self.serving.instruments
-            n_phases = len(inst.intervals)
             try:
                 outs = self.serving.step()
                 self._step_errors = 0
@@ -142,15 +140,13 @@ class EngineService:
                 if self._step_errors >= 3:  # it keeps failing: the engine cannot go on (/health: 503)
                     self._broken = True
                     self._stop.set()
-            for start, end, kind in inst.intervals[n_phases:]:
+            phases, rounds, rtts = self.serving.instruments.take_events()
+            for start, end, kind in phases:
                 self.metrics("phase", {"kind": kind, "seconds": end - start})
-            del inst.intervals[:]  # a long-running server keeps no history
-            for rid, drafted, accepted in inst.round_log:
+            for rid, drafted, accepted in rounds:
                 self.metrics("round", {"drafted": drafted, "accepted": accepted, **self._labels(rid)})
-            inst.round_log.clear()
-            for rtt in inst.remote_rtts:
+            for rtt in rtts:
                 self.metrics("verifier_rtt", {"seconds": rtt})
-            inst.remote_rtts.clear()
             self._drain_remote_events()
             for o in outs:
                 self._deliver(o)
@@ -212,15 +208,14 @@ class EngineService:
         self._texts[o.request_id] = prev + text_delta
         stats = {}
         if o.finished:
-            rs = req.round
-            stats = {**self._labels(o.request_id), "rounds": rs.rounds, "drafted_tokens": rs.drafted,
+            rs = req.round   # the engine's own stats (``request_stats``, made when it ended) and the server's
+            stats = {**req.seq.stats, **self._labels(o.request_id), "rounds": rs.rounds, "drafted_tokens": rs.drafted,
                      "accepted_tokens": rs.accepted, "prompt_tokens": len(req.seq.prompt_ids),
                      "completion_tokens": len(req.seq.output_ids),
-                     "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter()),
-                     **{k: v for k, v in req.seq.stats.items() if k.startswith(("prefix_", "verifier_"))}}
+                     "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
             if o.error:
                 stats["error"], stats["status"] = o.error, req.error_status
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
             del self._streams[o.request_id], self._texts[o.request_id]
-            self.serving.requests.pop(o.request_id, None)  # finished requests are not kept forever
+            self.serving.forget(o.request_id)  # finished requests are not kept forever
         stream.put(Delta(o.new_token_ids, text_delta, o.finished, o.finish_reason, stats))

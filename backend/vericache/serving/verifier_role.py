@@ -44,8 +44,7 @@ def run_verifier(model: str, host: str, port: int, prefix_store: str | None = No
 
 def _metrics(mid: str, host: str, port: int):
     from prometheus_client import start_http_server
-    from vericache_gateway.app import metrics_sink
-    from vericache_gateway.metrics import Metrics
+    from vericache.serving.metrics import Metrics, metrics_sink
 
     m = Metrics(mid, "verifier", "")
     start_http_server(port, addr=host, registry=m.registry)

@@ -23,7 +23,6 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -45,12 +44,6 @@ class Calibration:
     def step_s(self, seqs: int, rows: int | None = None) -> float:
         """A forward over ``seqs`` sequences with ``rows`` tokens in all (default: one each)."""
         return self.step_a + self.step_seq * seqs + self.step_row * (seqs if rows is None else rows)
-
-    def weights_s(self, rows: int) -> float:
-        """One forward's weight matmuls at ``rows`` rows, as the roofline measured them (0 without it)."""
-        from vericache.sim.roofline import Roofline
-
-        return Roofline(**self.roofline).weights_s(rows) if self.roofline else 0.0
 
     def attention_s(self, n_seqs: int, keys: float, queries: int = 1) -> float:
         """``n_seqs`` sequences, each ``queries`` queries over ``keys`` keys (all layers)."""
@@ -145,62 +138,27 @@ def load(path: Path) -> Calibration | None:
     return Calibration(**json.loads(path.read_text())) if path.exists() else None
 
 
-def predict(cal: Calibration, mode: str, n: int, context: int, budget_bytes: float | None = None,
-            link_bytes_per_s: float | None = None, kept: float = 1.0, window: int = 32, acceptance: float = 1.0,
-            draft_len: float = 0.0, draft_matmul_s: Callable[[int], float] | None = None,
-            move_s: float = 0.0) -> float:
-    """Modelled decode tokens/s of one bench row (decode only; the prefill is shared and not timed).
+def predict(cal: Calibration, mode: str, n: int, context: int, budget_bytes: float, link_bytes_per_s: float,
+            kept: float, window: int, acceptance: float, draft_len: float) -> float:
+    """Modelled decode tokens/s of a ``bench throughput`` row.
 
-    full: as many requests as the budget holds (all without one) decode together, a token per step;
+    full: as many requests as the budget holds decode together, one token per step;
     lossy: all requests on their compressed KV (``kept`` of the tokens plus the window);
     vericache: a round is ``draft_len`` draft steps for all, and each request's verification
-    (``draft_len + 1`` queries over its full KV; with a link, its full KV crossing it first),
-    ``acceptance`` tokens each: naive = compute + link; staggered/grouped = max(compute, link) (P1
-    hides the smaller); without a link the full KV is local and there is only compute.
-    ``draft_matmul_s(rows)``: one forward's matmuls on the quantized draft weights (default: the
-    exact weights, as the calibration measured); ``move_s``: one compression move of a request
-    (every ``window`` committed tokens), paid once per ``window`` tokens of each request.
+    (its full KV over the link, ``draft_len + 1`` queries over it), ``acceptance`` tokens each:
+    naive = compute + link; staggered/grouped = max(compute, link) (P1 hides the smaller).
     """
     full_req = (context + 1) * cal.kv_bytes_per_position
     if mode == "full":
-        b = n if budget_bytes is None else max(min(n, int(budget_bytes // full_req)), 1)
+        b = max(min(n, int(budget_bytes // full_req)), 1)
         return b / (cal.step_s(b) + cal.attention_s(b, context))
-    draft_step = cal.step_s(n) + cal.attention_s(n, kept * context + window)
-    if draft_matmul_s is not None:  # the draft rows' matmuls on their own weights instead of fp32's
-        draft_step += draft_matmul_s(n) - cal.weights_s(n)
+    draft_keys = kept * context + window
+    draft_step = cal.step_s(n) + cal.attention_s(n, draft_keys)
     if mode == "lossy":
-        tps = n / draft_step
-    else:
-        k = draft_len  # each request's chunk of k + 1 rows rides in a step beside the others' draft rows
-        verify = n * (cal.step_seq + cal.step_row * (k + 1)) + cal.attention_s(n, context, math.ceil(k + 1))
-        compute = k * draft_step + verify
-        link = n * full_req / (link_bytes_per_s * cal.link_efficiency) if link_bytes_per_s else 0.0
-        round_s = compute + link if mode.endswith("naive") else max(compute, link)
-        tps = n * acceptance / round_s
-    return 1 / (1 / tps + move_s / window)   # every token's share of its request's moves
-
-
-@torch.inference_mode()
-def move_seconds(compressor, cfg, dtype: torch.dtype, context: int, repeats: int = 4) -> float:
-    """One compression move of a request at ``context`` positions: ``window`` committed tokens
-    entering a store that holds what the compressor keeps of ``context`` (random K/V, timed)."""
-    from vericache.kv.compressed import CompressedKVCache
-    from vericache.kv.full import FullKVCache
-
-    w, n_l = compressor.window, cfg.num_hidden_layers
-    cap = context + (repeats + 2) * (w + compressor.align)
-    full = FullKVCache(cfg, "cpu", dtype, capacity=cap)
-    full.begin(0, cap)
-    full.k.normal_()
-    full.v.normal_()
-    cache = CompressedKVCache(compressor, cfg, "cpu", dtype, capacity=cap)
-    cache.load_prefill(full, [torch.randn(cfg.num_attention_heads, w, cfg.head_dim, dtype=dtype)] * n_l)
-    cache.commit(context)
-    times, pos = [], context
-    while len(times) < repeats:
-        step = w + compressor.align
-        t0 = time.perf_counter()
-        cache.commit(pos + step, source=full)
-        times.append(time.perf_counter() - t0)
-        pos += step
-    return sorted(times)[len(times) // 2]
+        return n / draft_step
+    k = draft_len  # each request's chunk of k + 1 rows rides in a step beside the others' draft rows
+    verify = n * (cal.step_seq + cal.step_row * (k + 1)) + cal.attention_s(n, context, math.ceil(k + 1))
+    compute = k * draft_step + verify
+    link = n * full_req / (link_bytes_per_s * cal.link_efficiency)
+    round_s = compute + link if mode.endswith("naive") else max(compute, link)
+    return n * acceptance / round_s

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from vericache.cli_args import ints, progress
 from vericache.sim.cost_model import (
     GPUS,
     MODELS,
@@ -57,13 +58,12 @@ def plot_sim(rows: list[dict], path: str) -> None:
 
 
 def add_sim_parser(sub) -> None:
-    from vericache.bench.cli import _ints
 
     p = sub.add_parser("sim", help="cost model: full / lossy / vericache-naive / -staggered / -resident on a GPU with PCIe")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     p.add_argument("--link", default="gen5", choices=sorted(PCIE))
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    p.add_argument("--context", type=_ints, default=[8192, 32768, 131072])
+    p.add_argument("--context", type=ints, default=[8192, 32768, 131072])
     p.add_argument("--ratio", type=float, default=0.125, help="compressed / full KV bytes")
     p.add_argument("--acceptance-length", type=float, default=24.0, help="tokens per verification round")
     p.add_argument("--draft-len", type=int, default=32)
@@ -83,13 +83,12 @@ def add_sim_parser(sub) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from vericache.bench.cli import _progress
     from vericache.model.registry import DEFAULT_MODEL
     from vericache.sim.calibrate import calibrate, default_path, save
 
     model = args.calib_model or DEFAULT_MODEL
     dtype = args.calib_dtype or "float32"
-    cal = calibrate(model, dtype, log=_progress(args))
+    cal = calibrate(model, dtype, log=progress(args))
     path = Path(args.calib_out) if args.calib_out else default_path(model, dtype)
     save(cal, path)
     print(json.dumps({**asdict(cal), "path": str(path)}) if args.json else f"stored in {path}")

@@ -1,4 +1,6 @@
-"""Prometheus metrics in vLLM's style under ``vericache_`` (one registry per app, no globals)."""
+"""Prometheus metrics in vLLM's style under ``vericache_`` (one registry per app, no globals): the
+metric set, the sink that turns the engine's events (``EngineService`` metrics) into them, and the
+gauges read at scrape time. The gateway and the verifier role both export these."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     def __init__(self, model: str, mode: str, compressor: str) -> None:
         self.registry = r = CollectorRegistry()
+        self.link_counted: dict[str, tuple[float, float]] = {}   # link -> (bytes, busy s) already counted
         self.labels = {"model": model, "mode": mode, "compressor": compressor}
         names = list(self.labels)
 
@@ -62,3 +65,51 @@ class Metrics:
     def lab(self, metric, **extra):
         """The metric's child for the server's labels, overridden by ``extra`` (a request's mode, say)."""
         return metric.labels(**{**self.labels, **extra})
+
+
+def metrics_sink(m: Metrics):
+    def sink(event: str, f: dict) -> None:
+        labels = {k: f[k] for k in ("mode", "compressor") if k in f}  # the request's own, when known
+        if event == "request_done":
+            m.lab(m.success, finished_reason=str(f.get("finish_reason")), **labels).inc()
+            m.lab(m.e2e, **labels).observe(f["e2e_s"])
+        elif event == "round":
+            m.lab(m.drafts, **labels).inc()
+            m.lab(m.draft_tokens, **labels).inc(f["drafted"])
+            m.lab(m.accepted_tokens, **labels).inc(f["accepted"])
+            for pos in range(f["accepted"]):
+                m.lab(m.accepted_per_pos, position=str(pos), **labels).inc()
+            m.lab(m.acceptance_length, **labels).observe(f["accepted"] + 1)
+        elif event == "phase" and ("draft" in f["kind"] or "verify" in f["kind"]):
+            # one forward per step: a step with a verification counts as a verify step
+            m.lab(m.verify_step if "verify" in f["kind"] else m.draft_step).observe(f["seconds"])
+        elif event == "verify_step":  # the verifier role's own forwards
+            m.lab(m.verify_step).observe(f["seconds"])
+        elif event == "prefix":
+            m.lab(m.prefix_hits).inc(f["hit_blocks"])
+            m.lab(m.prefix_misses).inc(f["miss_blocks"])
+            m.lab(m.prefix_bytes, link=f["link"], tier=f["tier"]).inc(f["bytes"])
+            m.lab(m.prefix_fetch, link=f["link"]).observe(f["seconds"])
+        elif event == "store_error":
+            m.lab(m.store_errors).inc()
+        elif event == "verifier_rtt":
+            m.lab(m.verifier_rtt).observe(f["seconds"])
+    return sink
+
+
+def refresh_gauges(g: dict, m: Metrics) -> None:
+    """Engine-side gauges at scrape time (a Triton backend has its own /metrics and reports none here)."""
+    if not g:
+        return
+    m.lab(m.running).set(g["running"])
+    m.lab(m.waiting).set(g["waiting"])
+    m.lab(m.kv_bytes, tier="device").set(g["kv_device"])
+    m.lab(m.kv_bytes, tier="host").set(g["kv_host"])
+    m.lab(m.kv_usage).set(g["kv_usage"])
+    if g["link"] is not None:
+        kind, moved, busy = g["link"]
+        bytes_c, busy_c = m.lab(m.link_bytes, link=kind), m.lab(m.link_busy, link=kind)
+        counted_bytes, counted_busy = m.link_counted.get(kind, (0.0, 0.0))   # counters follow the link's totals
+        bytes_c.inc(max(moved - counted_bytes, 0))
+        busy_c.inc(max(busy - counted_busy, 0))
+        m.link_counted[kind] = (max(moved, counted_bytes), max(busy, counted_busy))
