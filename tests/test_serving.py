@@ -318,25 +318,3 @@ def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, servi
         assert inst.take_events() == ([], [], [])   # the loop took them all
     finally:
         svc.shutdown()
-
-
-def test_requests_in_phase_spread_their_verifications(llm, serving_prompts, serving_reference, monkeypatch):
-    """Shared prefills put every request in phase; no step then verifies more than half of them (the
-    rest draft one more token), and the outputs are still the full model's."""
-    from vericache.engine.batch import VERIFY, StepBatch
-
-    eng = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25")
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    prefills = [eng.shared_prefill(eng.new_sequence(i, p, params)) for i, p in enumerate(serving_prompts)]
-    per_step, real_run = [], StepBatch.run
-
-    def counting_run(self, *args, **kwargs):
-        per_step.append(len(self.of(VERIFY)))
-        return real_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(StepBatch, "run", counting_run)
-    seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(serving_prompts)]
-    outs = eng.generate(seqs, prefills=prefills)
-    assert [o.token_ids for o in outs] == serving_reference
-    limit = -(-len(serving_prompts) // 2)
-    assert max(per_step) <= limit and sum(per_step) >= len(serving_prompts)

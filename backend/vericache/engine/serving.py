@@ -193,8 +193,7 @@ class ServingEngine:
                 budget -= self._plan_prefill(r, batch, budget)
         for r in self.in_state(DECODING):
             batch.add(r, DECODE, [r.last_token], r.position, r.full if r.mode == "full" else r.draft)
-        drafting, ready = self.in_state(DRAFTING), []
-        for r in drafting:
+        for r in self.in_state(DRAFTING):
             rs = r.round
             if not rs.started:  # a new round
                 k = r.opts.policy.next_len(r.policy_state, r.seq.remaining)
@@ -208,23 +207,8 @@ class ServingEngine:
                 tok = rs.drafts[-1] if rs.drafts else r.last_token
                 batch.add(r, DRAFT, [tok], r.position + len(rs.drafts), r.draft)
             elif rs.complete and not remote_verified and not self.memory.is_offloaded(r):  # full KV here: verify
-                ready.append(r)
-        self._verify_spread(batch, ready, len(drafting))
-        return batch
-
-    def _verify_spread(self, batch: StepBatch, ready: list[Request], n_drafting: int) -> None:
-        """Verify complete drafts (full KV here), at most half of the drafting requests in one step:
-        requests in phase (after shared prefills, every request completes its draft in the same step)
-        would otherwise put every verification in one step, stalling all of them. The rest draft one
-        more token (a longer round, still verified exactly) unless their length is fixed or capped."""
-        limit = max(1, -(-n_drafting // 2))
-        for i, r in enumerate(ready):
-            rs, policy = r.round, r.opts.policy
-            if i >= limit and rs.k and policy.fixed is None and rs.k < min(policy.max_len, r.seq.remaining - 1):
-                rs.k += 1
-                batch.add(r, DRAFT, [rs.drafts[-1]], r.position + len(rs.drafts), r.draft)
-            else:
                 batch.add(r, VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
+        return batch
 
     def _cost_len(self, r: Request, k: int, remaining: int) -> int:
         """The draft length the fitted step costs call for (``drafting/cost.py``); ``k`` until fitted."""
