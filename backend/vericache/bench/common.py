@@ -94,15 +94,13 @@ class RowPredictor:
         return self.costs[key], self.moves[key]
 
     def __call__(self, eng, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
-        from vericache.model.draft_weights import DraftChoice
+        from vericache.model.draft_weights import measured_choice
         from vericache.sim.step_costs import predict_tokens_per_s
 
-        comp, model, matmuls = eng.compressor, eng.model, None
+        comp, matmuls = eng.compressor, None
         if mode == "vericache" and eng.draft_weights != "fp32":
             eng.draft_kind(1)   # builds the copies
-            if model.draft_choice is None or not set(model.draft_sets) <= set(model.draft_choice.seconds):
-                model.draft_choice = DraftChoice.measure(model)
-            choice, kind = model.draft_choice, eng.draft_weights
+            choice, kind = measured_choice(eng.model), eng.draft_weights
             matmuls = lambda rows: choice.seconds_at(kind, rows)  # noqa: E731
         costs, move = self._measured(comp)
         return predict_tokens_per_s(costs, mode, n, tokens_per_round, drafted_per_round, matmuls,

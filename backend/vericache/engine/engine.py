@@ -26,7 +26,7 @@ from vericache.engine.sequence import RequestOutput, Sequence
 from vericache.engine.serving import ServingEngine
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
-from vericache.model.draft_weights import DraftChoice, check_draft_weights
+from vericache.model.draft_weights import check_draft_weights, measured_choice
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams
 
@@ -94,8 +94,8 @@ class Engine:
         for kind in kinds:
             if kind != "fp32" and kind not in self.model.draft_sets:
                 self.model.quantize_drafts(kind)
-        if self.draft_weights == "auto" and self.model.draft_choice is None:
-            self.model.draft_choice = DraftChoice.measure(self.model)
+        if self.draft_weights == "auto":
+            measured_choice(self.model)
 
     def draft_kind(self, n_draft_rows: int) -> str:
         """The weights a step with ``n_draft_rows`` draft rows runs them on."""

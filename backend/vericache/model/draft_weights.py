@@ -40,7 +40,7 @@ class Int8Linear:
             warnings.simplefilter("ignore", UserWarning)  # them); fbgemm's kernels measure fastest here
             qw = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
-        self.out_features = w.shape[0]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, False)
@@ -62,7 +62,7 @@ class Int4Linear:
         self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)      # [K/g, N, 2] scales beside
         self.bias = None if bias is None else bias.detach().float().cpu()
-        self.group, self.out_features = group, n
+        self.group, self.in_features, self.out_features = group, k, n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x.bfloat16().contiguous(), self.packed, self.group,
@@ -104,14 +104,13 @@ class DraftChoice:
     @classmethod
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> "DraftChoice":
         """Time the copies ``model.quantize_drafts`` built (``model.draft_sets``) on random rows."""
-        widths = [w.shape[1] for w in weight_matrices(model)]
         seconds: dict[str, list[float]] = {}
         with torch.inference_mode():
             for kind, (copies, head) in model.draft_sets.items():
                 lins = [lin for layer in copies for lin in layer] + [head]
                 seconds[kind] = []
                 for n in rows:
-                    xs = [torch.randn(n, w) for w in widths]
+                    xs = [torch.randn(n, lin.in_features) for lin in lins]
                     seconds[kind].append(best_seconds(lambda: [lin(x) for x, lin in zip(xs, lins)], repeats))
         return cls(rows, seconds)
 
@@ -121,6 +120,14 @@ class DraftChoice:
     def seconds_at(self, kind: str, n_rows: int) -> float:
         """One forward's matmuls on ``kind`` ("auto": the faster kind) at ``n_rows`` rows."""
         return _interpolate(self.rows, self.seconds[self.kind_for(n_rows) if kind == "auto" else kind], n_rows)
+
+
+def measured_choice(model) -> DraftChoice:
+    """The model's ``DraftChoice``, measured again when a copy was built after the last measurement
+    (engines sharing one model share the table)."""
+    if model.draft_choice is None or not set(model.draft_sets) <= set(model.draft_choice.seconds):
+        model.draft_choice = DraftChoice.measure(model)
+    return model.draft_choice
 
 
 def _interpolate(xs: tuple[int, ...], ys: list[float], x: int) -> float:

@@ -23,7 +23,7 @@ from torch import nn
 
 from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, attend_packed
-from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear
+from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear, weight_matrices
 
 
 class AttentionCache(Protocol):
@@ -251,15 +251,14 @@ class Transformer(nn.Module):
         int4, built once per kind and kept; "fp32": the exact weights); the exact weights stay for
         every other row. Inference only, CPU."""
         if check_draft_weights(kind) not in self.draft_sets and kind != "fp32":
-            q = QUANTIZERS[kind]
+            q, ws = QUANTIZERS[kind], weight_matrices(self)   # per layer: qkv, o, gate_up, down; then lm_head
             copies = []
-            for layer in self.model.layers:
-                a, mlp = layer.self_attn, layer.mlp
-                qkv = [a.q_proj, a.k_proj, a.v_proj]
-                bias = torch.cat([p.bias for p in qkv]) if a.q_proj.bias is not None else None
-                copies.append((q(torch.cat([p.weight for p in qkv]), bias), q(a.o_proj.weight),
-                               q(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), q(mlp.down_proj.weight)))
-            self.draft_sets[kind] = (copies, q(self.lm_head.weight))
+            for i, layer in enumerate(self.model.layers):
+                a = layer.self_attn
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+                qkv, o, gate_up, down = ws[4 * i : 4 * i + 4]
+                copies.append((q(qkv, bias), q(o), q(gate_up), q(down)))
+            self.draft_sets[kind] = (copies, q(ws[-1]))
         copies, head = self.draft_sets.get(kind, ([(None,) * 4] * len(self.model.layers), None))
         for layer, (qkv, o, gate_up, down) in zip(self.model.layers, copies):
             layer.self_attn.qkv_draft, layer.self_attn.o_draft = qkv, o
