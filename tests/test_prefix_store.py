@@ -77,6 +77,37 @@ def test_full_form_round_trip(llm, stored, prefix):
     assert torch.equal(full.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(full.v[:, :, :n], ref.v[:, :, :n])
 
 
+def into_cache(llm, store: PrefixStore, ids: list[int]) -> tuple[str, int]:
+    full = FullKVCache(llm.engine.cfg, "cpu", torch.float32, capacity=len(ids))
+    got = store.get_full_into(ids, full)
+    assert got.count * BT == full.length
+    return got.reason, full.length
+
+
+def test_bulk_reader_matches_redis_py_and_streams_into_a_cache(llm, stored, prefix, redis_server):
+    """Both readers give byte-identical blocks; ``into`` hands each block over as it arrives."""
+    store, entry = stored
+    other = PrefixStore(redis_server.url, store.model_id, BT, reader="redis-py")
+    a, b = store.get(prefix, "full"), other.get(prefix, "full")
+    assert store.reader == "bulk" and a.count == b.count == len(a.blocks) == entry["blocks"]
+    for x, y in zip(a.blocks, b.blocks):
+        assert torch.equal(x["k"], y["k"]) and torch.equal(x["v"], y["v"])
+    full = FullKVCache(llm.engine.cfg, "cpu", torch.float32, capacity=len(prefix))
+    got = store.get(prefix, "full", into=lambda blk: full.append(blk["k"], blk["v"]))
+    assert got.blocks == [] and got.count == entry["blocks"] and full.length == entry["tokens"]
+    assert torch.equal(full.k[:, :, : full.length], torch.cat([x["k"] for x in a.blocks], dim=2))
+    assert store.get(list(reversed(prefix)), "full").reason == "miss"      # a null reply, nothing kept
+    straight = FullKVCache(llm.engine.cfg, "cpu", torch.float32, capacity=len(prefix))
+    got = store.get_full_into(prefix, straight)                           # received into the cache rows
+    assert got.reason == "hit" and straight.length == full.length
+    assert torch.equal(straight.k[:, :, : full.length], full.k[:, :, : full.length])
+    assert torch.equal(straight.v[:, :, : full.length], full.v[:, :, : full.length])
+    with pytest.raises(ValueError, match="reader"):
+        PrefixStore(redis_server.url, "m", BT, reader="fast")
+    with pytest.raises(ValueError, match="do not fit"):
+        full.append(a.blocks[0]["k"][:, :1], a.blocks[0]["v"][:, :1])
+
+
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_compressed_form_round_trip(llm, stored, prefix, spec):
     """What the drafter loads is bit for bit the form computed from the prefix, and it is compressed."""
@@ -109,6 +140,7 @@ def test_partial_hit_missing_and_corrupt_blocks(llm, stored, prefix, redis_serve
     assert store.match(other) == 3 and store.match(prefix) == entry["blocks"]
     got = store.get(other, "full")
     assert got.reason == "partial" and len(got.blocks) == 3
+    assert into_cache(llm, store, other) == ("partial", 3 * BT)
     # a corrupted block ends the lookup there: the caller recomputes from it
     h = store.hashes(prefix)
     key = f"vc:{store.model_id}:{h[2]}:full"
@@ -120,9 +152,13 @@ def test_partial_hit_missing_and_corrupt_blocks(llm, stored, prefix, redis_serve
         got = store.get(prefix, "full")
         assert got.reason == "corrupt" and len(got.blocks) == 2
         assert store.stats.corrupt >= 1
+        assert into_cache(llm, store, prefix) == ("corrupt", 2 * BT)    # cut back to the good blocks
+        redis_server.client.set(key, bytes(good[:100]))                    # a truncated header
+        assert into_cache(llm, store, prefix) == ("corrupt", 2 * BT)
         redis_server.client.delete(key)
         got = store.get(prefix, "full")
         assert got.reason == "partial" and len(got.blocks) == 2
+        assert into_cache(llm, store, prefix) == ("partial", 2 * BT)
     finally:
         redis_server.client.set(key, good)
 
@@ -143,9 +179,10 @@ def test_ls_and_rm_keep_shared_blocks(llm, redis_server, prefix):
 def test_bad_input_and_store_down(llm):
     with pytest.raises(ValueError, match="redis://"):
         PrefixStore("http://x", "m")
-    store = PrefixStore("redis://127.0.0.1:1", "m", BT, timeout_s=0.5)
-    with pytest.raises(StoreUnavailable, match="unreachable"):
-        store.get(list(range(200)), "full")
+    for reader in ("bulk", "redis-py"):
+        store = PrefixStore("redis://127.0.0.1:1", "m", BT, timeout_s=0.5, reader=reader)
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            store.get(list(range(200)), "full")
     with pytest.raises(ValueError, match="whole block"):
         put_prompt(llm.engine, PrefixStore("redis://127.0.0.1:1", "m", BT), [1, 2, 3], [])
 

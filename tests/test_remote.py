@@ -215,3 +215,49 @@ def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
         thread.join(timeout=10)
         service.shutdown(drain_timeout=2)
         v.stop()
+
+
+def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
+    """Tail prefills of sessions that open together run as rows of one forward and give the same
+    first token, and a cache that verifies the full-KV continuation, as opening one at a time."""
+    from vericache.remote.verifier import VerifierCore
+
+    ids = llm.tokenizer.encode(code_prompts["long"])
+    prompts = [ids[:300], list(reversed(ids[:420])), ids[500:640]]
+    eng = Engine(llm.loaded, mode="full")
+    params = SamplingParams(max_tokens=8)
+    reference = [eng.generate([eng.new_sequence(0, p, params)], "full")[0].token_ids for p in prompts]
+
+    together = VerifierCore(eng, autostart=False)
+    opened = [None] * len(prompts)
+
+    def open_one(i):
+        opened[i] = together.open(prompts[i], 8)
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while together.pending() < len(prompts):
+        assert time.time() < deadline, "the opens did not queue"
+        time.sleep(0.01)
+    together.start()
+    for t in threads:
+        t.join(timeout=60)
+    prefills = [f for name, f in together.events if name == "prefill"]
+    assert [f["rows"] for f in prefills] == [len(prompts)]            # one forward for all three tails
+    assert prefills[0]["tokens"] == sum(len(p) for p in prompts)
+
+    alone = VerifierCore(eng)
+    try:
+        for i, p in enumerate(prompts):
+            sess, token = opened[i]
+            solo_sess, solo_token = alone.open(p, 8)
+            assert token == solo_token == reference[i][0], i
+            # the batched cache verifies the full-KV continuation: every draft accepted, then the bonus
+            m, bonus, k, v = together.verify(sess, len(p), reference[i][:5])
+            assert (m, bonus) == (4, reference[i][5]), i
+            assert k.shape[2] == 5
+    finally:
+        together.shutdown()
+        alone.shutdown()

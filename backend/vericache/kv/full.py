@@ -72,6 +72,25 @@ class FullKVCache:
         self.k[:, :, :n].copy_(src.k[:layers, :, :n])
         self.v[:, :, :n].copy_(src.v[:layers, :, :n])
 
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [L, Hkv, t, D] (a stored block: every layer) at positions length .. length+t-1."""
+        if k.shape != v.shape or k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+            raise ValueError(f"K/V of shapes {tuple(k.shape)}, {tuple(v.shape)} do not fit a cache of "
+                             f"(L, Hkv, D) = {(self.k.shape[0], self.k.shape[1], self.k.shape[3])}")
+        s, t = self.length, k.shape[2]
+        self.begin(s, t)
+        self.k[:, :, s : s + t] = k
+        self.v[:, :, s : s + t] = v
+
+    def byte_views(self, start: int, t: int) -> list[memoryview]:
+        """Writable views of positions start .. start+t-1 (already ``begin``-ed; a CPU cache) as
+        K's rows then V's, each layer's heads in order: the byte order of a packed [L, Hkv, t, D]
+        K then V, so a block can be received from a socket straight into place."""
+        if self.k.device.type != "cpu" or start + t > self.length:
+            raise ValueError(f"byte views need a CPU cache holding positions {start}..{start + t - 1}")
+        return [memoryview(x[layer, head, start : start + t].numpy()).cast("B")
+                for x in (self.k, self.v) for layer in range(x.shape[0]) for head in range(x.shape[1])]
+
     def truncate(self, length: int) -> None:
         """Drop positions >= length (rollback past rejected draft tokens)."""
         if not 0 <= length <= self.length:

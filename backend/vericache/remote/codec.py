@@ -30,6 +30,11 @@ def _digest(parts: list[bytes | memoryview]) -> str:
     crc = 0
     for p in parts:
         crc = zlib.crc32(p, crc)
+    return digest_of(crc)
+
+
+def digest_of(crc: int) -> str:
+    """The header's digest of a body whose CRC-32 is ``crc`` (readers that checksum as they receive)."""
     return f"crc32:{crc:08x}"
 
 

@@ -36,18 +36,9 @@ def load_full(full: FullKVCache, blocks: list[Form]) -> int:
     """Write the blocks at positions 0.. of an empty ``full``; returns the positions written."""
     if full.length:
         raise ValueError(f"load_full needs an empty cache; it holds {full.length} positions")
-    n = sum(b["k"].shape[2] for b in blocks)
-    if not blocks:
-        return 0
-    want = (full.k.shape[0], full.k.shape[1], full.k.shape[3])
     for b in blocks:
-        got = (b["k"].shape[0], b["k"].shape[1], b["k"].shape[3])
-        if got != want or b["k"].shape != b["v"].shape:
-            raise ValueError(f"block K/V of shape {tuple(b['k'].shape)} do not fit a cache of (L, Hkv, D) = {want}")
-    full.begin(0, n)
-    full.k[:, :, :n] = torch.cat([b["k"] for b in blocks], dim=2).to(full.k)
-    full.v[:, :, :n] = torch.cat([b["v"] for b in blocks], dim=2).to(full.v)
-    return n
+        full.append(b["k"], b["v"])
+    return full.length
 
 
 def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Tensor], n_blocks: int,

@@ -16,12 +16,18 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Generator
 
 import torch
 
+from vericache.remote.bulk import BulkReader, RedisReplyError
 from vericache.remote.chain import BLOCK_TOKENS, block_hashes
 from vericache.remote.codec import CorruptValue, pack, unpack
+from vericache.kv.full import FullKVCache
 from vericache.remote.forms import Form
+
+
+READERS = ("bulk", "redis-py")
 
 
 class StoreUnavailable(RuntimeError):
@@ -50,6 +56,7 @@ class Fetched:
     nbytes: int
     seconds: float
     reason: str        # "hit" (all whole blocks), "miss", "corrupt" or "partial"
+    count: int = 0     # blocks that arrived whole (``blocks`` holds them unless they went ``into``)
 
 
 def _redis():
@@ -61,13 +68,21 @@ def _redis():
 
 
 class PrefixStore:
-    def __init__(self, url: str, model_id: str, block_tokens: int = BLOCK_TOKENS, timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, model_id: str, block_tokens: int = BLOCK_TOKENS, timeout_s: float = 10.0,
+                 reader: str = "bulk") -> None:
+        """``reader``: how block values are read, "bulk" (``remote.bulk``: pipelined, into buffers of
+        their size; redis:// URLs) or "redis-py" (its parser: hiredis when installed)."""
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"prefix store URL must be redis://host:port[/db], got {url!r}")
         if not model_id:
             raise ValueError("model_id must be a non-empty string")
-        self.url, self.model_id, self.block_tokens = url, model_id, block_tokens
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
+        if reader == "bulk" and not url.startswith("redis://"):
+            reader = "redis-py"   # TLS and unix sockets: redis-py's own connections
+        self.url, self.model_id, self.block_tokens, self.reader = url, model_id, block_tokens, reader
         self.client = _redis().Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.bulk = BulkReader(url, timeout_s) if reader == "bulk" else None
         self.stats = StoreStats()
 
     def _key(self, h: str, form: str) -> str:
@@ -128,27 +143,85 @@ class PrefixStore:
         return n
 
     def get(self, token_ids: list[int], form: str = "full", max_blocks: int | None = None,
-            device: torch.device | str = "cpu") -> Fetched:
+            device: torch.device | str = "cpu", into: Callable[[Form], None] | None = None) -> Fetched:
         """The leading blocks' ``form`` (up to ``max_blocks``), stopping at the first missing or
-        corrupt one (the caller computes from there)."""
+        corrupt one (the caller computes from there). ``into``: called with each block as it
+        arrives (its tensors are views of the received bytes, valid during the call), which then is
+        not kept in ``Fetched.blocks``: the caller copies it where it belongs while the next arrives."""
         hashes = self.hashes(token_ids)[:max_blocks]
-        t0, blocks, nbytes, reason = time.perf_counter(), [], 0, "hit" if hashes else "miss"
-        for i, h in enumerate(hashes):
-            value = self._call(self.client.get, self._key(h, form))
-            if value is None:
-                reason = "miss" if i == 0 else "partial"
-                break
-            nbytes += len(value)
-            try:
-                tensors, _ = unpack(value, device, copy=False)
-            except CorruptValue:
-                reason = "corrupt"
-                break
-            blocks.append(tensors)
+        t0, blocks, count, nbytes, reason = time.perf_counter(), [], 0, 0, "hit" if hashes else "miss"
+        values = self._values([self._key(h, form) for h in hashes])
+        try:
+            for i, value in enumerate(values):
+                if value is None:
+                    reason = "miss" if i == 0 else "partial"
+                    break
+                nbytes += len(value)
+                try:
+                    tensors, _ = unpack(value, device, copy=False)
+                except CorruptValue:
+                    reason = "corrupt"
+                    break
+                count += 1
+                if into is None:
+                    blocks.append(tensors)
+                else:
+                    into(tensors)
+        finally:
+            values.close()
         seconds = time.perf_counter() - t0
         kind = "full" if form == "full" else "compressed"
-        self.stats.add(kind, nbytes, seconds, len(blocks), len(hashes) - len(blocks), int(reason == "corrupt"))
-        return Fetched(blocks, nbytes, seconds, reason)
+        self.stats.add(kind, nbytes, seconds, count, len(hashes) - count, int(reason == "corrupt"))
+        return Fetched(blocks, nbytes, seconds, reason, count)
+
+    def get_full_into(self, token_ids: list[int], full: FullKVCache, max_blocks: int | None = None) -> Fetched:
+        """The leading blocks' full form written into the empty ``full`` at positions 0.. (the
+        verifier's open). With the bulk reader and a CPU cache each block's bytes are received straight
+        into the cache's rows, checksummed as they land (a corrupt block is cut off again: ``full``
+        ends at the last good block); otherwise through ``get``."""
+        if full.length:
+            raise ValueError(f"get_full_into needs an empty cache; it holds {full.length} positions")
+        if self.bulk is None or full.k.device.type != "cpu":
+            return self.get(token_ids, "full", max_blocks, full.k.device, into=lambda b: full.append(b["k"], b["v"]))
+        hashes = self.hashes(token_ids)[:max_blocks]
+        want = [[full.k.shape[0], full.k.shape[1], self.block_tokens, full.k.shape[3]], str(full.k.dtype)]
+
+        def dest(i: int, entries: list[dict]) -> list[memoryview] | None:
+            if [e["name"] for e in entries] != ["k", "v"] or any([e["shape"], e["dtype"]] != want for e in entries):
+                return None
+            full.begin(i * self.block_tokens, self.block_tokens)
+            return full.byte_views(i * self.block_tokens, self.block_tokens)
+
+        t0, count, reason = time.perf_counter(), 0, "hit" if hashes else "miss"
+        statuses = self.bulk.get_many_into([self._key(h, "full") for h in hashes], dest)
+        try:
+            for status in statuses:
+                if status != "ok":
+                    reason = status if status == "corrupt" else ("miss" if count == 0 else "partial")
+                    break
+                count += 1
+        except (OSError, RedisReplyError) as exc:
+            raise StoreUnavailable(f"prefix store {self.url} unreachable: {exc}") from None
+        finally:
+            statuses.close()
+            full.truncate(count * self.block_tokens)
+        seconds, nbytes = time.perf_counter() - t0, full.nbytes()
+        self.stats.add("full", nbytes, seconds, count, len(hashes) - count, int(reason == "corrupt"))
+        return Fetched([], nbytes, seconds, reason, count)
+
+    def _values(self, keys: list[str]) -> Generator:
+        """The keys' values in order, as they arrive: all GETs pipelined, read by ``bulk`` (the
+        default) or by redis-py."""
+        try:
+            if self.reader == "bulk":
+                yield from self.bulk.get_many(keys)
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.get(k)
+                yield from pipe.execute() if keys else []
+        except (OSError, RedisReplyError, _redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"prefix store {self.url} unreachable: {exc}") from None
 
     # ------------------------------------------------------------------ admin
     def ls(self) -> list[dict]:

@@ -7,9 +7,11 @@ verifier's token (correction or bonus) and the exact K/V of positions n .. n+m, 
 cache tracks the full model. ``close`` frees the session's KV. Greedy only: the drafter sends
 token ids, not distributions.
 
-One worker thread owns the model: each turn it runs the opens' prefills, then every pending
-verification of every session in a single forward (``engine.batch``), so the weights are read
-once per turn. Store fetches run in the callers' threads, overlapping the worker.
+One worker thread owns the model: each turn it runs the tail prefills of every session that has
+opened and every pending verification of every session in shared forwards (``engine.batch``: chunk j
+of each tail in step j, the verifications in the first), so the weights are read once per step and
+concurrent opens do not queue behind each other. Store fetches run in the callers' threads,
+overlapping the worker.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.drafting.round import greedy_accepted
-from vericache.engine.batch import VERIFY, StepBatch
+from vericache.engine.batch import PREFILL, VERIFY, StepBatch
 from vericache.engine.sequence import positions_needed
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
-from vericache.remote.forms import compressed_forms, full_forms, load_full
+from vericache.remote.forms import compressed_forms, full_forms
 from vericache.remote.store import PrefixStore, StoreUnavailable
 
 log = logging.getLogger("vericache.verifier")
@@ -51,7 +53,8 @@ class Session:
 
 class VerifierCore:
     def __init__(self, engine, store: PrefixStore | None = None, store_prefixes: bool = False,
-                 max_sessions: int = 256) -> None:
+                 max_sessions: int = 256, autostart: bool = True) -> None:
+        """``autostart=False``: the worker waits for ``start()`` (work queued before it shares its turn)."""
         self.eng, self.store, self.store_prefixes = engine, store, store_prefixes
         self.max_sessions = max_sessions
         self.sessions: dict[int, Session] = {}
@@ -61,7 +64,15 @@ class VerifierCore:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vericache-verifier", daemon=True)
+        if autostart:
+            self.start()
+
+    def start(self) -> None:
         self._thread.start()
+
+    def pending(self) -> int:
+        """Work items queued for the worker."""
+        return self._work.qsize()
 
     # ------------------------------------------------------------------ callers (any thread)
     def open(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> tuple[Session, int]:
@@ -72,19 +83,22 @@ class VerifierCore:
                 raise RuntimeError(f"verifier is full: {self.max_sessions} sessions open")
             sess = Session(next(self._ids), list(prompt_ids), max_tokens, compressor)
             self.sessions[sess.id] = sess
-        blocks = []
+        eng = self.eng
+        full = FullKVCache(eng.cfg, eng.loaded.device, eng.loaded.kv_dtype,
+                           capacity=positions_needed(len(prompt_ids), max_tokens))
         if self.store is not None:
             limit = (len(prompt_ids) - 1) // self.store.block_tokens  # the last token is always computed
-            try:
-                got = self.store.get(prompt_ids, "full", limit, self.eng.loaded.device)
-                blocks, sess.fetch_bytes, sess.fetch_s = got.blocks, got.nbytes, got.seconds
+            try:   # each block is received straight into the session's cache (this thread)
+                got = self.store.get_full_into(prompt_ids, full, limit)
+                sess.fetch_bytes, sess.fetch_s = got.nbytes, got.seconds
                 self._event("prefix", {"link": "fast", "tier": "full", "bytes": got.nbytes, "seconds": got.seconds,
-                                       "hit_blocks": len(blocks), "miss_blocks": limit - len(blocks)})
+                                       "hit_blocks": got.count, "miss_blocks": limit - got.count})
             except StoreUnavailable as exc:
                 log.warning("session %s: %s; recomputing the whole prompt", sess.id, exc)
                 self._event("store_error", {"role": "verifier"})
+                full.truncate(0)
         t0 = time.perf_counter()
-        token = self._submit("open", sess, blocks).result()
+        token = self._submit("open", sess, full).result()
         log.info("session %s: %d of %d prompt tokens from the store (%.1f MB in %.3f s), then queue + prefill %.3f s",
                  sess.id, sess.hit_tokens, len(prompt_ids), sess.fetch_bytes / 1e6, sess.fetch_s,
                  time.perf_counter() - t0)
@@ -110,7 +124,8 @@ class VerifierCore:
     def shutdown(self) -> None:
         self._stop.set()
         self._work.put(None)
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _submit(self, kind: str, sess: Session, arg) -> Future:
         fut: Future = Future()
@@ -118,7 +133,8 @@ class VerifierCore:
         return fut
 
     def _event(self, name: str, fields: dict) -> None:
-        self.events.append((name, fields))
+        """``fields`` plus ``end``, the wall-clock time it happened (events are drained later)."""
+        self.events.append((name, {**fields, "end": time.time()}))
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
@@ -131,11 +147,61 @@ class VerifierCore:
                     break
             items = [x for x in items if x is not None]
             with torch.inference_mode():
-                for kind, sess, arg, fut in [x for x in items if x[0] == "open"]:
-                    self._run(fut, self._prefill, sess, arg)
-                verifies = [x for x in items if x[0] == "verify"]
-                if verifies:
-                    self._verify_batch(verifies)
+                self._turn([x for x in items if x[0] == "open"], [x for x in items if x[0] == "verify"])
+
+    def _turn(self, opens: list, verifies: list) -> None:
+        """Every open's tail prefill and every pending verification in shared forwards: chunk j of
+        every open's tail goes in step j, the verifications ride in the first step."""
+        tails = [self._tail(sess, full, fut) for _, sess, full, fut in opens]
+        first = True
+        while first or any(t.left for t in tails):
+            batch, futs = StepBatch(), []
+            for t in tails:
+                if t.left:
+                    chunk = t.left[: self.eng.prefill_chunk]
+                    t.left = t.left[len(chunk):]
+                    batch.add(t, PREFILL, chunk, t.at, t.cache, "none" if t.left else "last")
+                    t.at += len(chunk)
+            if first:
+                futs = self._add_verifies(batch, verifies)
+                first = False
+            if not batch.rows:
+                return
+            t0 = time.perf_counter()
+            try:
+                batch.run(self.eng.model, self.eng.loaded.device)
+            except Exception as exc:  # noqa: BLE001 - reported to the callers
+                log.exception("verifier forward failed")
+                for fut in futs + [t.fut for t in tails]:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                return
+            seconds = time.perf_counter() - t0
+            prefill_rows = batch.of(PREFILL)
+            if prefill_rows:
+                self._event("prefill", {"tokens": sum(len(r.tokens) for r in prefill_rows), "rows": len(prefill_rows),
+                                        "seconds": seconds})
+            if futs:
+                self._event("verify_step", {"rows": len(futs), "seconds": seconds})
+            self._finish_verifies(batch.of(VERIFY), futs)
+            for row in prefill_rows:
+                if row.logits_for == "last":
+                    self._run(row.req.fut, self._opened, row.req, row.argmax[0])
+
+    def _tail(self, sess: Session, full: FullKVCache, fut: Future) -> Tail:
+        """A session's cache (the stored blocks loaded) and the prompt tokens left to prefill."""
+        sess.hit_tokens = full.length
+        recorder = QueryRecorder(self.eng.cfg.num_hidden_layers, 64)
+        return Tail(sess, fut, full, recorder, TeeCache(full, recorder), list(sess.prompt_ids[full.length:]), full.length)
+
+    def _opened(self, tail: Tail, token: int) -> int:
+        sess = tail.sess
+        if self.store_prefixes and self.store is not None:
+            self._store_prefix(sess, tail.full, tail.recorder.queries, sess.hit_tokens)
+        with sess.lock:
+            if not sess.closed:
+                sess.full = tail.full
+        return token
 
     @staticmethod
     def _run(fut: Future, fn, *args) -> None:
@@ -144,22 +210,6 @@ class VerifierCore:
         except Exception as exc:  # noqa: BLE001 - reported to the callers
             log.exception("verifier work failed")
             fut.set_exception(exc)
-
-    def _prefill(self, sess: Session, blocks: list) -> int:
-        eng, ids = self.eng, sess.prompt_ids
-        full = FullKVCache(eng.cfg, eng.loaded.device, eng.loaded.kv_dtype, capacity=positions_needed(len(ids), sess.max_tokens))
-        n = load_full(full, blocks)
-        sess.hit_tokens = n
-        recorder = QueryRecorder(eng.cfg.num_hidden_layers, 64)
-        t0 = time.perf_counter()
-        logits = eng.prefill(ids[n:], [TeeCache(full, recorder)], start=n)
-        self._event("prefill", {"tokens": len(ids) - n, "seconds": time.perf_counter() - t0})
-        if self.store_prefixes and self.store is not None:
-            self._store_prefix(sess, full, recorder.queries, n)
-        with sess.lock:
-            if not sess.closed:
-                sess.full = full
-        return int(logits.argmax())
 
     def _store_prefix(self, sess: Session, full: FullKVCache, queries: list, hit: int) -> None:
         """Put the prompt's whole blocks (full, and the drafter's compressor's form) when some were missing."""
@@ -177,31 +227,37 @@ class VerifierCore:
         except StoreUnavailable as exc:
             log.warning("could not store the prefix of session %s: %s", sess.id, exc)
 
-    def _verify_batch(self, items: list) -> None:
-        batch, live = StepBatch(), []
-        for kind, sess, (start, tokens), fut in items:
+    @staticmethod
+    def _add_verifies(batch: StepBatch, items: list) -> list[Future]:
+        futs = []
+        for _, sess, (start, tokens), fut in items:
             if sess.full is None or sess.closed:
                 fut.set_exception(ValueError(f"session {sess.id} is closed"))
                 continue
             batch.add(sess, VERIFY, tokens, start, sess.full, "all")
-            live.append(fut)
-        if not live:
-            return
-        t0 = time.perf_counter()
-        try:
-            batch.run(self.eng.model, self.eng.loaded.device)
-        except Exception as exc:  # noqa: BLE001 - reported to the callers
-            log.exception("verification forward failed")
-            for fut in live:
-                fut.set_exception(exc)
-            return
-        self._event("verify_step", {"rows": len(live), "seconds": time.perf_counter() - t0})
-        for row, fut in zip(batch.rows, live):
+            futs.append(fut)
+        return futs
+
+    @staticmethod
+    def _finish_verifies(rows: list, futs: list[Future]) -> None:
+        for row, fut in zip(rows, futs):
             sess, start, targets = row.req, row.start, row.argmax
             m = greedy_accepted(targets, row.tokens[1:])
             keep = start + 1 + m
             sess.full.truncate(keep)
             fut.set_result((m, targets[m], sess.full.k[:, :, start:keep].clone(), sess.full.v[:, :, start:keep].clone()))
+
+
+@dataclass
+class Tail:
+    """An open in progress: the prompt tokens still to prefill (``left``, from position ``at``)."""
+    sess: Session
+    fut: Future
+    full: FullKVCache
+    recorder: QueryRecorder
+    cache: TeeCache
+    left: list[int]
+    at: int
 
 
 def _greedy(max_tokens: int):

@@ -1,0 +1,99 @@
+"""How fast a prefix's full KV comes out of Redis, by reader: ``remote.bulk`` (pipelined GETs read
+into buffers of their size), redis-py with hiredis, redis-py's pure-Python parser; beside one raw
+TCP stream to the same host (``remote.netprobe``), the ceiling. The cache is allocated before each timed fetch (its pages touched
+or not: set THP_MEM_ALLOC_ENABLE=1 for PyTorch's huge-page allocations, as the bench does).
+
+    python scripts/store_fetch_bench.py [--url redis://host:port] [--blocks 23] [--repeat 5]
+
+Without --url it starts its own redis-server on 127.0.0.1 (loopback). Values are real codec blocks
+of SmolLM2-135M's KV shape (256 positions: 11.8 MB each); the timed work is ``PrefixStore.get``
+into a session's cache, checksum included. Prints Gbit/s per reader (best of --repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from vericache.kv.full import FullKVCache
+from vericache.model.loader import load_model
+from vericache.remote.chain import BLOCK_TOKENS, block_hashes
+from vericache.remote.codec import pack
+from vericache.remote.store import PrefixStore
+
+
+def _redis(port: int, work: str) -> subprocess.Popen:
+    p = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", work],
+                         stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url")
+    ap.add_argument("--blocks", type=int, default=23)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    server = None
+    if args.url is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server, args.url = _redis(port, tempfile.mkdtemp()), f"redis://127.0.0.1:{port}"
+    try:
+        cfg = load_model("smollm2-135m", device="cpu", dtype="float32").config
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, BLOCK_TOKENS, cfg.head_dim)
+        ids = list(range(args.blocks * BLOCK_TOKENS + 1))
+        store = PrefixStore(args.url, "fetch-bench")
+        for h in block_hashes("fetch-bench", ids):
+            store.client.set(store._key(h, "full"), pack({"k": torch.randn(shape), "v": torch.randn(shape)}))
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+        print(f"{args.url}, {args.blocks} blocks of {BLOCK_TOKENS} positions; CPU {cpu}, {os.cpu_count()} cores")
+        from redis._parsers import _HiredisParser, _RESP2Parser
+        from redis.utils import HIREDIS_AVAILABLE
+
+        readers = {"bulk, into the cache rows": PrefixStore(args.url, "fetch-bench"),
+                   "bulk, then copied": PrefixStore(args.url, "fetch-bench")}
+        if HIREDIS_AVAILABLE:
+            readers["redis-py + hiredis"] = PrefixStore(args.url, "fetch-bench", reader="redis-py")
+            readers["redis-py + hiredis"].client.connection_pool.connection_kwargs["parser_class"] = _HiredisParser
+        readers["redis-py (Python parser)"] = PrefixStore(args.url, "fetch-bench", reader="redis-py")
+        readers["redis-py (Python parser)"].client.connection_pool.connection_kwargs["parser_class"] = _RESP2Parser
+        for name, st in readers.items():
+            best, nbytes = float("inf"), 0
+            for _ in range(args.repeat):
+                full = FullKVCache(cfg, "cpu", torch.float32, capacity=len(ids))
+                t0 = time.perf_counter()
+                if name.endswith("rows"):
+                    got = st.get_full_into(ids, full, args.blocks)
+                else:
+                    got = st.get(ids, "full", args.blocks, into=lambda b: full.append(b["k"], b["v"]))
+                best, nbytes = min(best, time.perf_counter() - t0), got.nbytes
+                assert got.count == args.blocks, got.reason
+            print(f"{name:28s} {nbytes * 8 / best / 1e9:6.2f} Gbit/s  ({nbytes / 1e6:.0f} MB in {best:.3f} s)")
+        host = args.url.removeprefix("redis://").split(":")[0]
+        probe = subprocess.Popen([sys.executable, "-m", "vericache.remote.netprobe", "serve", host, "6409"],
+                                 stdout=subprocess.PIPE, text=True)
+        probe.stdout.readline()
+        raw = subprocess.run([sys.executable, "-m", "vericache.remote.netprobe", "send", host, "6409", str(nbytes)],
+                             capture_output=True, text=True).stdout.strip()
+        print(f"{'raw TCP stream (netprobe)':28s} {raw}")
+    finally:
+        if server is not None:
+            server.terminate()
+
+
+if __name__ == "__main__":
+    main()
