@@ -299,14 +299,18 @@ def test_resident_layers_are_validated(llm):
         StreamedKV(Transfer(cache, 0, cache, first_layer=2))
 
 
-def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, serving_prompts):
+def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, serving_prompts, tmp_path):
     """Under EngineService the metrics get every phase once, and the engine keeps the history its
-    schedules' measured rates read (it used to be emptied after every step)."""
-    from vericache.serving.service import EngineService
+    schedules' measured rates read (it used to be emptied after every step); a trace file beside the
+    metrics (``serve --trace``) gets each phase with its wall-clock end."""
+    import time
 
-    events = []
+    from vericache.serving.service import EngineService
+    from vericache.serving.trace import TraceFile, read_trace, tee
+
+    events, trace, t0 = [], TraceFile(str(tmp_path / "trace.jsonl")), time.time()
     svc = EngineService(S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"),
-                                        device_budget=1 << 30), metrics=lambda e, f: events.append((e, f)))
+                                        device_budget=1 << 30), metrics=tee(lambda e, f: events.append((e, f)), trace))
     try:
         stream = svc.submit(serving_prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
         while not stream.get(timeout=60).finished:
@@ -316,5 +320,10 @@ def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, servi
         assert inst.draft_step_s() is not None and len(inst.intervals) > 0
         assert len(phases) == len(inst.intervals)   # each forward reported once
         assert inst.take_events() == ([], [], [])   # the loop took them all
+        traced = [r for r in read_trace(trace.path) if r["event"] == "phase"]
+        assert len(traced) == len(phases) and all(t0 <= r["end"] <= time.time() for r in traced)
+        assert [r["seconds"] for r in traced] == [f["seconds"] for f in phases]
+        assert all(a["end"] <= b["end"] for a, b in zip(traced, traced[1:]))
     finally:
         svc.shutdown()
+        trace.close()

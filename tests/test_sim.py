@@ -110,3 +110,64 @@ def test_step_cost_model_composes_measured_step_costs(llm):
     one = predict_tokens_per_s(fake, "vericache", 1, 3.0, 2.0)
     round_s = 2 * (0.01 + weights(1) + 0.004) + 0.01 + weights(3) + fake.verify(3)
     assert abs(one - 3.0 / round_s) < 1e-9
+
+
+def _costs(**kw):
+    from vericache.sim.step_costs import StepCosts
+    base = dict(c0=0.01, full=0.02, draft=0.004, verify0=0.02, verify_row=0.002, weights=lambda rows: 0.03 + 0.001 * rows)
+    return StepCosts(**{**base, **kw})
+
+
+def _setting(**kw):
+    from vericache.sim.remote_prefix import RemoteSetting
+    base = dict(n=4, prefix=6000, tail=120, max_tokens=64, slow_Bps=1e9 / 8, rtt_s=0.02, store_Bps=1e9,
+                full_bytes=270e6, comp_bytes=37e6, kv_pos_bytes=46e3, tokens_per_round=6.0, drafted=8.0)
+    return RemoteSetting(**{**base, **kw})
+
+
+def test_remote_prefix_model_charges_each_link_where_it_is_crossed():
+    from vericache.sim.remote_prefix import predict_remote
+    p, slower = predict_remote(_setting(), _costs()), predict_remote(_setting(slow_Bps=0.5e9 / 8), _costs())
+    # full-remote's TTFT is its fetch over the slow link; VeriCache's first token comes from the verifier
+    assert slower["full-remote"]["ttft_s"] > 1.9 * p["full-remote"]["ttft_s"] - 1
+    assert slower["vericache"]["ttft_s"] == p["vericache"]["ttft_s"]
+    assert p["lossy-remote"]["ttft_s"] < p["full-remote"]["ttft_s"]
+    longer = predict_remote(_setting(tokens_per_round=12.0), _costs())
+    assert longer["vericache"]["e2e_s"] < p["vericache"]["e2e_s"]
+    slow_verifier = predict_remote(_setting(), _costs(), verifier=_costs(verify_row=0.02))
+    assert slow_verifier["vericache"]["e2e_s"] > p["vericache"]["e2e_s"]
+    assert slow_verifier["full-remote"] == p["full-remote"]
+
+
+def test_sim_remote_prefix_command(capsys):
+    assert main(["sim", "--remote-prefix", "--context", "32768", "--acceptance-length", "6", "--draft-len", "8",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["gpu"] for r in rows} == {"h100", "h200"} and len(rows) == 2 * 3 * 2 * 2
+    for r in rows:
+        assert r["vericache_ttft_s"] < r["full_remote_ttft_s"]
+        # a faster store link only helps VeriCache's TTFT
+        twin = next(x for x in rows if x["gpu"] == r["gpu"] and x["model"] == r["model"]
+                    and x["slow_gbps"] == r["slow_gbps"] and x["fast_link"] != r["fast_link"])
+        fast, slow = (r, twin) if r["fast_link"] == "nvlink" else (twin, r)
+        assert fast["vericache_ttft_s"] < slow["vericache_ttft_s"]
+    assert main(["sim", "--remote-prefix", "--ratio", "0"]) != 0
+    assert "--ratio must be in (0, 1], got 0.0" in capsys.readouterr().err
+
+
+def test_prefix_bench_reads_traces_into_busy_shares_and_fetch_rates():
+    from vericache.bench.prefix_timeline import busy_share, fetch_rate_gbps, link_rates, spans
+    t0 = 1000.0
+    records = [{"event": "phase", "kind": "draft", "seconds": 0.5, "end": t0 + 1.0},
+               {"event": "prefill", "seconds": 2.0, "end": t0 + 3.0},
+               {"event": "verify_step", "seconds": 2.0, "end": t0 + 3.0, "with_prefill": True},   # the same forward
+               {"event": "prefix", "tier": "full", "bytes": 250e6, "seconds": 1.0, "end": t0 + 1.0},
+               {"event": "prefix", "tier": "full", "bytes": 250e6, "seconds": 1.0, "end": t0 + 1.5},
+               {"event": "phase", "kind": "draft", "seconds": 0.5, "end": t0 + 20.0}]               # after the window
+    sp = spans(records, t0, t0 + 10)
+    assert len(sp) == 5 and sp[0]["start"] == 0.5
+    assert busy_share(sp, 10.0) == 0.25                   # 0.5 + 2.0 of 10 s; the shared forward once
+    assert fetch_rate_gbps(sp) == round(500e6 * 8 / 1.5 / 1e9, 3)
+    assert fetch_rate_gbps([s for s in sp if s["event"] != "prefix"]) is None
+    rates = link_rates([(t0, {"fast": 0}), (t0 + 0.5, {"fast": 125_000_000})], t0)
+    assert rates == {"fast": [(0.5, 2.0)]}

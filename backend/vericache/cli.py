@@ -134,7 +134,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "verifier":
         from vericache.serving.verifier_role import run_verifier
         run_verifier(args.model, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
-                     args.metrics_port, args.device, args.dtype)
+                     args.metrics_port, args.device, args.dtype, trace=args.trace)
         return 0
     if args.role == "drafter" and not args.verifier:
         raise ValueError("--role drafter needs --verifier grpc://host:port")
@@ -148,7 +148,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
           prefix_store=args.prefix_store, prefix_link=args.prefix_link,
           verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
-          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights)
+          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights, trace=args.trace)
     return 0
 
 
@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens prefilled per engine step (smaller: other requests wait less)")
     sv.add_argument("--grpc-port", type=int, default=50051, help="verifier role: the gRPC port")
     sv.add_argument("--metrics-port", type=int, default=0, help="verifier role: Prometheus port (0: none)")
+    sv.add_argument("--trace", default=None, help="also write the engine's events to this JSON-lines file "
+                                                  "(wall-clock times: the timelines of several processes line up)")
     sv.set_defaults(func=_cmd_serve)
 
     tr = sub.add_parser("triton-server", help="start a real tritonserver on the VeriCache model repository")

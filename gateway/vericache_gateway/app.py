@@ -18,6 +18,7 @@ from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.metrics import Metrics, metrics_sink, refresh_gauges
 from vericache.serving.service import EngineService, QueueFull, ServiceStopped
+from vericache.serving.trace import TraceFile, tee
 from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
 from vericache_gateway.protocol import ChatRequest, CompletionRequest, chat_prompt, error_body
 
@@ -30,11 +31,12 @@ class APIError(Exception):
 
 
 def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_name: str = DEFAULT_MODEL,
-               api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = 1 << 20, trace: str | None = None) -> FastAPI:
+    """``trace``: also write the engine's events to this JSON-lines file (``serving.trace``)."""
     if isinstance(backend, EngineService):
         backend = EmbeddedBackend(backend)
     metrics = Metrics(model_name, backend.mode, backend.compressor)
-    backend.set_metrics_sink(metrics_sink(metrics))
+    backend.set_metrics_sink(tee(metrics_sink(metrics), TraceFile(trace) if trace else None))
     app = FastAPI(title="VeriCache", version="0.1.0")
     app.state.backend, app.state.metrics = backend, metrics
 

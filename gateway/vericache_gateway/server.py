@@ -9,7 +9,8 @@ from vericache.serving.build import build_service
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL, api_key: str | None = None,
-          backend: str = "embedded", triton_url: str = "127.0.0.1:8001", **engine_kwargs) -> None:
+          backend: str = "embedded", triton_url: str = "127.0.0.1:8001", trace: str | None = None,
+          **engine_kwargs) -> None:
     import logging
 
     import uvicorn
@@ -25,6 +26,6 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL,
                            draft_len=engine_kwargs.get("draft_len", "auto"))
     else:
         be = EmbeddedBackend(build_service(model, **engine_kwargs))
-    app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"))
+    app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"), trace=trace)
     app.router.on_shutdown.append(be.close)  # drains in-flight requests before the process exits
     uvicorn.run(app, host=host, port=port, log_level="info")

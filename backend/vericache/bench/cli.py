@@ -61,13 +61,15 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
 def _cmd_prefix(args) -> int:
     from vericache.bench.common import record
-    from vericache.bench.prefix import plot_prefix, prefix_markdown, run_prefix_bench
+    from vericache.bench.prefix import prefix_markdown, run_prefix_bench
+    from vericache.bench.prefix_timeline import plot_prefix
     from vericache.remote.netlab import Shape
 
     try:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
                                Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps), args.compressor,
-                               [m for m in args.modes.split(",") if m], args.draft_dtype, log=progress(args))
+                               [m for m in args.modes.split(",") if m], args.draft_dtype, args.threads_per_device,
+                               not args.no_predict, log=progress(args))
     except RuntimeError as exc:  # no namespaces, no redis-server, a failed run: say so, exit non-zero
         import sys
         print(f"vericache bench prefix: error: {exc}", file=sys.stderr)
@@ -225,7 +227,7 @@ def add_bench_parser(sub) -> None:
     at.set_defaults(func=_cmd_attention)
 
     px = bsub.add_parser("prefix", help="remote prefix caching on a shaped network (root): recompute, "
-                         "full-remote, lossy-remote, vericache")
+                         "full-remote (per-device threads and all threads), lossy-remote, vericache")
     px.add_argument("--model", default=DEFAULT_MODEL)
     px.add_argument("--prefix-tokens", type=int, default=6000)
     px.add_argument("--requests", type=int, default=4)
@@ -234,7 +236,11 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--rtt-ms", type=float, default=20.0)
     px.add_argument("--fast-gbps", type=float, default=25.0)
     px.add_argument("--compressor", default="snapkv:ratio=0.125")
-    px.add_argument("--modes", default="recompute,full-remote,lossy-remote,vericache")
+    px.add_argument("--modes", default="recompute,full-remote,full-remote-all,lossy-remote,vericache")
+    px.add_argument("--threads-per-device", type=int, default=1,
+                    help="threads of each engine (full-remote's, the drafter, the verifier): one device each; "
+                         "full-remote-all gets every core")
+    px.add_argument("--no-predict", action="store_true", help="skip the cost model's rows (measuring its step costs)")
     px.add_argument("--draft-dtype", default="float32", help="the drafter's weights (lossy-remote, vericache)")
     px.add_argument("--json", action="store_true")
     px.add_argument("--plot", default=None, help="write the timeline PNG here")

@@ -3,15 +3,20 @@
 Namespaces from ``remote.netlab``: Redis in vc-store, the verifier in vc-verify (fast link to the
 store), the drafter and the client in vc-draft (slow links to both). Each of ``--requests``
 prompts is its own stored prefix (``--prefix-tokens``, put beforehand with ``vericache prefix put``
-from the verifier's side) plus a short request suffix. Four runs, one server set each:
-  recompute     the drafter prefills everything itself (full KV, no store)
-  full-remote   the drafter fetches the full KV over the slow link, then decodes (LMCache-style)
+from the verifier's side) plus a short request suffix. One server set per run; each engine gets
+``--threads-per-device`` threads (a device each), except full-remote-all's (all the machine's):
+  recompute       the drafter prefills everything itself (full KV, no store)
+  full-remote     the drafter fetches the full KV over the slow link, then decodes (LMCache-style)
+  full-remote-all the same with every core
   lossy-remote  the drafter fetches the compressed KV over the slow link and decodes from it alone
   vericache     the drafter fetches the compressed KV over the slow link and drafts; the verifier
                 fetches the full KV over the fast link, prefills the tail, sends the first token,
                 and verifies every round
 ``identical_to_full`` compares each output with full-remote's (full-KV decoding of the same stored
-KV). Link bytes are the veth counters of the links during each run.
+KV). Link bytes are the veth counters of the links during each run (sampled for the timeline); each
+engine writes its events to a trace (``serve --trace``), from which come its busy share (forward
+seconds / the run's wall seconds), its store fetch rate and the plot. After the runs the step costs
+are measured here at the same threads, and ``sim.remote_prefix`` predicts every row.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from vericache.bench.prefix_timeline import LinkSampler, busy_share, fetch_rate_gbps, link_rates, spans
 from vericache.remote import netlab
+from vericache.serving.trace import read_trace
 
-MODES = ["recompute", "full-remote", "lossy-remote", "vericache"]
+MODES = ["recompute", "full-remote", "full-remote-all", "lossy-remote", "vericache"]
 
 
 def _prompts(model: str, n: int, prefix_tokens: int) -> tuple[list[str], list[str], list[int], str]:
@@ -58,7 +65,8 @@ class Procs:
         self.log_dir, self.procs = log_dir, []
 
     def start(self, role: str, name: str, cmd: list[str], threads: int) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        # THP_MEM_ALLOC_ENABLE: PyTorch's large buffers (a session's KV) on huge pages, far fewer page faults
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "THP_MEM_ALLOC_ENABLE": "1"}
         log = open(self.log_dir / f"{name}.log", "w")
         p = subprocess.Popen(netlab.exec_in(role, *cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(p)
@@ -84,10 +92,15 @@ class Procs:
 
 
 def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: int, shape: netlab.Shape,
-                     compressor: str, modes: list[str] = MODES, draft_dtype: str = "float32", log=print) -> dict:
-    """The four modes, side by side in one run. Exact outputs (recompute, full-remote, the verifier)
+                     compressor: str, modes: list[str] = MODES, draft_dtype: str = "float32",
+                     threads_per_device: int = 1, predict: bool = True, log=print) -> dict:
+    """The modes, side by side in one run. Exact outputs (recompute, full-remote, the verifier)
     come from fp32 weights; the drafter's weights (lossy-remote, vericache's drafter) are
     ``draft_dtype``: its output is a draft, so a cheaper dtype only costs acceptance."""
+    bad = sorted(set(modes) - set(MODES))
+    if bad or threads_per_device < 1:
+        raise ValueError(f"modes must be among {MODES} (got {bad}) and threads_per_device >= 1 "
+                         f"(got {threads_per_device})")
     reason = netlab.available()
     if reason:
         raise RuntimeError(f"bench prefix needs network namespaces: {reason}")
@@ -127,14 +140,19 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
         rows, outputs = [], {}
         for mode in modes:
             log(f"mode {mode} ...")
-            rows.append(_run_mode(mode, Procs(work), vc, model, compressor, near, far, ep, cores, work, max_tokens,
-                                  kv_id, draft_dtype))
+            threads = cores if mode == "full-remote-all" else threads_per_device
+            rows.append(_run_mode(mode, Procs(work), vc, model, compressor, near, far, ep, threads, work, max_tokens,
+                                  kv_id, draft_dtype, measured["fast"]["gbps"]))
             outputs[mode] = rows[-1].pop("texts")
             log(f"  {json.dumps(rows[-1])}")
-        ref = outputs.get("full-remote")
+        ref = outputs.get("full-remote", outputs.get("full-remote-all"))
         for row in rows:
             row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
-        return {"store": f"redis {version}", "network": measured, "model": model, "compressor": compressor,
+        if predict:
+            from vericache.bench.prefix_model import add_predictions
+            add_predictions(rows, model, compressor, measured, requests, prefix_tokens, max_tokens,
+                            threads_per_device, cores, log)
+        return {"threads_per_device": threads_per_device, "store": f"redis {version}", "network": measured, "model": model, "compressor": compressor,
                 "draft_dtype": draft_dtype,
                 "prefix_tokens": prefix_tokens, "requests": requests, "max_tokens": max_tokens, "cores": cores,
                 "rows": rows, "work_dir": str(work)}
@@ -143,35 +161,35 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
         netlab.down()
 
 
-def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, cores, work, max_tokens, kv_id,
-              draft_dtype) -> dict:
+def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, threads, work, max_tokens, kv_id,
+              draft_dtype, fast_gbps) -> dict:
+    traces = {"drafter": work / f"trace-{mode}-drafter.jsonl", "verifier": work / f"trace-{mode}-verifier.jsonl"}
     serve = [*vc, "serve", "--model", model, "--host", "127.0.0.1", "--port", "8000", "--compressor", compressor,
-             "--prefix-model-id", kv_id]
+             "--prefix-model-id", kv_id, "--trace", str(traces["drafter"])]
     serve += ["--dtype", draft_dtype] if mode in ("lossy-remote", "vericache") else ["--dtype", "float32"]
-    threads = cores
     if mode == "vericache":
-        threads = max(cores // 2, 1)  # two engines share this machine's cores
         procs.start("verify", "verifier", [*vc, "serve", "--role", "verifier", "--model", model, "--dtype", "float32",
-                                           "--host", "127.0.0.1",
+                                           "--host", "127.0.0.1", "--trace", str(traces["verifier"]),
                                            "--grpc-port", str(netlab.SERVICE_PORTS["verify"]), "--prefix-store", near],
-                    max(cores - threads, 1))
+                    threads)
         procs.wait_line("verifier", "verifier ")
         serve += ["--role", "drafter", "--verifier", f"grpc://{ep['verifier_from_draft']}", "--mode", "vericache",
                   "--prefix-store", far, "--prefix-link", "slow", "--prefill-chunk", "128"]
     elif mode == "recompute":
         serve += ["--mode", "full"]
     else:
-        serve += ["--mode", "full" if mode == "full-remote" else "lossy", "--prefix-store", far, "--prefix-link", "slow"]
+        serve += ["--mode", "lossy" if mode == "lossy-remote" else "full", "--prefix-store", far, "--prefix-link", "slow"]
     procs.start("draft", f"drafter-{mode}", serve, threads)
-    before = netlab.link_bytes()
+    before, sampler = netlab.link_bytes(), LinkSampler().start()
     r = subprocess.run(netlab.exec_in("draft", sys.executable, "-m", "vericache.bench.prefix_client",
                                       "http://127.0.0.1:8000", str(work / "prompts.json"), str(max_tokens)),
                        capture_output=True, text=True)
-    after = netlab.link_bytes()
+    samples, after = sampler.stop(), netlab.link_bytes()
     procs.stop()
     if r.returncode:
         raise RuntimeError(f"client failed in mode {mode}: {r.stderr[-2000:]}")
-    res = json.loads(r.stdout)
+    out = json.loads(r.stdout)
+    res, sent_at = out["requests"], out["sent_at"]
     bad = [x for x in res if x["status"] != 200 or "error" in x["stats"]]
     if bad:
         raise RuntimeError(f"mode {mode}: {len(bad)} requests failed: {bad[0]['stats']}")
@@ -179,18 +197,28 @@ def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, cores, w
     n_tokens = sum(x["stats"].get("completion_tokens", 0) for x in res)
     makespan = max(x["e2e_s"] for x in res)
     st = [x["stats"] for x in res]
+    role_spans = {role: spans(read_trace(str(path)), sent_at, sent_at + makespan) for role, path in traces.items()}
     row = {"mode": mode, "ttft_s": round(sum(x["ttft_s"] for x in res) / len(res), 3),
            "e2e_s": round(sum(x["e2e_s"] for x in res) / len(res), 3), "makespan_s": round(makespan, 3),
            "tokens_per_s": round(n_tokens / makespan, 2),
            "slow_link_bytes": moved["slow-store"] + moved["slow-verify"], "fast_link_bytes": moved["fast"],
-           "prefix_tokens": [s.get("prefix_tokens", 0) for s in st], "threads": threads,
+           "prefix_tokens": [s.get("prefix_tokens", 0) for s in st],
+           "tail_tokens": [s.get("prompt_tokens", 0) - s.get("prefix_tokens", 0) for s in st], "threads": threads,
            "weights": draft_dtype if mode in ("lossy-remote", "vericache") else "float32",
+           "drafter_busy": busy_share(role_spans["drafter"], makespan),
+           "drafter_fetch_bytes": sum(s["bytes"] for s in role_spans["drafter"] if s["event"] == "prefix"),
            "timeline": [{"ttft_s": x["ttft_s"], "e2e_s": x["e2e_s"], "chunk_times": x["chunk_times"]} for x in res],
+           "link_gbps": link_rates(samples, sent_at), "drafter_spans": role_spans["drafter"],
            "texts": [x["text"] for x in res]}
     if mode == "vericache":
         rounds = sum(s.get("rounds", 0) for s in st)
-        row["verifier_prefix_tokens"] = [s.get("verifier_prefix_tokens", 0) for s in st]
-        row["tokens_per_round"] = round((n_tokens - len(res)) / rounds, 2) if rounds else 0.0
+        fetch = fetch_rate_gbps(role_spans["verifier"])
+        row |= {"verifier_prefix_tokens": [s.get("verifier_prefix_tokens", 0) for s in st],
+                "tokens_per_round": round((n_tokens - len(res)) / rounds, 2) if rounds else 0.0,
+                "drafted_per_round": round(sum(s.get("drafted_tokens", 0) for s in st) / rounds, 2) if rounds else 0.0,
+                "verifier_busy": busy_share(role_spans["verifier"], makespan), "verifier_fetch_gbps": fetch,
+                "fetch_over_fast_link": round(fetch / fast_gbps, 2) if fetch else None,
+                "verifier_spans": role_spans["verifier"]}
     return row
 
 
@@ -200,42 +228,21 @@ def prefix_markdown(res: dict) -> str:
     net = res["network"]
     links = "; ".join(f"{k}: {v['gbps']} Gbps, RTT {v['rtt_ms']} ms (shaped {v['shaped_gbps']} Gbps"
                       f"{', ' + str(v['shaped_rtt_ms']) + ' ms' if v['shaped_rtt_ms'] else ''})" for k, v in net.items())
-    rows = [{**{k: v for k, v in r.items() if k not in ("timeline", "prefix_tokens", "verifier_prefix_tokens")},
-             "slow_link_MB": round(r["slow_link_bytes"] / 1e6, 1), "fast_link_MB": round(r["fast_link_bytes"] / 1e6, 1)}
+    rows = [{**r, "slow_link_MB": round(r["slow_link_bytes"] / 1e6, 1), "fast_link_MB": round(r["fast_link_bytes"] / 1e6, 1)}
             for r in res["rows"]]
-    table = markdown_table(rows, ["mode", "ttft_s", "e2e_s", "makespan_s", "tokens_per_s", "identical_to_full",
-                                  "slow_link_MB", "fast_link_MB", "threads", "weights"])
+    table = markdown_table(rows, ["mode", "ttft_s", "predicted_ttft_s", "e2e_s", "predicted_e2e_s", "e2e_over_predicted",
+                                  "tokens_per_s", "identical_to_full", "slow_link_MB", "fast_link_MB", "threads",
+                                  "drafter_busy", "verifier_busy", "verifier_fetch_gbps", "fetch_over_fast_link"])
     by = {r["mode"]: r for r in res["rows"]}
     ratios = ""
-    if "vericache" in by and "full-remote" in by:
-        v, f = by["vericache"], by["full-remote"]
-        ratios = (f"\n\nVeriCache vs full-remote: TTFT {v['ttft_s'] / f['ttft_s']:.3f}x, end-to-end "
-                  f"{f['e2e_s'] / v['e2e_s']:.2f}x faster (makespan {f['makespan_s'] / v['makespan_s']:.2f}x), "
-                  f"slow-link bytes {v['slow_link_bytes'] / max(f['slow_link_bytes'], 1):.3f}x; "
-                  f"{v.get('tokens_per_round', 0)} tokens per verification round.")
+    for base in ("full-remote", "full-remote-all"):
+        if "vericache" in by and base in by:
+            v, f = by["vericache"], by[base]
+            ratios += (f"\n\nVeriCache vs {base} ({f['threads']} threads): TTFT {v['ttft_s'] / f['ttft_s']:.3f}x, "
+                       f"end-to-end {f['e2e_s'] / v['e2e_s']:.2f}x faster (makespan {f['makespan_s'] / v['makespan_s']:.2f}x), "
+                       f"slow-link bytes {v['slow_link_bytes'] / max(f['slow_link_bytes'], 1):.3f}x; "
+                       f"{v.get('tokens_per_round', 0)} tokens per verification round "
+                       f"({v.get('drafted_per_round', 0)} drafted).")
     return (f"Store: {res['store']}. Measured links: {links}. Model {res['model']}, {res['requests']} requests, "
             f"{res['prefix_tokens']}-token prefixes, {res['max_tokens']} new tokens, compressor {res['compressor']}, "
             f"{res['cores']} cores.\n\n{table}{ratios}")
-
-
-def plot_prefix(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"recompute": "tab:gray", "full-remote": "tab:blue", "lossy-remote": "tab:orange", "vericache": "tab:green"}
-    fig, axes = plt.subplots(len(res["rows"]), 1, figsize=(9, 1.6 + 1.3 * len(res["rows"])), sharex=True)
-    for ax, row in zip(axes, res["rows"]):
-        for i, req in enumerate(row["timeline"]):
-            ax.barh(i, req["ttft_s"], color="lightgray", height=0.6)
-            ax.barh(i, req["e2e_s"] - req["ttft_s"], left=req["ttft_s"], color=colors.get(row["mode"]), height=0.6)
-            ax.plot(req["chunk_times"], [i] * len(req["chunk_times"]), "k|", markersize=5)
-        ax.set_ylabel(row["mode"], rotation=0, ha="right", va="center")
-        ax.set_yticks([])
-    axes[-1].set_xlabel("seconds since the requests were sent (gray: waiting for the first token; ticks: tokens)")
-    fig.suptitle(f"Remote prefix caching: {res['requests']} requests x {res['prefix_tokens']}-token stored prefixes, "
-                 f"{res['compressor']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -1,6 +1,7 @@
 """The client side of ``bench prefix``, run inside the drafter's namespace: waits for the server,
-sends every prompt at once as a streaming completion, and prints one JSON line per request
-(send, first-token and end times, token arrival times, text, the response's stats)."""
+sends every prompt at once as a streaming completion, and prints one JSON object: the wall-clock
+time they were sent and per request the first-token and end times, token arrival times (seconds
+since then), text and the response's stats."""
 
 from __future__ import annotations
 
@@ -53,14 +54,14 @@ def main(url: str, prompts_file: str, max_tokens: int) -> None:
     prompts = json.load(open(prompts_file))
     _wait_ready(url)
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     results = [dict() for _ in prompts]
     threads = [threading.Thread(target=_one, args=(url, model, p, max_tokens, t0, results[i])) for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps(results))
+    print(json.dumps({"sent_at": t0_wall, "requests": results}))
 
 
 if __name__ == "__main__":

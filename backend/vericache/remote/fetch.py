@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -49,7 +50,8 @@ class PrefixFetcher:
             log.info("prefix fetch: %d of %d blocks (%s); computing from block %d", len(got.blocks), limit,
                      got.reason, len(got.blocks))
         self.events.append(("prefix", {"link": self.link, "tier": tier, "bytes": got.nbytes, "seconds": got.seconds,
-                                       "hit_blocks": len(got.blocks), "miss_blocks": limit - len(got.blocks)}))
+                                       "hit_blocks": len(got.blocks), "miss_blocks": limit - len(got.blocks),
+                                       "end": time.time()}))
         return got
 
     def close(self) -> None:

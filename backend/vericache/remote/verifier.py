@@ -182,7 +182,7 @@ class VerifierCore:
                 self._event("prefill", {"tokens": sum(len(r.tokens) for r in prefill_rows), "rows": len(prefill_rows),
                                         "seconds": seconds})
             if futs:
-                self._event("verify_step", {"rows": len(futs), "seconds": seconds})
+                self._event("verify_step", {"rows": len(futs), "seconds": seconds, "with_prefill": bool(prefill_rows)})
             self._finish_verifies(batch.of(VERIFY), futs)
             for row in prefill_rows:
                 if row.logits_for == "last":

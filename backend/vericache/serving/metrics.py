@@ -38,6 +38,7 @@ class Metrics:
                                    (1, 2, 4, 8, 12, 16, 24, 32, 48, 64))
         self.link_bytes = c("link_bytes", "Bytes moved by the host-to-device link", ["link"])
         self.link_busy = c("link_busy_seconds", "Seconds the link was busy", ["link"])
+        self.busy = c("engine_busy_seconds", "Seconds the engine spent in forwards (its rate: the busy share)")
         self.draft_step = h("draft_step_seconds", "Draft step latency")
         self.verify_step = h("verify_step_seconds", "Verification forward latency")
         self.ttft = h("time_to_first_token_seconds", "Time to first token")
@@ -80,11 +81,16 @@ def metrics_sink(m: Metrics):
             for pos in range(f["accepted"]):
                 m.lab(m.accepted_per_pos, position=str(pos), **labels).inc()
             m.lab(m.acceptance_length, **labels).observe(f["accepted"] + 1)
-        elif event == "phase" and ("draft" in f["kind"] or "verify" in f["kind"]):
-            # one forward per step: a step with a verification counts as a verify step
-            m.lab(m.verify_step if "verify" in f["kind"] else m.draft_step).observe(f["seconds"])
-        elif event == "verify_step":  # the verifier role's own forwards
-            m.lab(m.verify_step).observe(f["seconds"])
+        elif event == "phase":
+            m.lab(m.busy).inc(f["seconds"])
+            if "draft" in f["kind"] or "verify" in f["kind"]:
+                # one forward per step: a step with a verification counts as a verify step
+                m.lab(m.verify_step if "verify" in f["kind"] else m.draft_step).observe(f["seconds"])
+        elif event in ("verify_step", "prefill"):  # the verifier role's own forwards
+            if event == "verify_step":
+                m.lab(m.verify_step).observe(f["seconds"])
+            if event == "prefill" or not f.get("with_prefill"):   # a shared forward counts once
+                m.lab(m.busy).inc(f["seconds"])
         elif event == "prefix":
             m.lab(m.prefix_hits).inc(f["hit_blocks"])
             m.lab(m.prefix_misses).inc(f["miss_blocks"])

@@ -141,8 +141,9 @@ class EngineService:
                     self._broken = True
                     self._stop.set()
             phases, rounds, rtts = self.serving.instruments.take_events()
-            for start, end, kind in phases:
-                self.metrics("phase", {"kind": kind, "seconds": end - start})
+            now, wall = time.perf_counter(), time.time()
+            for start, end, kind in phases:   # ``end``: wall-clock, so traces of several processes line up
+                self.metrics("phase", {"kind": kind, "seconds": end - start, "end": wall - (now - end)})
             for rid, drafted, accepted in rounds:
                 self.metrics("round", {"drafted": drafted, "accepted": accepted, **self._labels(rid)})
             for rtt in rtts:

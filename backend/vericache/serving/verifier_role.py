@@ -13,13 +13,16 @@ from vericache.remote.prefixes import model_id
 from vericache.remote.server import start_server
 from vericache.remote.store import PrefixStore
 from vericache.remote.verifier import VerifierCore
+from vericache.serving.trace import TraceFile, tee
 
 log = logging.getLogger("vericache.verifier")
 
 
 def run_verifier(model: str, host: str, port: int, prefix_store: str | None = None, store_prefixes: bool = False,
                  metrics_port: int = 0, device: str | None = None, dtype: str | None = None,
-                 ready: threading.Event | None = None) -> None:
+                 ready: threading.Event | None = None, trace: str | None = None) -> None:
+    """``trace``: also write the verifier's events (fetches, prefills, verifications) to this
+    JSON-lines file (``serving.trace``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     loaded = load_model(model, device=device, dtype=dtype)
     mid = model_id(loaded)
@@ -29,15 +32,14 @@ def run_verifier(model: str, host: str, port: int, prefix_store: str | None = No
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sink = _metrics(mid, host, metrics_port) if metrics_port else None
+    sink = tee(_metrics(mid, host, metrics_port) if metrics_port else None, TraceFile(trace) if trace else None)
     print(f"verifier {mid} on grpc://{host}:{port} (store: {prefix_store or 'none'})", flush=True)
     if ready is not None:
         ready.set()
     while not stop.wait(0.5):
         while core.events:
             event, fields = core.events.pop(0)
-            if sink is not None:
-                sink(event, fields)
+            sink(event, fields)
     server.stop(grace=2).wait()
     core.shutdown()
 

@@ -71,6 +71,10 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None)
     p.add_argument("--record", default=None, help="append the table and the command to this markdown file")
+    p.add_argument("--remote-prefix", action="store_true",
+                   help="the remote prefix-caching scenario on H100/H200 (24B-70B models, 10/25 Gbit/s slow links, "
+                        "NVLink or PCIe Gen5 to the store): TTFT and end-to-end vs full-remote; the prefix is the "
+                        "last --context")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's rates (weight step, attention bandwidth and compute, link) with "
                         "--calib-model and store them for `bench throughput`'s predicted_tokens_per_s")
@@ -95,11 +99,35 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_remote_prefix(args: argparse.Namespace) -> int:
+    """The paper's remote prefix-caching setting, predicted (``sim.remote_prefix.paper_table``)."""
+    from vericache.bench.common import markdown_table, record
+    from vericache.sim.remote_prefix import paper_table
+
+    if not 0 < args.ratio <= 1:
+        raise ValueError(f"--ratio must be in (0, 1], got {args.ratio}")
+    rows = paper_table(prefix=args.context[-1], tokens_per_round=args.acceptance_length, drafted=args.draft_len,
+                       comp_ratio=args.ratio)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    table = markdown_table(rows, list(rows[0]))
+    note = (f"8 requests x {args.context[-1]}-token stored prefixes + 256-token tails, 256 new tokens each; "
+            f"{args.acceptance_length:g} tokens per round from {args.draft_len} drafted; slow link RTT 20 ms; "
+            f"compressed KV {args.ratio:g} of the full bytes. Modelled, not measured.")
+    print(table + "\n\n" + note)
+    record(args.record, "Remote prefix caching, the paper's setting (modelled, not measured)", table + "\n\n" + note,
+           args.argv)
+    return 0
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from vericache.bench.common import markdown_table
 
     if args.calibrate:
         return _cmd_calibrate(args)
+    if args.remote_prefix:
+        return _cmd_remote_prefix(args)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
     if bad:
