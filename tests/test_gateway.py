@@ -67,6 +67,14 @@ def test_completion_equals_the_engine(llm, client):
     assert r.model_extra["vericache"]["rounds"] >= 1
 
 
+def test_a_request_is_validated_once(server, client, monkeypatch):
+    eng, calls = server.service.serving.eng, []
+    check = eng.check_request
+    monkeypatch.setattr(eng, "check_request", lambda ids, params: (calls.append(len(ids)), check(ids, params)))
+    client.completions.create(model="tiny", prompt="def f(x):\n    return", max_tokens=4, temperature=0)
+    assert len(calls) == 1
+
+
 def test_per_request_vericache_options(llm, server, client):
     """The ``vericache`` extension field picks mode, compressor and draft length per request."""
     prompt = "def load(path):\n"

@@ -218,7 +218,7 @@ def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
 
 
 def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
-    """Tail prefills of sessions that open together run as rows of one forward and give the same
+    """Tail prefills of sessions that open together run as rows of shared forwards and give the same
     first token, and a cache that verifies the full-KV continuation, as opening one at a time."""
     from vericache.remote.verifier import VerifierCore
 
@@ -228,7 +228,7 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
     params = SamplingParams(max_tokens=8)
     reference = [eng.generate([eng.new_sequence(0, p, params)], "full")[0].token_ids for p in prompts]
 
-    together = VerifierCore(eng, autostart=False)
+    together = VerifierCore(eng, autostart=False, prefill_chunk=128)
     opened = [None] * len(prompts)
 
     def open_one(i):
@@ -245,8 +245,9 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
     for t in threads:
         t.join(timeout=60)
     prefills = [f for name, f in together.events if name == "prefill"]
-    assert [f["rows"] for f in prefills] == [len(prompts)]            # one forward for all three tails
-    assert prefills[0]["tokens"] == sum(len(p) for p in prompts)
+    # chunk j of every tail in forward j: 300, 420 and 140 tokens in chunks of 128
+    assert [f["rows"] for f in prefills] == [3, 3, 2, 1]
+    assert sum(f["tokens"] for f in prefills) == sum(len(p) for p in prompts)
 
     alone = VerifierCore(eng)
     try:

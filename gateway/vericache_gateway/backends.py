@@ -38,7 +38,8 @@ class EmbeddedBackend:
 
     async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
                        disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
-        stream = await asyncio.to_thread(self.service.submit, ids, params, options)
+        """Stream the request's deltas; ``ids`` and ``params`` have passed ``check`` (the gateway's 400s)."""
+        stream = await asyncio.to_thread(self.service.submit, ids, params, options, True)
         finished = False
         try:
             while True:

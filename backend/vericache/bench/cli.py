@@ -43,9 +43,15 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from vericache.bench.throughput import MODES
+
     budget = args.device_budget_gb * 1e9 if args.device_budget_gb is not None else args.device_budget
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"--modes must be among {', '.join(MODES)}, got {args.modes!r}")
     res = run_throughput(args.model, args.requests, args.context, args.max_tokens, budget,
-                         args.link_gbps, args.compressor, device=args.device, resident_layers=args.resident_layers,
+                         args.link_gbps, args.compressor, device=args.device, modes=modes,
+                         resident_layers=args.resident_layers,
                          dtype=args.dtype, calibration=args.calibration, log=progress(args))
     if args.plot:
         plot_timeline(res["timelines"], args.plot, res["link"])
@@ -180,6 +186,8 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--calibration", default=None,
                    help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
     t.add_argument("--compressor", default="snapkv:ratio=0.125")
+    t.add_argument("--modes", default="full,lossy,vericache-naive,vericache-staggered,vericache-grouped",
+                   help="comma-separated, among full, lossy, vericache-naive, vericache-staggered, vericache-grouped")
     t.add_argument("--resident-layers", type=int, default=0,
                    help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
     t.add_argument("--device", default=None)

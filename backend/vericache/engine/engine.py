@@ -149,8 +149,11 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
 
-    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        self.check_request(prompt_ids, params)
+    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
+                     checked: bool = False) -> Sequence:
+        """``checked``: the caller has run ``check_request`` on these already (a request is validated once)."""
+        if not checked:
+            self.check_request(prompt_ids, params)
         return Sequence(request_id, prompt_ids, params, self.tokenizer, self.tokenizer.eos_token_ids)
 
     def new_cache(self, seq: Sequence) -> FullKVCache:

@@ -90,10 +90,11 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    options: RequestOptions | ResolvedOptions | None = None, prefill=None) -> int:
+                    options: RequestOptions | ResolvedOptions | None = None, prefill=None, checked: bool = False) -> int:
         """Queue a request; ``options`` override the engine's mode, compressor and draft length;
-        ``prefill`` (an ``Engine.shared_prefill`` of this prompt) is loaded instead of recomputed."""
-        return self._add(self.eng.new_sequence(-1, prompt_ids, params), options, prefill)  # checks the input
+        ``prefill`` (an ``Engine.shared_prefill`` of this prompt) is loaded instead of recomputed;
+        ``checked``: the caller validated the input (``Engine.check_request``) already."""
+        return self._add(self.eng.new_sequence(-1, prompt_ids, params, checked), options, prefill)
 
     def add_sequence(self, seq: Sequence, options: RequestOptions | ResolvedOptions | None = None,
                      prefill=None) -> int:

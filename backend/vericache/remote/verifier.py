@@ -7,10 +7,10 @@ verifier's token (correction or bonus) and the exact K/V of positions n .. n+m, 
 cache tracks the full model. ``close`` frees the session's KV. Greedy only: the drafter sends
 token ids, not distributions.
 
-One worker thread owns the model: each turn it runs the tail prefills of every session that has
-opened and every pending verification of every session in shared forwards (``engine.batch``: chunk j
-of each tail in step j, the verifications in the first), so the weights are read once per step and
-concurrent opens do not queue behind each other. Store fetches run in the callers' threads,
+One worker thread owns the model: each forward (``engine.batch``) carries the next chunk of every
+open's tail prefill and every queued verification, so the weights are read once per step, opens
+that land together prefill together, and one that lands later joins at the next chunk rather than
+queueing behind whole prefills. Store fetches run in the callers' threads,
 overlapping the worker.
 """
 
@@ -53,8 +53,13 @@ class Session:
 
 class VerifierCore:
     def __init__(self, engine, store: PrefixStore | None = None, store_prefixes: bool = False,
-                 max_sessions: int = 256, autostart: bool = True) -> None:
-        """``autostart=False``: the worker waits for ``start()`` (work queued before it shares its turn)."""
+                 max_sessions: int = 256, autostart: bool = True, prefill_chunk: int = 64) -> None:
+        """``autostart=False``: the worker waits for ``start()`` (work queued before it shares its turn).
+        ``prefill_chunk``: tail tokens per session per forward; small, so opens that land while
+        others prefill join them within a chunk's time instead of queueing behind whole prefills."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.eng, self.store, self.store_prefixes = engine, store, store_prefixes
         self.max_sessions = max_sessions
         self.sessions: dict[int, Session] = {}
@@ -138,55 +143,52 @@ class VerifierCore:
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
+        tails: list[Tail] = []    # opens whose tail prefill is under way
         while not self._stop.is_set():
-            items = [self._work.get()]
+            items = [] if tails else [self._work.get()]   # idle: wait; prefilling: take what is queued
             while True:
                 try:
                     items.append(self._work.get_nowait())
                 except queue.Empty:
                     break
             items = [x for x in items if x is not None]
+            tails += [self._tail(sess, full, fut) for kind, sess, full, fut in items if kind == "open"]
             with torch.inference_mode():
-                self._turn([x for x in items if x[0] == "open"], [x for x in items if x[0] == "verify"])
+                tails = self._step(tails, [x for x in items if x[0] == "verify"])
 
-    def _turn(self, opens: list, verifies: list) -> None:
-        """Every open's tail prefill and every pending verification in shared forwards: chunk j of
-        every open's tail goes in step j, the verifications ride in the first step."""
-        tails = [self._tail(sess, full, fut) for _, sess, full, fut in opens]
-        first = True
-        while first or any(t.left for t in tails):
-            batch, futs = StepBatch(), []
-            for t in tails:
-                if t.left:
-                    chunk = t.left[: self.eng.prefill_chunk]
-                    t.left = t.left[len(chunk):]
-                    batch.add(t, PREFILL, chunk, t.at, t.cache, "none" if t.left else "last")
-                    t.at += len(chunk)
-            if first:
-                futs = self._add_verifies(batch, verifies)
-                first = False
-            if not batch.rows:
-                return
-            t0 = time.perf_counter()
-            try:
-                batch.run(self.eng.model, self.eng.loaded.device)
-            except Exception as exc:  # noqa: BLE001 - reported to the callers
-                log.exception("verifier forward failed")
-                for fut in futs + [t.fut for t in tails]:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                return
-            seconds = time.perf_counter() - t0
-            prefill_rows = batch.of(PREFILL)
-            if prefill_rows:
-                self._event("prefill", {"tokens": sum(len(r.tokens) for r in prefill_rows), "rows": len(prefill_rows),
-                                        "seconds": seconds})
-            if futs:
-                self._event("verify_step", {"rows": len(futs), "seconds": seconds, "with_prefill": bool(prefill_rows)})
-            self._finish_verifies(batch.of(VERIFY), futs)
-            for row in prefill_rows:
-                if row.logits_for == "last":
-                    self._run(row.req.fut, self._opened, row.req, row.argmax[0])
+    def _step(self, tails: list[Tail], verifies: list) -> list[Tail]:
+        """One forward: the next ``prefill_chunk`` tokens of every open's tail and every queued
+        verification, so an open that lands while others prefill joins them at the next chunk.
+        Returns the tails left to prefill."""
+        batch = StepBatch()
+        for t in tails:
+            chunk = t.left[: self.prefill_chunk]
+            t.left = t.left[len(chunk):]
+            batch.add(t, PREFILL, chunk, t.at, t.cache, "none" if t.left else "last")
+            t.at += len(chunk)
+        futs = self._add_verifies(batch, verifies)
+        if not batch.rows:
+            return []
+        t0 = time.perf_counter()
+        try:
+            batch.run(self.eng.model, self.eng.loaded.device)
+        except Exception as exc:  # noqa: BLE001 - reported to the callers
+            log.exception("verifier forward failed")
+            for fut in futs + [t.fut for t in tails]:
+                fut.set_exception(exc)
+            return []
+        seconds = time.perf_counter() - t0
+        prefill_rows = batch.of(PREFILL)
+        if prefill_rows:
+            self._event("prefill", {"tokens": sum(len(r.tokens) for r in prefill_rows), "rows": len(prefill_rows),
+                                    "seconds": seconds})
+        if futs:
+            self._event("verify_step", {"rows": len(futs), "seconds": seconds, "with_prefill": bool(prefill_rows)})
+        self._finish_verifies(batch.of(VERIFY), futs)
+        for row in prefill_rows:
+            if row.logits_for == "last":
+                self._run(row.req.fut, self._opened, row.req, row.argmax[0])
+        return [t for t in tails if t.left]
 
     def _tail(self, sess: Session, full: FullKVCache, fut: Future) -> Tail:
         """A session's cache (the stored blocks loaded) and the prompt tokens left to prefill."""

@@ -77,12 +77,14 @@ class EngineService:
 
     # ------------------------------------------------------------------ callers' side
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               options: RequestOptions | None = None) -> RequestStream:
-        """Validate, enqueue, and return the request's stream. ``options`` override the server's mode,
-        compressor and draft length for this request. Raises ValueError, TypeError, QueueFull, ServiceStopped."""
+               options: RequestOptions | None = None, checked: bool = False) -> RequestStream:
+        """Validate (unless ``checked``: the caller ran ``Engine.check_request``), enqueue, and return
+        the request's stream. ``options`` override the server's mode, compressor and draft length for
+        this request. Raises ValueError, TypeError, QueueFull, ServiceStopped."""
         if self._stop.is_set() or self._draining:
             raise ServiceStopped("the engine is shutting down")
-        self.serving.eng.check_request(prompt_ids, params)  # bad input fails here, before queueing
+        if not checked:
+            self.serving.eng.check_request(prompt_ids, params)  # bad input fails here, before queueing
         opts = self.serving.eng.resolve(options)
         with self._lock:
             if self.num_waiting() + self._commands.qsize() >= self.max_queue:
@@ -170,7 +172,7 @@ class EngineService:
         if cmd[0] == "submit":
             _, prompt_ids, params, opts, holder, done = cmd
             try:
-                rid = self.serving.add_request(prompt_ids, params, opts)
+                rid = self.serving.add_request(prompt_ids, params, opts, checked=True)  # submit checked it
                 holder["stream"] = self._streams[rid] = RequestStream(rid, len(prompt_ids))
                 self._texts[rid] = ""
                 self._arrival[rid] = time.perf_counter()

@@ -108,7 +108,7 @@ class TritonAdapter:
 
     def start(self, inputs: dict) -> Job:
         ids, params, options, streaming = self.parse(inputs)
-        return Job(self.service.submit(ids, params, options), streaming)
+        return Job(self.service.submit(ids, params, options, checked=True), streaming)   # parse checked them
 
     def responses(self, job: Job, cancelled: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
         """Streaming: one response per delta. Otherwise one response with the whole text.
