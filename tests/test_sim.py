@@ -113,9 +113,10 @@ def test_step_cost_model_composes_measured_step_costs(llm):
 
 
 def _costs(**kw):
+    from vericache.sim.remote_prefix import costs_from_steps
     from vericache.sim.step_costs import StepCosts
     base = dict(c0=0.01, full=0.02, draft=0.004, verify0=0.02, verify_row=0.002, weights=lambda rows: 0.03 + 0.001 * rows)
-    return StepCosts(**{**base, **kw})
+    return costs_from_steps(StepCosts(**{**base, **kw}), n=4, tail=120, k=8.0)
 
 
 def _setting(**kw):
@@ -137,6 +138,10 @@ def test_remote_prefix_model_charges_each_link_where_it_is_crossed():
     slow_verifier = predict_remote(_setting(), _costs(), verifier=_costs(verify_row=0.02))
     assert slow_verifier["vericache"]["e2e_s"] > p["vericache"]["e2e_s"]
     assert slow_verifier["full-remote"] == p["full-remote"]
+    # verifications out of step (one session per forward) read the weights once each: rounds get longer
+    apart = predict_remote(_setting(group=1.0), _costs())
+    assert apart["vericache"]["round_s"] > p["vericache"]["round_s"]
+    assert apart["vericache"]["round_s"] >= 4 * _costs().verify(1)
 
 
 def test_sim_remote_prefix_command(capsys):
@@ -171,3 +176,13 @@ def test_prefix_bench_reads_traces_into_busy_shares_and_fetch_rates():
     assert fetch_rate_gbps([s for s in sp if s["event"] != "prefix"]) is None
     rates = link_rates([(t0, {"fast": 0}), (t0 + 0.5, {"fast": 125_000_000})], t0)
     assert rates == {"fast": [(0.5, 2.0)]}
+
+
+def test_remote_costs_are_measured_at_the_bench_geometry(llm):
+    from vericache.bench.prefix_model import measure_remote_costs
+    from vericache.compress.registry import parse_compressor
+    c = measure_remote_costs(llm, parse_compressor("snapkv:ratio=0.25"), context=300, n=2, tail=16, k=3.0,
+                             draft_kind="int8", repeats=1)
+    for f in (c.decode_full, c.decode_comp, c.draft, c.verify):
+        assert 0 < f(1) and 0 < f(2) and f(1.5) == pytest.approx((f(1) + f(2)) / 2)
+    assert c.prefill > 0 and c.prefill_comp > 0

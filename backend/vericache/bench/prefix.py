@@ -30,7 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from vericache.bench.prefix_timeline import LinkSampler, busy_share, fetch_rate_gbps, link_rates, spans
+from vericache.bench.prefix_timeline import (
+    LinkSampler,
+    busy_share,
+    fetch_rate_gbps,
+    link_rates,
+    sessions_per_forward,
+    spans,
+)
 from vericache.remote import netlab
 from vericache.serving.trace import read_trace
 
@@ -217,6 +224,7 @@ def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, threads,
                 "tokens_per_round": round((n_tokens - len(res)) / rounds, 2) if rounds else 0.0,
                 "drafted_per_round": round(sum(s.get("drafted_tokens", 0) for s in st) / rounds, 2) if rounds else 0.0,
                 "verifier_busy": busy_share(role_spans["verifier"], makespan), "verifier_fetch_gbps": fetch,
+                "sessions_per_verify": sessions_per_forward(role_spans["verifier"]),
                 "fetch_over_fast_link": round(fetch / fast_gbps, 2) if fetch else None,
                 "verifier_spans": role_spans["verifier"]}
     return row

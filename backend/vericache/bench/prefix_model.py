@@ -1,65 +1,122 @@
-"""``bench prefix``'s predicted rows: the step costs measured here after the runs (at the bench's
-context, with each engine's thread count), the links as measured, the store's fetch rate and the
-acceptance as the VeriCache run measured them, composed by ``sim.remote_prefix``."""
+"""``bench prefix``'s predicted rows: each role's forwards measured here after the runs at the
+bench's geometry (context, tail, sessions, draft length) with that role's thread count; the links as
+measured; the store's fetch rate, the acceptance and the sessions per verification forward as the
+VeriCache run measured them; composed by ``sim.remote_prefix``."""
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
-from vericache.sim.remote_prefix import RemoteSetting, predict_remote
+from vericache.sim.remote_prefix import RemoteCosts, RemoteSetting, predict_remote
+from vericache.timing import best_seconds
 
 
-def _costs(model: str, compressor: str, context: int, threads: int, log):
-    """(step costs, the drafter's auto draft-weights matmul seconds) with ``threads`` threads."""
-    from vericache.compress.registry import parse_compressor
+def _interpolated(xs: list[int], ys: list[float]):
+    def at(x: float) -> float:
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y0
+    return at
+
+
+@torch.inference_mode()
+def measure_remote_costs(llm, compressor, context: int, n: int, tail: int, k: float, draft_kind: str = "auto",
+                         repeats: int = 3) -> RemoteCosts:
+    """Time each forward the model needs on real caches of ``context`` positions (random K/V): the n
+    tails' prefill, decode rows over full and compressed caches, draft rows on the draft weights and
+    verification chunks of k + 1 rows, at 1, 2 .. n sessions (interpolated between)."""
     from vericache.engine.engine import Engine
+    from vericache.kv.compressed import CompressedKVCache
+    from vericache.kv.full import FullKVCache
+
+    model, cfg, dt, dev = llm.loaded.model, llm.loaded.config, llm.loaded.kv_dtype, llm.loaded.device
+    rows_v = max(round(k + 1), 1)
+    fulls, comps = [], []
+    for _ in range(n):
+        f = FullKVCache(cfg, dev, dt, capacity=context + rows_v + 1)
+        f.begin(0, context)
+        f.k.normal_()
+        f.v.normal_()
+        c = CompressedKVCache(compressor, cfg, dev, dt, capacity=context + max(rows_v, tail) + 1)
+        c.load_prefill(f, [torch.randn(cfg.num_attention_heads, compressor.window, cfg.head_dim, dtype=dt)]
+                       * cfg.num_hidden_layers)
+        c.commit(context)
+        fulls.append(f)
+        comps.append(c)
+
+    def fwd(caches, rows: int, start: int, draft: bool = False, times: int = repeats) -> float:
+        m = len(caches)
+        toks = torch.zeros(m * rows, dtype=torch.long, device=dev)
+        last = torch.arange(rows - 1, m * rows, rows, device=dev)
+        extra = {"n_draft": m * rows} if draft else {}
+        return best_seconds(lambda: model(toks, [start] * m, [rows] * m, caches, logits_index=last, **extra), times)
+
+    drafter = Engine(llm.loaded, mode="vericache", compressor=compressor, draft_weights=draft_kind)
+    sessions = sorted({1, 2, n} & set(range(1, n + 1)))
+    table: dict[str, list[float]] = {"full": [], "comp": [], "draft": [], "verify": []}
+    for m in sessions:
+        table["full"].append(fwd(fulls[:m], 1, context))
+        table["comp"].append(fwd(comps[:m], 1, context))
+        kind = drafter.draft_kind(m)   # what the drafter's steps of m draft rows read
+        if kind == "fp32":
+            table["draft"].append(table["comp"][-1])
+        else:
+            if model.draft_weights != kind:
+                model.quantize_drafts(kind)
+            table["draft"].append(fwd(comps[:m], 1, context, draft=True))
+        table["verify"].append(fwd(fulls[:m], rows_v, context))
+    prefill = fwd(fulls, tail, context - tail, times=2)
+    prefill_comp = fwd(comps, tail, context, times=2)   # the tails after the stored compressed blocks
+    return RemoteCosts(prefill=prefill, prefill_comp=prefill_comp, decode_full=_interpolated(sessions, table["full"]),
+                       decode_comp=_interpolated(sessions, table["comp"]), draft=_interpolated(sessions, table["draft"]),
+                       verify=_interpolated(sessions, table["verify"]))
+
+
+def _costs(model: str, compressor: str, context: int, n: int, tail: int, k: float, threads: int, log) -> RemoteCosts:
+    from vericache.compress.registry import parse_compressor
     from vericache.llm import LLM
-    from vericache.model.draft_weights import measured_choice
-    from vericache.sim import roofline
-    from vericache.sim.step_costs import measure_step_costs
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        llm = LLM(model, device="cpu", dtype="float32")
-        roof = roofline.measure(llm, log)
-        costs = measure_step_costs(llm, parse_compressor(compressor), context, roof.weights_s)
-        eng = Engine(llm.loaded, mode="vericache", compressor=compressor, draft_weights="auto")
-        eng.draft_kind(1)   # builds the quantized copies
-        choice = measured_choice(eng.model)
+        costs = measure_remote_costs(LLM(model, device="cpu", dtype="float32"), parse_compressor(compressor),
+                                     context, n, tail, k)
     finally:
         torch.set_num_threads(before)
-    log(f"step costs at {context} positions, {threads} thread(s): fixed {costs.c0 * 1e3:.1f} ms, per sequence full "
-        f"{costs.full * 1e3:.1f} / draft {costs.draft * 1e3:.1f} / verify {costs.verify0 * 1e3:.1f} + "
-        f"{costs.verify_row * 1e3:.2f} per row; weights {costs.weights(1) * 1e3:.0f} ms at 1 row")
-    return costs, (lambda rows: choice.seconds_at("auto", rows))
+    log(f"forwards at {context} positions, {threads} thread(s), {n} sessions: prefill of the tails "
+        f"{costs.prefill:.2f} s (over compressed caches {costs.prefill_comp:.2f}); decode full {costs.decode_full(n) * 1e3:.0f} ms, compressed "
+        f"{costs.decode_comp(n) * 1e3:.0f}, draft {costs.draft(n) * 1e3:.0f} (1 session {costs.draft(1) * 1e3:.0f}); "
+        f"verify {costs.verify(n) * 1e3:.0f} (1 session {costs.verify(1) * 1e3:.0f})")
+    return costs
 
 
 def add_predictions(rows: list[dict], model: str, compressor: str, measured: dict, n: int, prefix_tokens: int,
                     max_tokens: int, threads_per_device: int, cores: int, log=print) -> None:
-    """Add predicted_ttft_s, predicted_e2e_s and e2e_over_predicted to each full-remote, lossy-remote
-    and vericache row (recompute is not modelled)."""
+    """Add predicted_ttft_s, predicted_e2e_s, ttft_over_predicted and e2e_over_predicted to each
+    full-remote, lossy-remote and vericache row (recompute is not modelled)."""
     from vericache.model.loader import load_model
 
     by = {r["mode"]: r for r in rows}
-    cfg = load_model(model, device="cpu", dtype="float32")
-    kv_pos = cfg.config.kv_bytes_per_position(cfg.kv_dtype.itemsize)
+    loaded = load_model(model, device="cpu", dtype="float32")
+    kv_pos = loaded.config.kv_bytes_per_position(loaded.kv_dtype.itemsize)
     vc = by.get("vericache", {})
     stored = max((max(r["prefix_tokens"], default=0) for r in rows), default=0) or prefix_tokens
-    tail = max((sum(r["tail_tokens"]) / len(r["tail_tokens"]) for r in rows if r["tail_tokens"] and
-                max(r["prefix_tokens"], default=0)), default=1)
+    tails = [t for r in rows if max(r["prefix_tokens"], default=0) for t in r["tail_tokens"]]
+    tail = round(sum(tails) / len(tails)) if tails else 1
     comp = next((r["drafter_fetch_bytes"] / n for r in (by.get("vericache"), by.get("lossy-remote"))
                  if r and r["drafter_fetch_bytes"]), stored * kv_pos / 8)
     slow, fast = measured["slow-store"], measured["fast"]
     store_gbps = vc.get("verifier_fetch_gbps") or fast["gbps"]
-    setting = RemoteSetting(n, stored, round(tail), max_tokens, slow["gbps"] * 1e9 / 8, slow["rtt_ms"] / 1e3,
+    k = vc.get("drafted_per_round", 1.0)
+    setting = RemoteSetting(n, stored, tail, max_tokens, slow["gbps"] * 1e9 / 8, slow["rtt_ms"] / 1e3,
                             store_gbps * 1e9 / 8, stored * kv_pos, comp, kv_pos, vc.get("tokens_per_round", 1.0),
-                            vc.get("drafted_per_round", 1.0))
-    context = stored + round(tail)
-    per_device, draft_w = _costs(model, compressor, context, threads_per_device, log)
-    predicted = predict_remote(setting, per_device, draft_weights=draft_w)
+                            k, vc.get("sessions_per_verify", 0.0))
+    context = stored + tail
+    predicted = predict_remote(setting, _costs(model, compressor, context, n, tail, k, threads_per_device, log))
     if "full-remote-all" in by:
-        every, _ = _costs(model, compressor, context, cores, log)
+        every = _costs(model, compressor, context, n, tail, k, cores, log)
         predicted["full-remote-all"] = predict_remote(setting, every)["full-remote"]
     for mode, p in predicted.items():
         row = by.get(mode)

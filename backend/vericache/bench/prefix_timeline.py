@@ -53,7 +53,7 @@ def spans(records: list[dict], t0: float, t1: float) -> list[dict]:
             continue
         kind = r.get("kind") or r.get("tier") or r["event"]
         out.append({"event": r["event"], "kind": kind, "start": r["end"] - r["seconds"] - t0, "seconds": r["seconds"],
-                    "with_prefill": r.get("with_prefill", False), "bytes": r.get("bytes", 0)})
+                    "with_prefill": r.get("with_prefill", False), "bytes": r.get("bytes", 0), "rows": r.get("rows", 0)})
     return out
 
 
@@ -61,6 +61,12 @@ def busy_share(role_spans: list[dict], wall_s: float) -> float:
     """Seconds the role's engine ran forwards / the run's wall seconds."""
     busy = sum(s["seconds"] for s in role_spans if s["event"] in COMPUTE and not s["with_prefill"])
     return round(busy / wall_s, 3) if wall_s > 0 else 0.0
+
+
+def sessions_per_forward(role_spans: list[dict], event: str = "verify_step") -> float:
+    """Mean sessions (rows of the trace's ``event``) per forward: 1 when requests verify out of step."""
+    rows = [s["rows"] for s in role_spans if s["event"] == event and s["rows"]]
+    return round(sum(rows) / len(rows), 2) if rows else 0.0
 
 
 def fetch_rate_gbps(role_spans: list[dict]) -> float | None:
@@ -91,12 +97,13 @@ def plot_prefix(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
-    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.9 * len(rows) + 0.9), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.9 * len(rows) + 0.9), squeeze=False)
     for ax, row in zip(axes[:, 0], rows):
         lanes = [("drafter", row.get("drafter_spans", [])), ("verifier", row.get("verifier_spans", []))]
         for y, (name, role_spans) in enumerate(lanes):
             for event, height in (("compute", 0.7), ("prefix", 0.3)):
-                sel = [s for s in role_spans if (s["event"] == "prefix") == (event == "prefix") and not s["with_prefill"]]
+                want = {"prefix"} if event == "prefix" else COMPUTE
+                sel = [s for s in role_spans if s["event"] in want and not s["with_prefill"]]
                 for kind in sorted({s["kind"] for s in sel}):
                     bars = [(s["start"], s["seconds"]) for s in sel if s["kind"] == kind]
                     ax.broken_barh(bars, (2 * y + (1.0 if event == "prefix" else 0.1), height), color=_color(kind),
@@ -107,13 +114,15 @@ def plot_prefix(res: dict, path: str) -> None:
         ax.set_title(f"{row['mode']} ({row['threads']} thread(s) per engine)", fontsize=9, loc="left")
         twin = ax.twinx()
         for link, series in row.get("link_gbps", {}).items():
+            series = [(t, g) for t, g in series if t >= 0]
             if any(g > 0.01 for _, g in series):
                 twin.plot([t for t, _ in series], [g for _, g in series], lw=0.8, label=f"{link} Gbit/s")
+        ax.set_xlim(0, row["makespan_s"] * 1.02)   # each mode on its own scale: recompute takes minutes
         twin.set_ylabel("Gbit/s", fontsize=7)
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
         ax.legend(handles, labels, fontsize=5.5, loc="upper right", ncol=4)
-    axes[-1, 0].set_xlabel("seconds since the requests were sent")
+    axes[-1, 0].set_xlabel("seconds since the requests were sent (each mode on its own scale)")
     fig.suptitle(f"Remote prefix caching: {res['requests']} requests x {res['prefix_tokens']}-token stored prefixes, "
                  f"{res['compressor']}", fontsize=10)
     fig.tight_layout()

@@ -11,11 +11,13 @@ bytes / rate, plus a round trip per exchange) and the store's fetch rate next to
 - lossy-remote: the same with the compressed bytes, decoding over the compressed KV.
 - vericache: the verifier fetches the n full KVs at the store's rate and prefills the n tails in one
   forward; the first tokens cross back (the open's round trip). Meanwhile the drafter fetches the
-  compressed KV and prefills its tails. Then rounds: k draft steps of n rows (the drafter, on its
-  draft weights), the chunks out and the replies back (a round trip and the kept K/V over the slow
-  link), one verification of n (k + 1) rows (the verifier). A round emits A tokens per request.
-Requests move in step (they arrive together), so a mode's TTFT and end-to-end time are the same for
-all of them; the bench prints the mean of its measured ones beside these.
+  compressed KV and prefills its tails. Then rounds (``predict_remote``): k draft steps, the chunk out
+  and the reply back (a round trip and the kept K/V over the slow link), a verification forward
+  shared by ``group`` sessions; a round emits A tokens per request.
+A role's forward costs (``RemoteCosts``) are measured at the setting's geometry (``bench prefix``)
+or composed from per-step costs (``costs_from_steps``: the GPU roofline below). The requests arrive
+together, so a mode's TTFT and end-to-end time are the same for all of them; the bench prints the
+mean of its measured ones beside these.
 """
 
 from __future__ import annotations
@@ -42,34 +44,56 @@ class RemoteSetting:
     kv_pos_bytes: float      # full K/V bytes of one position (what a verification sends back per token)
     tokens_per_round: float  # A: tokens a verification round emits per request (measured, or assumed)
     drafted: float           # k: tokens drafted per round
+    group: float = 0.0       # sessions per verification forward (measured; 0: all n, in step)
 
 
-def _prefill(c: StepCosts, n: int, tail: int) -> float:
-    """One forward of n tails of ``tail`` tokens over the stored prefix (a chunk of ``tail`` rows each)."""
-    return c.c0 + c.weights(n * tail) + n * c.verify(tail)
+@dataclass
+class RemoteCosts:
+    """Forward seconds of one role's engine at the setting's context, by sessions in the forward."""
+    prefill: float                        # the n tails in one forward, over full caches
+    prefill_comp: float                   # ... over compressed caches (the drafter's own tails)
+    decode_full: Callable[[float], float]   # sessions -> one decode row each, full caches
+    decode_comp: Callable[[float], float]   # ... compressed caches, exact weights (lossy)
+    draft: Callable[[float], float]         # ... compressed caches, the draft weights
+    verify: Callable[[float], float]        # sessions -> a chunk of k + 1 rows each, full caches
 
 
-def predict_remote(s: RemoteSetting, single: StepCosts, verifier: StepCosts | None = None,
-                   draft_weights: Callable[[int], float] | None = None) -> dict[str, dict]:
+def costs_from_steps(c: StepCosts, n: int, tail: int, k: float,
+                     draft_weights: Callable[[int], float] | None = None) -> RemoteCosts:
+    """``RemoteCosts`` composed from per-step costs (fixed + weights(rows) + per sequence)."""
+    dw = draft_weights or c.weights
+    return RemoteCosts(prefill=c.c0 + c.weights(n * tail) + n * c.verify(tail),
+                       prefill_comp=c.c0 + c.weights(n * tail) + n * c.draft * tail,
+                       decode_full=lambda m: c.c0 + c.weights(round(m)) + m * c.full,
+                       decode_comp=lambda m: c.c0 + c.weights(round(m)) + m * c.draft,
+                       draft=lambda m: c.c0 + dw(round(m)) + m * c.draft,
+                       verify=lambda m: c.c0 + c.weights(round(m * (k + 1))) + m * c.verify(k + 1))
+
+
+def predict_remote(s: RemoteSetting, single: RemoteCosts, verifier: RemoteCosts | None = None) -> dict[str, dict]:
     """{mode: {"ttft_s", "e2e_s"}} for full-remote, lossy-remote and vericache. ``single``: the
     drafting device's costs (full-remote's and lossy-remote's engine, vericache's drafter);
-    ``verifier``: the verifying device's (default: the same); ``draft_weights``: the drafter's draft
-    rows' matmul seconds (default: the exact weights')."""
-    v, dw = verifier or single, draft_weights or single.weights
-    out, n, later = {}, s.n, s.max_tokens - 1
-    for mode, nbytes, per_seq in (("full-remote", s.full_bytes, single.full), ("lossy-remote", s.comp_bytes, single.draft)):
-        ttft = s.rtt_s + n * nbytes / s.slow_Bps + _prefill(single, n, s.tail)
-        step = single.c0 + single.weights(n) + n * per_seq
+    ``verifier``: the verifying device's (default: the same).
+
+    VeriCache's rounds: each request drafts k tokens, its chunk goes out and the reply comes back
+    (``exchange``), the verifier runs it in a forward with ``group`` sessions. A round of all n
+    requests takes the longest of one request's own chain (its drafts, the exchange, its
+    verification), the verifier's work (n / group forwards) and the drafter's (k n / group steps
+    of group rows, requests out of step as much as their verifications are)."""
+    v, n, later = verifier or single, s.n, s.max_tokens - 1
+    out = {}
+    for mode, nbytes, prefill, step in (("full-remote", s.full_bytes, single.prefill, single.decode_full(n)),
+                                        ("lossy-remote", s.comp_bytes, single.prefill_comp, single.decode_comp(n))):
+        ttft = s.rtt_s + n * nbytes / s.slow_Bps + prefill
         out[mode] = {"ttft_s": ttft, "e2e_s": ttft + later * step}
-    k, a = max(s.drafted, 1.0), max(s.tokens_per_round, 1.0)
-    ttft = 1.5 * s.rtt_s + n * s.full_bytes / s.store_Bps + _prefill(v, n, s.tail)   # the open + its reply
-    drafter_ready = s.rtt_s + n * s.comp_bytes / s.slow_Bps + _prefill(single, n, s.tail)
-    draft = k * (single.c0 + dw(n) + n * single.draft)
-    verify = v.c0 + v.weights(round(n * (k + 1))) + n * v.verify(k + 1)
-    exchange = s.rtt_s + n * (a * s.kv_pos_bytes) / s.slow_Bps
-    rounds = math.ceil(later / a)
-    out["vericache"] = {"ttft_s": ttft, "e2e_s": max(ttft, drafter_ready) + rounds * (draft + exchange + verify),
-                        "round_s": draft + exchange + verify}
+    k, a, g = max(s.drafted, 1.0), max(s.tokens_per_round, 1.0), min(s.group or n, n)
+    ttft = 1.5 * s.rtt_s + n * s.full_bytes / s.store_Bps + v.prefill   # the open, the fetch, the tails, the reply
+    drafter_ready = s.rtt_s + n * s.comp_bytes / s.slow_Bps + single.prefill_comp
+    exchange = s.rtt_s + g * a * s.kv_pos_bytes / s.slow_Bps
+    chain = k * single.draft(g) + exchange + v.verify(g)
+    round_s = max(chain, n / g * v.verify(g), k * n / g * single.draft(g))
+    out["vericache"] = {"ttft_s": ttft, "e2e_s": max(ttft, drafter_ready) + math.ceil(later / a) * round_s,
+                        "round_s": round_s, "chain_s": chain}
     return out
 
 
@@ -111,7 +135,7 @@ def paper_table(prefix: int = 32768, tail: int = 256, n: int = 8, max_tokens: in
                     full = prefix * model.kv_bytes_per_token
                     s = RemoteSetting(n, prefix, tail, max_tokens, slow_gbps * 1e9 / 8, 0.02, fast, full,
                                       comp_ratio * full, model.kv_bytes_per_token, tokens_per_round, drafted)
-                    p = predict_remote(s, costs)
+                    p = predict_remote(s, costs_from_steps(costs, n, tail, drafted))
                     f, vc = p["full-remote"], p["vericache"]
                     rows.append({"gpu": gname, "model": mname, "slow_gbps": slow_gbps, "fast_link": fast_name,
                                  "full_remote_ttft_s": round(f["ttft_s"], 2), "vericache_ttft_s": round(vc["ttft_s"], 2),
