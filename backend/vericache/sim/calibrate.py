@@ -120,8 +120,10 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     log(f"link: {eff:.0%} of nominal")
     from vericache.sim.roofline import measure
 
+    # two noisy slopes: on a busy machine a chunk's row can time above a whole sequence's, and no
+    # cost is negative
     return Calibration(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."), torch.get_num_threads(),
-                       a, per_seq - row, row, bw, pairs, eff, per_pos, measure(llm, log).to_dict())
+                       a, max(per_seq - row, 0.0), row, bw, pairs, eff, per_pos, measure(llm, log).to_dict())
 
 
 def _slope(xs: list[int], ys: list[float]) -> float:
