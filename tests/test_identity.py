@@ -12,12 +12,25 @@ import random
 import pytest
 
 from vericache import SamplingParams
-from vericache.compress.registry import parse_compressor
+from vericache.compress.base import EvictionCompressor
+from vericache.compress.registry import METHODS, parse_compressor
 from vericache.engine.engine import Engine
 
+
+def registered(settings: dict[str, str], skip: frozenset = frozenset()) -> list[str]:
+    """Every registered method (a new one joins by being registered): evictions keep 10% of the
+    tokens, quantizers run with ``settings``' parameters or their defaults; plus one composition."""
+    specs = []
+    for name, cls in METHODS.items():
+        if name in skip:
+            continue
+        params = settings.get(name, "ratio=0.1" if issubclass(cls, EvictionCompressor) else "")
+        specs.append(f"{name}:{params}" if params else name)
+    return specs + ["snapkv:ratio=0.1+kivi:bits=2"]
+
+
 # aggressive settings, so that the drafter really is lossy
-COMPRESSORS = ["streaming:ratio=0.1", "snapkv:ratio=0.1", "h2o:ratio=0.1", "kvzip:ratio=0.1",
-               "kivi:bits=2", "int4", "int8:window=8", "fp8:window=8", "snapkv:ratio=0.1+kivi:bits=2"]
+COMPRESSORS = registered({"kivi": "bits=2", "int8": "window=8", "fp8": "window=8"})
 DRAFT_LENS = [1, 8, 32, "auto"]
 MAX_TOKENS = 24
 
@@ -85,8 +98,7 @@ def lossy_prompts(llm) -> list[list[int]]:
 
 # int8 is excluded: on these prompts its error never flips a greedy token (its logits do
 # differ: tests/test_compressors.py::test_lossy_logits_differ_from_full checks that).
-LOSSY_SPECS = ["streaming:ratio=0.1", "snapkv:ratio=0.1", "h2o:ratio=0.1", "kvzip:ratio=0.1", "kivi:bits=2",
-               "int4:group=64,window=4", "fp8:window=4", "snapkv:ratio=0.1+kivi:bits=2"]
+LOSSY_SPECS = registered({"kivi": "bits=2", "int4": "group=64,window=4", "fp8": "window=4"}, skip=frozenset({"int8"}))
 
 
 @pytest.mark.parametrize("spec", LOSSY_SPECS)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from vericache import SamplingParams
+from vericache.compress.base import EvictionCompressor
+from vericache.compress.registry import METHODS
 from vericache.engine import serving as S
 from vericache.engine.engine import Engine
 from vericache.engine.memory import KVMemory
@@ -72,8 +74,10 @@ def test_kernel_reads_evicted_token_sets(name):
     assert (out - ref[0]).abs().max().item() < 1e-5 and (lse - ref[1]).abs().max().item() < 1e-5
 
 
-SPECS = ["streaming:ratio=0.2", "snapkv:ratio=0.2", "h2o:ratio=0.2", "kvzip:ratio=0.2", "kivi:bits=2",
-         "kivi:bits=4", "int4", "int8", "fp8", "snapkv:ratio=0.125+kivi:bits=2"]
+# every registered method (evictions keeping 20%, quantizers at their defaults: KIVI 2-bit), KIVI
+# 4-bit and a composition
+SPECS = [f"{name}:ratio=0.2" if issubclass(cls, EvictionCompressor) else name for name, cls in METHODS.items()] + [
+    "kivi:bits=4", "snapkv:ratio=0.125+kivi:bits=2"]
 
 
 @pytest.fixture(scope="module")
