@@ -58,7 +58,7 @@ def main() -> None:
         ids = list(range(args.blocks * BLOCK_TOKENS + 1))
         store = PrefixStore(args.url, "fetch-bench")
         for h in block_hashes("fetch-bench", ids):
-            store.client.set(store._key(h, "full"), pack({"k": torch.randn(shape), "v": torch.randn(shape)}))
+            store.client.set(store.key(h, "full"), pack({"k": torch.randn(shape), "v": torch.randn(shape)}))
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         print(f"{args.url}, {args.blocks} blocks of {BLOCK_TOKENS} positions; CPU {cpu}, {os.cpu_count()} cores")
         from redis._parsers import _HiredisParser, _RESP2Parser

@@ -103,11 +103,8 @@ def _after_verify(srv, req: Request, row) -> None:
 
 def _write_back(srv, req: Request, view: StreamedKV, start: int, keep: int) -> None:
     """The verified positions, written on the device, back to the host tier."""
-    res = srv.memory.resident_layers
     req.full.begin(start, keep - start)
-    req.full.k[res:, :, start:keep] = view.buf.k[:, :, start:keep]
-    req.full.v[res:, :, start:keep] = view.buf.v[:, :, start:keep]
+    req.full.overwrite(view.buf, start, keep, first_layer=srv.memory.resident_layers)
     if req.resident is not None:  # the resident layers were written on the device
-        req.full.k[:res, :, start:keep] = req.resident.k[:, :, start:keep]
-        req.full.v[:res, :, start:keep] = req.resident.v[:, :, start:keep]
+        req.full.overwrite(req.resident, start, keep)
         req.resident.truncate(keep)

@@ -82,6 +82,20 @@ class FullKVCache:
         self.k[:, :, s : s + t] = k
         self.v[:, :, s : s + t] = v
 
+    def overwrite(self, src: "FullKVCache", start: int, end: int, first_layer: int = 0) -> None:
+        """Positions start .. end-1 of layers first_layer .. first_layer + (src's layers) - 1, from
+        ``src``, which holds just those layers (a device buffer of the streamed layers, the resident ones)."""
+        n = src.k.shape[0]
+        if end > self.length or first_layer + n > self.k.shape[0]:
+            raise ValueError(f"cannot overwrite positions {start}..{end - 1} of layers {first_layer}.."
+                             f"{first_layer + n - 1}: the cache holds {self.length} positions, {self.k.shape[0]} layers")
+        self.k[first_layer : first_layer + n, :, start:end] = src.k[:, :, start:end]
+        self.v[first_layer : first_layer + n, :, start:end] = src.v[:, :, start:end]
+
+    def copy_out(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [L, Hkv, end - start, D] of positions start .. end-1, as new tensors."""
+        return self.k[:, :, start:end].clone(), self.v[:, :, start:end].clone()
+
     def byte_views(self, start: int, t: int) -> list[memoryview]:
         """Writable views of positions start .. start+t-1 (already ``begin``-ed; a CPU cache) as
         K's rows then V's, each layer's heads in order: the byte order of a packed [L, Hkv, t, D]

@@ -85,7 +85,8 @@ class PrefixStore:
         self.bulk = BulkReader(url, timeout_s) if reader == "bulk" else None
         self.stats = StoreStats()
 
-    def _key(self, h: str, form: str) -> str:
+    def key(self, h: str, form: str) -> str:
+        """The Redis key of block ``h``'s ``form``."""
         return f"vc:{self.model_id}:{h}:{form}"
 
     def _call(self, fn, *args):
@@ -118,7 +119,7 @@ class PrefixStore:
             for name, blocks in forms.items():
                 value = pack(blocks[i], {"model": self.model_id, "block": i, "form": name})
                 total += len(value)
-                pipe.set(self._key(h, name), value)
+                pipe.set(self.key(h, name), value)
                 if len(pipe) >= 16:  # bounded pipelines: values are megabytes each
                     self._call(pipe.execute)
         entry = {"id": hashes[-1], "blocks": len(hashes), "tokens": len(hashes) * self.block_tokens,
@@ -135,7 +136,7 @@ class PrefixStore:
             return 0
         pipe = self.client.pipeline(transaction=False)
         for h in hashes:
-            pipe.exists(self._key(h, form))
+            pipe.exists(self.key(h, form))
         found = self._call(pipe.execute)
         n = 0
         while n < len(found) and found[n]:
@@ -150,7 +151,7 @@ class PrefixStore:
         not kept in ``Fetched.blocks``: the caller copies it where it belongs while the next arrives."""
         hashes = self.hashes(token_ids)[:max_blocks]
         t0, blocks, count, nbytes, reason = time.perf_counter(), [], 0, 0, "hit" if hashes else "miss"
-        values = self._values([self._key(h, form) for h in hashes])
+        values = self._values([self.key(h, form) for h in hashes])
         try:
             for i, value in enumerate(values):
                 if value is None:
@@ -193,7 +194,7 @@ class PrefixStore:
             return full.byte_views(i * self.block_tokens, self.block_tokens)
 
         t0, count, reason = time.perf_counter(), 0, "hit" if hashes else "miss"
-        statuses = self.bulk.get_many_into([self._key(h, "full") for h in hashes], dest)
+        statuses = self.bulk.get_many_into([self.key(h, "full") for h in hashes], dest)
         try:
             for status in statuses:
                 if status != "ok":
@@ -240,7 +241,7 @@ class PrefixStore:
             raise ValueError(f"no prefix {prefix_id!r} stored for model {self.model_id!r}")
         doomed = [prefix_id] if prefix_id is not None else list(entries)
         keep = {h for pid, e in entries.items() if pid not in doomed for h in e["hashes"]}
-        keys = [self._key(h, form) for pid in doomed for h in entries[pid]["hashes"] if h not in keep
+        keys = [self.key(h, form) for pid in doomed for h in entries[pid]["hashes"] if h not in keep
                 for form in entries[pid]["forms"]]
         deleted = self._call(self.client.delete, *keys) if keys else 0
         self._call(self.client.hdel, index, *doomed)

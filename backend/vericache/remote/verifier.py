@@ -247,7 +247,7 @@ class VerifierCore:
             m = greedy_accepted(targets, row.tokens[1:])
             keep = start + 1 + m
             sess.full.truncate(keep)
-            fut.set_result((m, targets[m], sess.full.k[:, :, start:keep].clone(), sess.full.v[:, :, start:keep].clone()))
+            fut.set_result((m, targets[m], *sess.full.copy_out(start, keep)))
 
 
 @dataclass

@@ -81,8 +81,11 @@ def measure_step_costs(llm, compressor, context: int, weights: Callable[[int], f
     _, draft = per_seq(drafts, 1)
     _, v4 = per_seq(fulls, 4)
     _, v8 = per_seq(fulls, 8)
+    # differences of noisy timings: on a busy machine a small one can come out negative, and no
+    # cost is negative
+    full, draft, v4, v8 = (max(x, 0.0) for x in (full, draft, v4, v8))
     row = max((v8 - v4) / 4, 0.0)
-    return StepCosts(max(c0, 0.0), full, draft, v4 - 4 * row, row, weights)
+    return StepCosts(max(c0, 0.0), full, draft, max(v4 - 4 * row, 0.0), row, weights)
 
 
 def predict_tokens_per_s(c: StepCosts, mode: str, n: int, tokens_per_round: float = 1.0, drafted: float = 0.0,
