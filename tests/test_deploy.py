@@ -82,12 +82,12 @@ def test_prometheus_config_scrapes_gateway_and_triton():
 
 
 def test_triton_adapter_translates_and_validates(llm):
-    from vericache.engine.engine import Engine
-    from vericache.engine.serving import ServingEngine
-    from vericache.serving.service import EngineService
+    from vericache.engine.runner import ModelRunner
+    from vericache.engine.step_loop import StepLoop
+    from vericache.serving.service import BackgroundService
     from vericache.serving.triton_adapter import InvalidInput, TritonAdapter
 
-    svc = EngineService(ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
+    svc = BackgroundService(StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
                                       device_budget=1 << 30))
     try:
         ad = TritonAdapter(svc)

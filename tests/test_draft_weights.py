@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache import LLM
-from vericache.engine.engine import Engine
+from vericache.engine.runner import ModelRunner
 from vericache.model.draft_weights import Int4Linear, Int8Linear, mixed_linear
 
 
@@ -46,9 +46,9 @@ def test_mixed_linear_sends_only_the_first_rows_to_the_draft_weights():
 
 
 def test_draft_rows_read_int8_and_the_rest_the_exact_weights(llm):
-    eng = Engine(llm.loaded, draft_weights="int8")
-    assert eng.draft_kind(6) == "int8" and eng.draft_kind(0) == "fp32"   # built on the first draft rows
-    model = eng.model
+    runner = ModelRunner(llm.loaded, draft_weights="int8")
+    assert runner.draft_kind(6) == "int8" and runner.draft_kind(0) == "fp32"   # built on the first draft rows
+    model = runner.model
     model.quantize_drafts("int8")
     tokens = torch.tensor(llm.tokenizer.encode("def add(a, b):\n    return a + b\n")[:12])
     exact = model(tokens, [0, 0], [6, 6])
@@ -62,7 +62,7 @@ def test_draft_rows_read_int8_and_the_rest_the_exact_weights(llm):
 
 def test_engines_on_one_model_draft_on_their_own_copies(llm):
     """An int4 engine and an int8 engine share the model; each step's draft rows read its engine's copies."""
-    e8, e4 = Engine(llm.loaded, draft_weights="int8"), Engine(llm.loaded, draft_weights="int4")
+    e8, e4 = ModelRunner(llm.loaded, draft_weights="int8"), ModelRunner(llm.loaded, draft_weights="int4")
     model = e8.model
     tokens = torch.tensor(llm.tokenizer.encode("def add(a, b):\n    return a + b\n")[:6])
     outs = {}
@@ -80,16 +80,16 @@ def test_bad_draft_weights_are_refused():
 
 def test_auto_draft_weights_measure_and_pick_per_step(llm):
     """auto: both copies, timed at engine start; each row count gets the kind measured fastest for it."""
-    from vericache.model.draft_weights import DraftChoice, _interpolate
+    from vericache.model.draft_weights import DraftChoice
 
-    eng = Engine(llm.loaded, mode="vericache", draft_weights="auto")
-    choice = eng.model.draft_choice
+    runner = ModelRunner(llm.loaded, mode="vericache", draft_weights="auto")
+    choice = runner.model.draft_choice
     assert set(choice.seconds) >= {"int8", "int4"} and all(len(v) == len(choice.rows) for v in choice.seconds.values())
     assert all(t > 0 for v in choice.seconds.values() for t in v)
     for n in (1, 3, 16, 64, 200):
-        assert eng.draft_kind(n) == min(choice.seconds, key=lambda k: _interpolate(choice.rows, choice.seconds[k], n))
+        assert runner.draft_kind(n) == min(choice.seconds, key=lambda k: choice.seconds_at(k, n))
     # the choice follows the measurements, whichever they are
     fake = DraftChoice((1, 16), {"int8": [2.0, 3.0], "int4": [1.0, 5.0]})
     assert fake.kind_for(1) == "int4" and fake.kind_for(4) == "int4"          # 1.8 < 2.2 between the two
     assert fake.kind_for(12) == "int8" and fake.kind_for(100) == "int8"
-    assert Engine(llm.loaded, draft_weights="fp32").draft_kind(4) == "fp32"
+    assert ModelRunner(llm.loaded, draft_weights="fp32").draft_kind(4) == "fp32"

@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 from vericache import SamplingParams
-from vericache.engine import serving as S
-from vericache.engine.engine import Engine
+from vericache.engine.step_loop import StepLoop
+from vericache.engine.request import DONE, State
+from vericache.engine.runner import ModelRunner
 from vericache.engine.options import RequestOptions
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
 
-RUNNING = (S.PREFILL, S.DECODING, S.DRAFTING, S.TRANSFERRING)
+RUNNING = (State.PREFILL, State.DECODING, State.DRAFTING, State.TRANSFERRING)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,9 @@ def reference(llm):
     def ref(prompt: list[int], max_tokens: int) -> list[int]:
         key = (tuple(prompt), max_tokens)
         if key not in memo:
-            eng = llm.engine
-            seq = eng.new_sequence(0, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            memo[key] = eng.generate([seq], "full")[0].token_ids
+            runner = llm.runner
+            seq = runner.new_sequence(0, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            memo[key] = runner.generate([seq], "full")[0].token_ids
         return memo[key]
     return ref
 
@@ -49,7 +50,7 @@ def _kv_bytes(llm, n: int) -> int:
 def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
     rng = random.Random(seed)
     link = EmulatedLink(gbps=8) if offload else None
-    srv = S.ServingEngine(Engine(llm.loaded, mode="full", compressor="snapkv:ratio=0.25"),
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full", compressor="snapkv:ratio=0.25"),
                           device_budget=_kv_bytes(llm, 900), scheduler=scheduler, link=link,
                           prefill_chunk=128, offload=offload)
     added: dict[int, tuple[list[int], int]] = {}
@@ -59,30 +60,30 @@ def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
         if action < 0.12 and len(added) < 14:
             prompt, max_tokens = rng.choice(pool), rng.randint(2, 12)
             mode = rng.choice(["full", "lossy", "vericache", "vericache"])
-            rid = srv.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            rid = loop.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                   RequestOptions(mode=mode, draft_len=rng.choice([2, 5, "auto"])))
             added[rid] = (prompt, max_tokens)
         elif action < 0.17:
-            live = [r.id for r in srv.requests.values() if not r.done]
+            live = [r.id for r in loop.requests if not r.done]
             if live:
                 rid = rng.choice(live)
-                srv.abort(rid)
+                loop.abort(rid)
                 aborted.add(rid)
-                assert srv.requests[rid].state == S.ABORTED
-                assert ("kv", rid) not in srv.device.owners() and ("verify", rid) not in srv.device.owners()
+                assert loop.requests[rid].state == State.ABORTED
+                assert ("kv", rid) not in loop.device.owners() and ("verify", rid) not in loop.device.owners()
         else:
-            srv.step()
-        assert 0 <= srv.device.used_blocks <= srv.device.total_blocks
-        for r in srv.requests.values():
+            loop.step()
+        assert 0 <= loop.device.used_blocks <= loop.device.total_blocks
+        for r in loop.requests:
             if r.seq.finished:  # finished requests are never drafted, transferred or preempted again
-                assert r.state in S.DONE and r.full is None and r.draft is None and r.transfer is None
+                assert r.state in DONE and r.full is None and r.draft is None and r.transfer is None
     for _ in range(3000):
-        if not srv.has_unfinished():
+        if not loop.has_unfinished():
             break
-        srv.step()
-    assert not srv.has_unfinished()
-    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0  # blocks conserved
-    finished = [r for r in srv.requests.values() if r.state == S.FINISHED]
+        loop.step()
+    assert not loop.has_unfinished()
+    assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0  # blocks conserved
+    finished = [r for r in loop.requests if r.state == State.FINISHED]
     assert len(finished) >= 3
     for r in finished:
         assert r.id not in aborted and not r.error
@@ -95,58 +96,58 @@ def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
 def test_a_failing_request_fails_alone(llm, pool, reference):
     """An exception inside one request's attention fails the requests of that step's forward only:
     they end with finish_reason "error" and their KV is freed; a later request is served."""
-    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"), offload=False)
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"), offload=False)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    bad = srv.add_request(pool[1], params)
-    srv.step()  # prefill
-    req = srv.requests[bad]
+    bad = loop.add_request(pool[1], params)
+    loop.step()  # prefill
+    req = loop.requests[bad]
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
     req.draft.parts = broken
     outs = []
-    while srv.has_unfinished():
-        outs += srv.step()
+    while loop.has_unfinished():
+        outs += loop.step()
     final = [o for o in outs if o.request_id == bad and o.finished]
     assert final and final[0].finish_reason == "error" and "injected fault" in final[0].error
-    assert req.state == S.FAILED and srv.instruments.failures == 1
-    assert srv.device.used_blocks == 0
-    good = srv.add_request(pool[2], params)
-    while srv.has_unfinished():
-        srv.step()
-    assert srv.requests[good].seq.output_ids == reference(pool[2], 8)
+    assert req.state == State.FAILED and loop.instruments.failures == 1
+    assert loop.device.used_blocks == 0
+    good = loop.add_request(pool[2], params)
+    while loop.has_unfinished():
+        loop.step()
+    assert loop.requests[good].seq.output_ids == reference(pool[2], 8)
 
 
 def test_an_error_in_postprocessing_fails_only_its_request(llm, pool, reference, monkeypatch):
-    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), offload=False)
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), offload=False)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    a, b = srv.add_request(pool[0], params), srv.add_request(pool[4], params)
-    srv.step()
-    original = srv.requests[a].seq.append
+    a, b = loop.add_request(pool[0], params), loop.add_request(pool[4], params)
+    loop.step()
+    original = loop.requests[a].seq.append
 
     def explode(token):
         raise ValueError("bad token")
-    monkeypatch.setattr(srv.requests[a].seq, "append", explode)
-    while srv.has_unfinished():
-        srv.step()
-    assert srv.requests[a].state == S.FAILED and "bad token" in srv.requests[a].error
-    assert srv.requests[b].state == S.FINISHED and srv.requests[b].seq.output_ids == reference(pool[4], 6)
-    assert original is not None and srv.device.used_blocks == 0
+    monkeypatch.setattr(loop.requests[a].seq, "append", explode)
+    while loop.has_unfinished():
+        loop.step()
+    assert loop.requests[a].state == State.FAILED and "bad token" in loop.requests[a].error
+    assert loop.requests[b].state == State.FINISHED and loop.requests[b].seq.output_ids == reference(pool[4], 6)
+    assert original is not None and loop.device.used_blocks == 0
 
 
 def test_one_forward_per_step_packs_every_kind(llm, pool, monkeypatch):
     """A step with a prefill, decode rows, draft rows and a verification runs the model once."""
-    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), offload=False, prefill_chunk=64)
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), offload=False, prefill_chunk=64)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    srv.add_request(pool[0], params)
-    srv.add_request(pool[4], params, RequestOptions(mode="vericache", draft_len=3))
-    srv.add_request(pool[2], params, RequestOptions(mode="lossy"))
+    loop.add_request(pool[0], params)
+    loop.add_request(pool[4], params, RequestOptions(mode="vericache", draft_len=3))
+    loop.add_request(pool[2], params, RequestOptions(mode="lossy"))
     calls, kinds = [], set()
-    forward = srv.eng.model.forward
-    monkeypatch.setattr(srv.eng.model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    forward = loop.runner.model.forward
+    monkeypatch.setattr(loop.runner.model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     for _ in range(12):
         before = len(calls)
-        srv.step()
+        loop.step()
         assert len(calls) - before <= 1
-        kinds |= set(srv.instruments.intervals[-1][2].split("+"))
+        kinds |= set(loop.instruments.intervals[-1][2].split("+"))
     assert {"prefill", "decode", "draft", "verify"} <= kinds

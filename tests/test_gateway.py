@@ -12,9 +12,9 @@ import pytest
 import uvicorn
 
 from vericache import SamplingParams
-from vericache.engine.engine import Engine
-from vericache.engine.serving import ServingEngine
-from vericache.serving.service import EngineService
+from vericache.engine.runner import ModelRunner
+from vericache.engine.step_loop import StepLoop
+from vericache.serving.service import BackgroundService
 from vericache_gateway.app import create_app
 
 SPEC = "snapkv:ratio=0.125"
@@ -28,8 +28,8 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30, model_name="tiny"):
-        eng = Engine(llm.loaded, mode="vericache", compressor=SPEC)
-        self.service = EngineService(ServingEngine(eng, device_budget=budget), max_queue=max_queue)
+        runner = ModelRunner(llm.loaded, mode="vericache", compressor=SPEC)
+        self.service = BackgroundService(StepLoop(runner, device_budget=budget), max_queue=max_queue)
         self.app = create_app(self.service, model_name=model_name, api_key=api_key)
         self.port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -68,9 +68,9 @@ def test_completion_equals_the_engine(llm, client):
 
 
 def test_a_request_is_validated_once(server, client, monkeypatch):
-    eng, calls = server.service.serving.eng, []
-    check = eng.check_request
-    monkeypatch.setattr(eng, "check_request", lambda ids, params: (calls.append(len(ids)), check(ids, params)))
+    runner, calls = server.service.loop.runner, []
+    check = runner.check_request
+    monkeypatch.setattr(runner, "check_request", lambda ids, params: (calls.append(len(ids)), check(ids, params)))
     client.completions.create(model="tiny", prompt="def f(x):\n    return", max_tokens=4, temperature=0)
     assert len(calls) == 1
 
@@ -134,7 +134,7 @@ def test_too_long_prompt_gives_count_and_limit(server, llm):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8}, timeout=60)
     n = len(llm.tokenizer.encode(prompt))
     assert r.status_code == 400 and f"prompt ({n} tokens)" in r.json()["error"]["message"]
-    assert str(llm.engine.max_context) in r.json()["error"]["message"]
+    assert str(llm.runner.max_context) in r.json()["error"]["message"]
 
 
 def test_oversized_body_is_413(server):
@@ -175,10 +175,10 @@ def test_disconnects_abort_and_free_kv(server):
                 if line.startswith("data: {"):
                     break  # hang up after the first chunk
     deadline = time.time() + 20
-    srv = server.service.serving
-    while time.time() < deadline and (server.service.num_running() or srv.device.used_blocks):
+    loop = server.service.loop
+    while time.time() < deadline and (server.service.num_running() or loop.device.used_blocks):
         time.sleep(0.05)
-    assert server.service.num_running() == 0 and srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+    assert server.service.num_running() == 0 and loop.device.used_blocks == 0 and loop.host.used_blocks == 0
 
 
 def test_metrics_exported(server, client):
@@ -194,8 +194,8 @@ def test_metrics_exported(server, client):
 
 def test_graceful_shutdown_drains_in_flight_requests(llm):
     """Shutdown stops accepting new requests but lets the running ones finish."""
-    eng = Engine(llm.loaded, mode="vericache", compressor=SPEC)
-    service = EngineService(ServingEngine(eng, device_budget=1 << 30))
+    runner = ModelRunner(llm.loaded, mode="vericache", compressor=SPEC)
+    service = BackgroundService(StepLoop(runner, device_budget=1 << 30))
     stream = service.submit(llm.tokenizer.encode("def main():\n"), SamplingParams(max_tokens=40, ignore_eos=True))
     service.shutdown(drain_timeout=60)
     got, last = [], None
@@ -252,7 +252,7 @@ def test_an_engine_fault_is_a_500_and_the_server_goes_on(llm, server, client, mo
     stays 200, and the next request is served, equal to the engine's output."""
     bad = "zqxjkv zqxjkv"
     sentinel = llm.tokenizer.encode(bad)[0]
-    model = server.service.serving.eng.model
+    model = server.service.loop.runner.model
     forward = model.forward
 
     def faulty(tokens, *args, **kwargs):

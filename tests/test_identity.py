@@ -14,7 +14,7 @@ import pytest
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
 from vericache.compress.registry import METHODS, parse_compressor
-from vericache.engine.engine import Engine
+from vericache.engine.runner import ModelRunner
 
 
 def registered(settings: dict[str, str], skip: frozenset = frozenset()) -> list[str]:
@@ -51,16 +51,16 @@ def identity_prompts(llm, code_prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def full_reference(llm, identity_prompts) -> list[list[int]]:
-    eng = llm.engine
+    runner = llm.runner
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    return [eng.generate([eng.new_sequence(i, p, params)], "full")[0].token_ids
+    return [runner.generate([runner.new_sequence(i, p, params)], "full")[0].token_ids
             for i, p in enumerate(identity_prompts)]
 
 
 def _run(llm, spec, draft_len, prompts, mode="vericache"):
-    eng = Engine(llm.loaded, mode=mode, compressor=spec, draft_len=draft_len)
+    runner = ModelRunner(llm.loaded, mode=mode, compressor=spec, draft_len=draft_len)
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    return eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(prompts)])
+    return runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(prompts)])
 
 
 @pytest.mark.parametrize("draft_len", DRAFT_LENS)
@@ -81,9 +81,9 @@ def test_vericache_equals_full(llm, identity_prompts, full_reference, spec, batc
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_vericache_with_quantized_draft_weights_equals_full(llm, identity_prompts, full_reference, spec, weights):
     """Drafts on int8 or int4 weights (and compressed KV), verification on the exact ones: still the full output."""
-    eng = Engine(llm.loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
+    runner = ModelRunner(llm.loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    outs = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
+    outs = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
     assert [o.token_ids for o in outs] == full_reference
     assert all(o.stats["rounds"] > 0 for o in outs)
 
@@ -104,10 +104,10 @@ LOSSY_SPECS = registered({"kivi": "bits=2", "int4": "group=64,window=4", "fp8": 
 @pytest.mark.parametrize("spec", LOSSY_SPECS)
 def test_lossy_mode_is_really_lossy(llm, lossy_prompts, spec):
     """Proof the compressor is live: decoding from the compressed KV alone drifts from full."""
-    eng = Engine(llm.loaded, mode="lossy", compressor=spec)
+    runner = ModelRunner(llm.loaded, mode="lossy", compressor=spec)
     params = SamplingParams(max_tokens=64)
-    full = Engine(llm.loaded).generate([eng.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
-    lossy = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
+    full = ModelRunner(llm.loaded).generate([runner.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
+    lossy = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
     assert any(o.token_ids != ref.token_ids for o, ref in zip(lossy, full))
     assert all(o.stats["compression_ratio"] < 0.5 for o in lossy)
 
@@ -116,15 +116,15 @@ def test_lossy_mode_is_really_lossy(llm, lossy_prompts, spec):
                                   "snapkv:ratio=0.1+kivi:bits=2"])
 def test_shared_prefill_equals_own_prefill_in_every_mode(llm, identity_prompts, spec):
     """One exact prefill reused by full, lossy and vericache gives what each mode's own prefill gives."""
-    eng = Engine(llm.loaded, compressor=spec)
+    runner = ModelRunner(llm.loaded, compressor=spec)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     prompts = identity_prompts[:2]
-    shared = [eng.shared_prefill(eng.new_sequence(i, p, params)) for i, p in enumerate(prompts)]
+    shared = [runner.shared_prefill(runner.new_sequence(i, p, params)) for i, p in enumerate(prompts)]
     for mode in ("full", "lossy", "vericache"):
-        own = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode)
-        reused = eng.generate([eng.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode, prefills=shared)
+        own = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode)
+        reused = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode, prefills=shared)
         assert [o.token_ids for o in reused] == [o.token_ids for o in own], mode
     with pytest.raises(ValueError, match="2 prefills for 1 requests"):
-        eng.generate([eng.new_sequence(0, prompts[0], params)], "full", prefills=shared)
+        runner.generate([runner.new_sequence(0, prompts[0], params)], "full", prefills=shared)
     with pytest.raises(ValueError, match="this prefill is of"):  # a prefill of another prompt
-        eng.generate([eng.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])
+        runner.generate([runner.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])

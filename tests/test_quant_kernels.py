@@ -9,8 +9,9 @@ import torch
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
 from vericache.compress.registry import METHODS
-from vericache.engine import serving as S
-from vericache.engine.engine import Engine
+from vericache.engine.step_loop import StepLoop
+from vericache.engine.request import State
+from vericache.engine.runner import ModelRunner
 from vericache.engine.memory import KVMemory
 from vericache.engine.options import RequestOptions
 from vericache.kernels import cpu_kernels
@@ -90,17 +91,17 @@ def prompt_4k():
 def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
     """After a 4K prefill, the bytes of every storage a request's caches hold (each counted once)
     equal what admission planned and what the device pool is charged, within 5%."""
-    srv = S.ServingEngine(Engine(llm.loaded, mode=mode, compressor=spec), offload=False, prefill_chunk=4096)
-    rid = srv.add_request(prompt_4k, SamplingParams(max_tokens=8, ignore_eos=True), RequestOptions(mode=mode))
-    req = srv.requests[rid]
-    while req.state in (S.WAITING, S.PREFILL):
-        srv.step()
+    loop = StepLoop(ModelRunner(llm.loaded, mode=mode, compressor=spec), offload=False, prefill_chunk=4096)
+    rid = loop.add_request(prompt_4k, SamplingParams(max_tokens=8, ignore_eos=True), RequestOptions(mode=mode))
+    req = loop.requests[rid]
+    while req.state in (State.WAITING, State.PREFILL):
+        loop.step()
     resident = KVMemory.resident_bytes(req)
-    assert resident == pytest.approx(srv.memory.device_bytes(req), rel=0.05)
-    assert resident == pytest.approx(srv.memory.needed(req), rel=0.05)
-    full = len(prompt_4k) * srv.memory.per_pos
+    assert resident == pytest.approx(loop.memory.device_bytes(req), rel=0.05)
+    assert resident == pytest.approx(loop.memory.needed(req), rel=0.05)
+    full = len(prompt_4k) * loop.memory.per_pos
     draft = req.draft.resident_bytes()
     assert draft < (0.35 if "kivi:bits=2" in spec or "0.2" in spec else 0.6) * full   # really compressed
-    while srv.has_unfinished():
-        srv.step()
-    assert srv.device.used_blocks == 0
+    while loop.has_unfinished():
+        loop.step()
+    assert loop.device.used_blocks == 0

@@ -14,14 +14,15 @@ import time
 import openai
 import pytest
 import uvicorn
-from vericache.engine.engine import Engine
-from vericache.engine.serving import ServingEngine
+from vericache.engine.runner import ModelRunner
+from vericache.engine.request import State
+from vericache.engine.step_loop import StepLoop
 from vericache.remote.client import VerifierClient, VerifierUnavailable
 from vericache.remote.fetch import PrefixFetcher
 from vericache.remote.prefixes import model_id, put_prompt
 from vericache.remote.store import PrefixStore
 from vericache.sampling import SamplingParams
-from vericache.serving.service import EngineService
+from vericache.serving.service import BackgroundService
 from vericache_gateway.app import create_app
 
 MAX_TOKENS = 20
@@ -78,7 +79,7 @@ def prompts(llm, code_prompts, redis_server, mid):
     """A stored prefix (2 whole blocks), a prompt sharing its first block, and a cold one."""
     ids = llm.tokenizer.encode(code_prompts["long"])
     stored = ids[:600]
-    put_prompt(llm.engine, PrefixStore(redis_server.url, mid), stored[:512], SPECS)
+    put_prompt(llm.runner, PrefixStore(redis_server.url, mid), stored[:512], SPECS)
     shared = stored[:300] + list(reversed(ids[300:560]))
     cold = list(reversed(ids[:400]))
     return {"stored": stored, "shared": shared, "cold": cold}
@@ -86,83 +87,87 @@ def prompts(llm, code_prompts, redis_server, mid):
 
 @pytest.fixture(scope="module")
 def reference(llm, prompts):
-    eng, params = llm.engine, SamplingParams(max_tokens=MAX_TOKENS)
-    return {k: eng.generate([eng.new_sequence(0, p, params)], "full")[0].token_ids for k, p in prompts.items()}
+    runner, params = llm.runner, SamplingParams(max_tokens=MAX_TOKENS)
+    return {k: runner.generate([runner.new_sequence(0, p, params)], "full")[0].token_ids for k, p in prompts.items()}
 
 
 def drafter(llm, mid, store_url, verifier_url, spec=SPECS[0], mode="vericache"):
-    eng = Engine(llm.loaded, mode=mode, compressor=spec)
+    runner = ModelRunner(llm.loaded, mode=mode, compressor=spec)
     fetcher = PrefixFetcher(PrefixStore(store_url, mid, timeout_s=2)) if store_url else None
     client = VerifierClient(verifier_url, mid) if verifier_url else None
-    return ServingEngine(eng, prefix=fetcher, verifier=client)
+    return StepLoop(runner, prefix=fetcher, verifier=client)
 
 
-def run(srv, prompts: dict, max_tokens=MAX_TOKENS, timeout_s=120):
-    seqs = {k: srv.eng.new_sequence(0, p, SamplingParams(max_tokens=max_tokens)) for k, p in prompts.items()}
-    rids = {k: srv.add_sequence(s) for k, s in seqs.items()}
+def run(loop, prompts: dict, max_tokens=MAX_TOKENS, timeout_s=120, states_seen: set | None = None):
+    seqs = {k: loop.runner.new_sequence(0, p, SamplingParams(max_tokens=max_tokens)) for k, p in prompts.items()}
+    rids = {k: loop.add_sequence(s) for k, s in seqs.items()}
     deadline = time.time() + timeout_s
-    while srv.has_unfinished():
+    while loop.has_unfinished():
         assert time.time() < deadline, "the drafter hung"
-        srv.step()
-    return seqs, {k: srv.requests[r] for k, r in rids.items()}
+        loop.step()
+        if states_seen is not None:
+            states_seen |= {r.state for r in loop.requests}
+    return seqs, {k: loop.requests[r] for k, r in rids.items()}
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_two_roles_equal_full(llm, mid, redis_server, verifier, prompts, reference, spec):
-    srv = drafter(llm, mid, redis_server.url, verifier.url, spec)
-    seqs, reqs = run(srv, prompts)
+    loop, states = drafter(llm, mid, redis_server.url, verifier.url, spec), set()
+    seqs, reqs = run(loop, prompts, states_seen=states)
     for k, seq in seqs.items():
         assert reqs[k].error is None and seq.output_ids == reference[k], k
+    # a round out at the verifier is a state of its own; nothing crosses a local link here
+    assert State.AWAITING_VERIFIER in states and State.TRANSFERRING not in states
     assert seqs["stored"].stats["prefix_tokens"] == 512            # the drafter's compressed blocks
     assert seqs["stored"].stats["verifier_prefix_tokens"] == 512   # the verifier's full blocks
     assert seqs["shared"].stats["prefix_tokens"] == 256             # the shared leading block only
     assert "prefix_tokens" not in seqs["cold"].stats or seqs["cold"].stats["prefix_tokens"] == 0
     assert seqs["stored"].stats["rounds"] >= 1
     assert seqs["stored"].stats["prefix_fetch_bytes"] > 0
-    assert srv.device.used_bytes == 0                                # every block back
+    assert loop.device.used_bytes == 0                                # every block back
 
 
 def test_full_and_lossy_remote_modes(llm, mid, redis_server, prompts, reference):
-    srv = drafter(llm, mid, redis_server.url, None, mode="full")
-    seqs, reqs = run(srv, {"stored": prompts["stored"]})
+    loop = drafter(llm, mid, redis_server.url, None, mode="full")
+    seqs, reqs = run(loop, {"stored": prompts["stored"]})
     assert seqs["stored"].output_ids == reference["stored"]
     assert seqs["stored"].stats["prefix_tokens"] == 512
-    srv = drafter(llm, mid, redis_server.url, None, mode="lossy")
-    seqs, reqs = run(srv, {"stored": prompts["stored"]})
+    loop = drafter(llm, mid, redis_server.url, None, mode="lossy")
+    seqs, reqs = run(loop, {"stored": prompts["stored"]})
     assert reqs["stored"].error is None and len(seqs["stored"].output_ids) == MAX_TOKENS
     assert seqs["stored"].stats["prefix_tokens"] == 512
 
 
 def test_cancel_frees_the_verifier_kv(llm, mid, redis_server, verifier, prompts):
-    srv = drafter(llm, mid, redis_server.url, verifier.url)
-    rid = srv.add_request(prompts["stored"], SamplingParams(max_tokens=200))
+    loop = drafter(llm, mid, redis_server.url, verifier.url)
+    rid = loop.add_request(prompts["stored"], SamplingParams(max_tokens=200))
     deadline = time.time() + 60
-    while len(srv.requests[rid].seq.output_ids) < 3:
+    while len(loop.requests[rid].seq.output_ids) < 3:
         assert time.time() < deadline
-        srv.step()
+        loop.step()
     assert verifier.client.health()["sessions"] == 1
-    srv.abort(rid)
+    loop.abort(rid)
     deadline = time.time() + 10
     while verifier.client.health()["sessions"]:
         assert time.time() < deadline, "the verifier kept the aborted request's KV"
         time.sleep(0.05)
-    assert srv.device.used_bytes == 0
+    assert loop.device.used_bytes == 0
 
 
 def test_sampling_is_refused_with_a_remote_verifier(llm, mid, verifier):
-    srv = drafter(llm, mid, None, verifier.url)
+    loop = drafter(llm, mid, None, verifier.url)
     with pytest.raises(ValueError, match="temperature"):
-        srv.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.7))
-    assert not srv.requests
+        loop.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.7))
+    assert not loop.requests
 
 
 def test_redis_down_recomputes(llm, mid, verifier, prompts, reference, caplog):
-    srv = drafter(llm, mid, "redis://127.0.0.1:1", verifier.url)
+    loop = drafter(llm, mid, "redis://127.0.0.1:1", verifier.url)
     with caplog.at_level(logging.WARNING, logger="vericache.prefix"):
-        seqs, reqs = run(srv, {"stored": prompts["stored"]})
+        seqs, reqs = run(loop, {"stored": prompts["stored"]})
     assert seqs["stored"].output_ids == reference["stored"]
     assert any("recomputing" in r.getMessage() for r in caplog.records)
-    assert ("store_error", {"role": "drafter"}) in srv.prefix.events
+    assert ("store_error", {"role": "drafter"}) in loop.prefix.events
 
 
 def test_corrupt_and_missing_blocks_recompute_from_there(llm, mid, redis_server, verifier, prompts, reference):
@@ -188,8 +193,8 @@ def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
     """The gateway in front of a drafter whose verifier dies: 503s, never a hang."""
     v = Verifier(free_port(), redis_server.url)
     v.wait_ready(mid)
-    srv = drafter(llm, mid, redis_server.url, v.url)
-    service = EngineService(srv)
+    loop = drafter(llm, mid, redis_server.url, v.url)
+    service = BackgroundService(loop)
     app = create_app(service, model_name="tiny")
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -209,7 +214,7 @@ def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
             assert err.value.status_code == 503 and "verifier unavailable" in err.value.message
             assert time.time() - t0 < 30
-        assert srv.device.used_bytes == 0
+        assert loop.device.used_bytes == 0
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -224,11 +229,11 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
 
     ids = llm.tokenizer.encode(code_prompts["long"])
     prompts = [ids[:300], list(reversed(ids[:420])), ids[500:640]]
-    eng = Engine(llm.loaded, mode="full")
+    runner = ModelRunner(llm.loaded, mode="full")
     params = SamplingParams(max_tokens=8)
-    reference = [eng.generate([eng.new_sequence(0, p, params)], "full")[0].token_ids for p in prompts]
+    reference = [runner.generate([runner.new_sequence(0, p, params)], "full")[0].token_ids for p in prompts]
 
-    together = VerifierCore(eng, autostart=False, prefill_chunk=128)
+    together = VerifierCore(runner, autostart=False, prefill_chunk=128)
     opened = [None] * len(prompts)
 
     def open_one(i):
@@ -249,7 +254,7 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
     assert [f["rows"] for f in prefills] == [3, 3, 2, 1]
     assert sum(f["tokens"] for f in prefills) == sum(len(p) for p in prompts)
 
-    alone = VerifierCore(eng)
+    alone = VerifierCore(runner)
     try:
         for i, p in enumerate(prompts):
             sess, token = opened[i]

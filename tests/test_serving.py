@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from vericache import SamplingParams
-from vericache.engine import serving as S
-from vericache.engine.engine import Engine
+from vericache.engine.step_loop import StepLoop
+from vericache.engine.request import ALLOWED, State
+from vericache.engine.runner import ModelRunner
 from vericache.kv.blocks import BlockPool, OutOfBlocks
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
@@ -26,9 +27,9 @@ def serving_prompts(llm):
 
 @pytest.fixture(scope="session")
 def serving_reference(llm, serving_prompts):
-    eng = llm.engine
+    runner = llm.runner
     p = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [eng.generate([eng.new_sequence(i, ids, p)], "full")[0].token_ids for i, ids in enumerate(serving_prompts)]
+    return [runner.generate([runner.new_sequence(i, ids, p)], "full")[0].token_ids for i, ids in enumerate(serving_prompts)]
 
 
 def _full_kv_bytes(llm, n_tokens: int) -> int:
@@ -36,16 +37,16 @@ def _full_kv_bytes(llm, n_tokens: int) -> int:
 
 
 def _serve(llm, mode, prompts, budget, scheduler="staggered", spec="snapkv:ratio=0.125", link=None, steps=None):
-    srv = S.ServingEngine(Engine(llm.loaded, mode=mode, compressor=spec), device_budget=budget,
+    loop = StepLoop(ModelRunner(llm.loaded, mode=mode, compressor=spec), device_budget=budget,
                           scheduler=scheduler, link=link, prefill_chunk=256)
-    ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts]
+    ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts]
     seen_states, n = set(), 0
-    while srv.has_unfinished():
-        srv.step()
-        seen_states |= {r.state for r in srv.requests.values()}
+    while loop.has_unfinished():
+        loop.step()
+        seen_states |= {r.state for r in loop.requests}
         n += 1
         assert n < 5000, "engine did not finish"
-    return srv, [srv.requests[i].seq.output_ids for i in ids], seen_states
+    return loop, [loop.requests[i].seq.output_ids for i in ids], seen_states
 
 
 @pytest.mark.parametrize("mode, scheduler", [("full", "staggered"), ("lossy", "staggered"),
@@ -53,79 +54,79 @@ def _serve(llm, mode, prompts, budget, scheduler="staggered", spec="snapkv:ratio
                                              ("vericache", "grouped")])
 def test_tight_budget_batching(llm, serving_prompts, serving_reference, mode, scheduler):
     total_full = sum(_full_kv_bytes(llm, len(p) + MAX_TOKENS + 1) for p in serving_prompts)
-    srv, outs, states = _serve(llm, mode, serving_prompts, total_full // 2, scheduler,
+    loop, outs, states = _serve(llm, mode, serving_prompts, total_full // 2, scheduler,
                                link=EmulatedLink(gbps=8) if mode == "vericache" else None)
     if mode != "lossy":
         assert outs == serving_reference  # lossless under batching and a quarter-ish budget
-    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0  # every block came back
-    assert all(r.state == S.FINISHED for r in srv.requests.values())
+    assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0  # every block came back
+    assert all(r.state == State.FINISHED for r in loop.requests)
     if mode == "vericache":
-        assert {S.PREFILL, S.DRAFTING, S.FINISHED} <= states
-        assert srv.link.stats.bytes_moved > 0 and all(r.round.rounds > 0 for r in srv.requests.values())
+        assert {State.PREFILL, State.DRAFTING, State.FINISHED} <= states
+        assert loop.link.stats.bytes_moved > 0 and all(r.round.rounds > 0 for r in loop.requests)
         if scheduler != "naive":  # transfers outlive a step while others draft (naive waits inside it)
-            assert S.TRANSFERRING in states
+            assert State.TRANSFERRING in states
         else:  # naive verifies layer by layer as the transfer lands
-            assert srv.instruments.early_verifies > 0
+            assert loop.instruments.early_verifies > 0
     if mode == "full":  # the budget holds only some requests' full KV: the rest waited
-        assert S.WAITING in states
+        assert State.WAITING in states
 
 
 def test_abort_frees_at_once_and_outputs_stream(llm, serving_prompts):
-    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="h2o:ratio=0.2"),
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="h2o:ratio=0.2"),
                           device_budget=1 << 30, link=EmulatedLink(gbps=8))
-    a = srv.add_request(serving_prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
-    b = srv.add_request(serving_prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    a = loop.add_request(serving_prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    b = loop.add_request(serving_prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
     streamed = {a: [], b: []}
     finals = {}
     for _ in range(6):
-        for o in srv.step():
+        for o in loop.step():
             streamed[o.request_id] += o.new_token_ids
-    srv.abort(a)
-    assert srv.requests[a].state == S.ABORTED
-    assert ("kv", a) not in srv.device.owners() and ("full", a) not in srv.host.owners()
-    while srv.has_unfinished():
-        for o in srv.step():
+    loop.abort(a)
+    assert loop.requests[a].state == State.ABORTED
+    assert ("kv", a) not in loop.device.owners() and ("full", a) not in loop.host.owners()
+    while loop.has_unfinished():
+        for o in loop.step():
             streamed[o.request_id] += o.new_token_ids
             if o.finished:
                 finals[o.request_id] = o.finish_reason
-    for o in srv.step():  # the abort is reported once
+    for o in loop.step():  # the abort is reported once
         finals.setdefault(o.request_id, o.finish_reason)
-    assert streamed[b] == srv.requests[b].seq.output_ids and finals[b] == "length"
-    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+    assert streamed[b] == loop.requests[b].seq.output_ids and finals[b] == "length"
+    assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
 
 
 def test_preemption_returns_blocks_and_keeps_identity(llm, serving_prompts, serving_reference):
     """A budget that the compressed caches outgrow forces preemption and recomputation."""
-    srv = S.ServingEngine(Engine(llm.loaded, mode="lossy", compressor="streaming:ratio=1.0"),
+    loop = StepLoop(ModelRunner(llm.loaded, mode="lossy", compressor="streaming:ratio=1.0"),
                           device_budget=_full_kv_bytes(llm, 1200), prefill_chunk=256)
-    srv.memory.needed = srv.memory.transient = lambda req: 1  # admit everything: growth must be handled by preemption
-    ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
+    loop.memory.needed = loop.memory.transient = lambda req: 1  # admit everything: growth must be handled by preemption
+    ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
     states = set()
     for _ in range(3000):
-        if not srv.has_unfinished():
+        if not loop.has_unfinished():
             break
-        srv.step()
-        states |= {r.state for r in srv.requests.values()}
-        assert 0 <= srv.device.used_blocks <= srv.device.total_blocks
+        loop.step()
+        states |= {r.state for r in loop.requests}
+        assert 0 <= loop.device.used_blocks <= loop.device.total_blocks
     # streaming at ratio 1.0 keeps everything: lossy == full, so recomputation must be exact
-    assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
-    assert S.WAITING in states and srv.device.used_blocks == 0
+    assert [loop.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
+    assert State.WAITING in states and loop.device.used_blocks == 0
 
 
 def test_request_larger_than_budget_is_refused(llm, serving_prompts):
-    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), device_budget=_full_kv_bytes(llm, 100))
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), device_budget=_full_kv_bytes(llm, 100))
     with pytest.raises(ValueError, match="whole device budget"):
-        srv.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
-    assert not srv.requests
+        loop.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
+    assert not loop.requests
 
 
 def test_illegal_transitions_are_refused(llm):
-    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), device_budget=1 << 30)
-    rid = srv.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), device_budget=1 << 30)
+    rid = loop.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="waiting -> drafting"):
-        srv.set_state(srv.requests[rid], S.DRAFTING)
-    for src, dsts in S.ALLOWED.items():
-        assert S.ABORTED in dsts and src not in (S.FINISHED, S.ABORTED)
+        loop.requests.set_state(loop.requests[rid], State.DRAFTING)
+    for src, dsts in ALLOWED.items():
+        assert State.ABORTED in dsts and src not in (State.FINISHED, State.ABORTED)
 
 
 def test_block_pool_accounting():
@@ -166,16 +167,16 @@ def test_emulated_link_moves_real_bytes_layer_by_layer(llm):
 
 def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts):
     link = EmulatedLink(gbps=1)
-    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
                           device_budget=1 << 30, link=link)
     from vericache.engine.schedules import Staggered
 
-    assert Staggered._draft_to_cover_link(srv) == 0  # nothing measured yet
+    assert Staggered.draft_to_cover_link(loop) == 0  # nothing measured yet
     link.stats.add(1_000_000, 0.0, 0.01)     # measured: 100 MB/s
-    srv.instruments.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
-    rid = srv.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
-    req = srv.requests[rid]
-    req.state, req.full = S.TRANSFERRING, FullKVCache(llm.loaded.config, "cpu", torch.float32, 1000)
+    loop.instruments.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
+    rid = loop.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
+    req = loop.requests[rid]
+    req.state, req.full = State.TRANSFERRING, FullKVCache(llm.loaded.config, "cpu", torch.float32, 1000)
     req.full.begin(0, 999)
 
     class Pending:
@@ -185,8 +186,8 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
             return False
 
     req.transfer = Pending()
-    backlog_s = srv.memory.verify_buffer_bytes(req) / 100e6
-    assert Staggered._draft_to_cover_link(srv) == int(backlog_s / 0.002)
+    backlog_s = loop.memory.verify_buffer_bytes(req) / 100e6
+    assert Staggered.draft_to_cover_link(loop) == int(backlog_s / 0.002)
     link.close()
 
 
@@ -195,30 +196,30 @@ def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_refe
     that forces some to wait: full and vericache requests equal full-KV decoding; blocks all return."""
     from vericache.engine.options import RequestOptions
 
-    srv = S.ServingEngine(Engine(llm.loaded, mode="full"), prefill_chunk=256,
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), prefill_chunk=256,
                           device_budget=sum(_full_kv_bytes(llm, len(p) + MAX_TOKENS + 1) for p in serving_prompts) // 2)
-    assert srv.link is None  # a full-mode server makes its link only when a vericache request comes
+    assert loop.link is None  # a full-mode server makes its link only when a vericache request comes
     options = [RequestOptions(mode="vericache", compressor="kivi:bits=2", draft_len=4),
                None,
                RequestOptions(mode="vericache", compressor="h2o:ratio=0.2"),
                RequestOptions(mode="lossy", compressor="streaming:ratio=0.25"),
                RequestOptions(mode="vericache", draft_len="auto")]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    ids = [srv.add_request(p, params, o) for p, o in zip(serving_prompts, options)]
+    ids = [loop.add_request(p, params, o) for p, o in zip(serving_prompts, options)]
     for _ in range(5000):
-        if not srv.has_unfinished():
+        if not loop.has_unfinished():
             break
-        srv.step()
-    reqs = [srv.requests[i] for i in ids]
+        loop.step()
+    reqs = [loop.requests[i] for i in ids]
     assert [r.opts.mode for r in reqs] == ["vericache", "full", "vericache", "lossy", "vericache"]
     assert reqs[0].opts.compressor.spec().startswith("kivi") and reqs[0].opts.policy.fixed == 4
-    assert reqs[4].opts.compressor.spec() == srv.eng.compressor.spec()  # unset fields: the server's
+    assert reqs[4].opts.compressor.spec() == loop.runner.compressor.spec()  # unset fields: the server's
     for i in (0, 1, 2, 4):
         assert reqs[i].seq.output_ids == serving_reference[i], i
     assert reqs[1].round.rounds == 0 and reqs[3].round.rounds == 0 and all(reqs[i].round.rounds > 0 for i in (0, 2, 4))
     assert reqs[0].round.drafted <= 4 * reqs[0].round.rounds
-    assert srv.link is not None and srv.link.stats.bytes_moved > 0
-    assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
+    assert loop.link is not None and loop.link.stats.bytes_moved > 0
+    assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
 
 
 @pytest.mark.parametrize("options, field, needle", [
@@ -231,11 +232,11 @@ def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_refe
 def test_bad_request_options_are_refused_and_change_nothing(llm, options, field, needle):
     from vericache.engine.options import InvalidOption, RequestOptions
 
-    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache"), device_budget=1 << 30)
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache"), device_budget=1 << 30)
     with pytest.raises(InvalidOption, match=needle) as err:
-        srv.add_request([1, 2, 3], SamplingParams(max_tokens=2), RequestOptions(**options))
+        loop.add_request([1, 2, 3], SamplingParams(max_tokens=2), RequestOptions(**options))
     assert err.value.field == field
-    assert not srv.requests and srv.device.used_blocks == 0
+    assert not loop.requests and loop.device.used_blocks == 0
 
 
 def test_group_count_follows_measured_rates():
@@ -253,17 +254,17 @@ def test_group_count_follows_measured_rates():
 def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_reference):
     """Under the grouped schedule at most one group has transfers in flight at any step, several
     groups are planned, and outputs stay identical to full-KV decoding."""
-    srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
                           device_budget=1 << 30, link=EmulatedLink(gbps=2), prefill_chunk=256, scheduler="grouped")
-    ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts]
+    ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts]
     groups_seen = set()
-    while srv.has_unfinished():
-        srv.step()
-        flying = {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING and not r.transfer.ready()}
+    while loop.has_unfinished():
+        loop.step()
+        flying = {r.group for r in loop.requests if r.state == State.TRANSFERRING and not r.transfer.ready()}
         assert len(flying) <= 1, flying
-        groups_seen |= {r.group for r in srv.requests.values() if r.state == S.TRANSFERRING}
-    assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference
-    assert len(groups_seen) >= 2 and srv.schedule.mean_groups > 1
+        groups_seen |= {r.group for r in loop.requests if r.state == State.TRANSFERRING}
+    assert [loop.requests[i].seq.output_ids for i in ids] == serving_reference
+    assert len(groups_seen) >= 2 and loop.schedule.mean_groups > 1
 
 
 @pytest.mark.parametrize("resident", [3, 6])
@@ -273,16 +274,16 @@ def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompt
     n_layers = llm.loaded.config.num_hidden_layers
     moved = {}
     for r in (0, resident):
-        srv = S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", draft_len=4),
+        loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", draft_len=4),
                               device_budget=1 << 30, link=EmulatedLink(gbps=8), prefill_chunk=256, resident_layers=r)
-        ids = [srv.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
-        while srv.has_unfinished():
-            srv.step()
-        assert [srv.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
-        assert srv.device.used_blocks == 0 and srv.host.used_blocks == 0
-        rounds = sum(srv.requests[i].round.rounds for i in ids)
-        moved[r] = srv.link.stats.bytes_moved / rounds
-        srv.link.close()
+        ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
+        while loop.has_unfinished():
+            loop.step()
+        assert [loop.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
+        assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
+        rounds = sum(loop.requests[i].round.rounds for i in ids)
+        moved[r] = loop.link.stats.bytes_moved / rounds
+        loop.link.close()
     if resident == n_layers:
         assert moved[resident] == 0
     else:  # per round, about (L - R) / L of the bytes
@@ -291,7 +292,7 @@ def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompt
 
 def test_resident_layers_are_validated(llm):
     with pytest.raises(ValueError, match=r"resident_layers must be an integer in \[0, 6\], got 7"):
-        S.ServingEngine(Engine(llm.loaded, mode="vericache"), device_budget=1 << 30, resident_layers=7)
+        StepLoop(ModelRunner(llm.loaded, mode="vericache"), device_budget=1 << 30, resident_layers=7)
     from vericache.kv.link import StreamedKV, Transfer
 
     cache = FullKVCache(llm.loaded.config, "cpu", torch.float32, 4)
@@ -300,22 +301,22 @@ def test_resident_layers_are_validated(llm):
 
 
 def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, serving_prompts, tmp_path):
-    """Under EngineService the metrics get every phase once, and the engine keeps the history its
+    """Under BackgroundService the metrics get every phase once, and the engine keeps the history its
     schedules' measured rates read (it used to be emptied after every step); a trace file beside the
     metrics (``serve --trace``) gets each phase with its wall-clock end."""
     import time
 
-    from vericache.serving.service import EngineService
+    from vericache.serving.service import BackgroundService
     from vericache.serving.trace import TraceFile, read_trace, tee
 
     events, trace, t0 = [], TraceFile(str(tmp_path / "trace.jsonl")), time.time()
-    svc = EngineService(S.ServingEngine(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"),
+    svc = BackgroundService(StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"),
                                         device_budget=1 << 30), metrics=tee(lambda e, f: events.append((e, f)), trace))
     try:
         stream = svc.submit(serving_prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
         while not stream.get(timeout=60).finished:
             pass
-        inst = svc.serving.instruments
+        inst = svc.loop.instruments
         phases = [f for e, f in events if e == "phase"]
         assert inst.draft_step_s() is not None and len(inst.intervals) > 0
         assert len(phases) == len(inst.intervals)   # each forward reported once

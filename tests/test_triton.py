@@ -144,9 +144,7 @@ def test_custom_metrics_on_tritons_endpoint(triton):
     assert _metric(triton["metrics"], "vericache_triton_accepted_tokens_total") >= 0
 
 
-def _gateway(triton_grpc: str):
-    from test_gateway import _free_port
-
+def _gateway(triton_grpc: str, free_port):
     import threading
 
     import uvicorn
@@ -155,7 +153,7 @@ def _gateway(triton_grpc: str):
     from vericache_gateway.backends import TritonBackend
 
     app = create_app(TritonBackend(triton_grpc), model_name="smollm2-135m")
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
@@ -163,10 +161,10 @@ def _gateway(triton_grpc: str):
     return server, f"http://127.0.0.1:{port}"
 
 
-def test_gateway_over_triton_streams_the_same_text(triton, smollm):
+def test_gateway_over_triton_streams_the_same_text(triton, smollm, free_port):
     import openai
 
-    server, url = _gateway(triton["grpc"])
+    server, url = _gateway(triton["grpc"], free_port)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         chunks = list(client.completions.create(model="smollm2-135m", prompt="def main():\n", max_tokens=12, temperature=0,
@@ -180,7 +178,7 @@ def test_gateway_over_triton_streams_the_same_text(triton, smollm):
         server.should_exit = True
 
 
-def test_chat_completion_over_triton_uses_the_models_template(triton, smollm):
+def test_chat_completion_over_triton_uses_the_models_template(triton, smollm, free_port):
     """The official openai client -> gateway -> Triton: the ChatML prompt, the full-KV answer, and
     generation ending at <|im_end|>."""
     import openai
@@ -188,7 +186,7 @@ def test_chat_completion_over_triton_uses_the_models_template(triton, smollm):
     from vericache.chat import render_chat
 
     messages = [{"role": "user", "content": "Name one primary color. Answer in one word."}]
-    server, url = _gateway(triton["grpc"])
+    server, url = _gateway(triton["grpc"], free_port)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0)

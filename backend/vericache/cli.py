@@ -8,26 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from vericache.cli_args import draft_len
+from vericache.cli_args import add_mode_args, add_model_args
 from vericache.model.registry import DEFAULT_MODEL
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model name (see `vericache models`), Hugging Face directory or .gguf file (default: {DEFAULT_MODEL})")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
-
-
-def _add_mode_args(p: argparse.ArgumentParser) -> None:
-    from vericache.engine.engine import DEFAULT_COMPRESSOR, MODES
-
-    p.add_argument("--mode", default="full", choices=MODES)
-    p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
-    p.add_argument("--draft-len", default="auto", type=draft_len, help="tokens per draft round, or auto")
-    p.add_argument("--draft-weights", default="auto", choices=["fp32", "int8", "int4", "auto"],
-                   help="weights the drafts read (CPU): fp32 (exact), int8, int4, or auto (per step, the copy measured "
-                        "faster here for its draft rows; the default, fp32 off CPU); verification is exact either way")
 
 
 def _cmd_compressors(args: argparse.Namespace) -> int:
@@ -42,6 +24,12 @@ def _cmd_compressors(args: argparse.Namespace) -> int:
         print(f"{r['name']:<10} {r['kind']:<13} {params:<40} {r['summary']}")
     print("compose eviction then quantization with '+', e.g. snapkv:ratio=0.25+kivi:bits=4")
     return 0
+
+
+def _add_compressors(sub) -> None:
+    c = sub.add_parser("compressors", help="list KV compression methods, their parameters and defaults")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=_cmd_compressors)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -60,6 +48,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
         if not r["installed"]:
             print(f"{'':<14} install: {r['install']}")
     return 0
+
+
+def _add_models(sub) -> None:
+    m = sub.add_parser("models", help="list model names, where they come from and whether they are installed")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_models)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -84,12 +78,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    add_model_args(g)
+    add_mode_args(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_generate)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vericache.demo import DEMO_COMPRESSOR, run_demo
 
     run_demo(args.model, device=args.device, dtype=args.dtype, context=args.context,
              compressor=args.compressor or DEMO_COMPRESSOR)
     return 0
+
+
+def _add_demo(sub) -> None:
+    d = sub.add_parser("demo", help="the Quickstart demo: full vs lossy vs VeriCache on the real model")
+    add_model_args(d)
+    d.add_argument("--context", type=int, default=4096, help="prompt length of each task, in tokens")
+    d.add_argument("--compressor", default=None, help="default: the demo's (SnapKV keeping 1/8)")
+    d.set_defaults(func=_cmd_demo)
 
 
 def _cmd_train_tiny(args: argparse.Namespace) -> int:
@@ -104,6 +122,21 @@ def _cmd_train_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_tiny(sub) -> None:
+    t = sub.add_parser("train-tiny", help="train the bundled model (resumable)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--minutes", type=float, default=120.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--curriculum", default="base", choices=["base", "copy"],
+                   help="base: from scratch; copy: continuation, long short-and-copy-heavy stage first")
+    t.add_argument("--init-from", default=None, help="start from this Hugging Face directory (same tokenizer)")
+    t.add_argument("--repeat-share", type=float, default=0.0,
+                   help="share of task documents that repeat a code span (induction-head data)")
+    t.add_argument("--export-to", default=None, help="only export the run's latest checkpoint to this directory")
+    t.set_defaults(func=_cmd_train_tiny)
+
+
 def _cmd_eval_model(args: argparse.Namespace) -> int:
     from vericache.eval.run_model_eval import run_model_eval
 
@@ -111,6 +144,14 @@ def _cmd_eval_model(args: argparse.Namespace) -> int:
                             log=lambda m: print(m, file=sys.stderr))  # stdout stays one JSON object
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _add_eval_model(sub) -> None:
+    e = sub.add_parser("eval-model", help="held-out loss, retrieval and tool-call exact match of a model")
+    add_model_args(e)
+    e.add_argument("--n", type=int, default=50, help="tasks per metric")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_eval_model)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -130,26 +171,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    if args.role == "verifier":
-        from vericache.serving.verifier_role import run_verifier
-        run_verifier(args.model, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
-                     args.metrics_port, args.device, args.dtype, trace=args.trace)
-        return 0
-    if args.role == "drafter" and not args.verifier:
-        raise ValueError("--role drafter needs --verifier grpc://host:port")
-    try:
-        from vericache_gateway.server import serve
-    except ImportError as exc:
-        raise ValueError(f"the gateway needs the 'serve' extra (pip install 'vericache[serve]'): {exc}") from None
-    serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, backend=args.backend,
-          triton_url=args.triton_url, mode=args.mode,
-          compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
-          device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
-          prefix_store=args.prefix_store, prefix_link=args.prefix_link,
-          verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
-          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights, trace=args.trace)
-    return 0
+def _add_eval(sub) -> None:
+    q = sub.add_parser("eval", help="long-context code, needle and tool-call quality: full vs lossy vs vericache")
+    q.add_argument("--model", default=DEFAULT_MODEL)
+    q.add_argument("--grid", default="full", choices=["full", "quick"],
+                   help="full: SnapKV/StreamingLLM/H2O at 1/4, 1/8, 1/16, KIVI-2, SnapKV 1/8 + KIVI-2; quick: three")
+    q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid)")
+    q.add_argument("--n", type=int, default=20, help="cases per task (code, needle, tool)")
+    q.add_argument("--context-min", type=int, default=2048)
+    q.add_argument("--context-max", type=int, default=6144)
+    q.add_argument("--checkpoint", default=None, help="JSON-lines file of finished rows (resumable)")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--plot", default=None)
+    q.add_argument("--record", default=None)
+    q.set_defaults(func=_cmd_eval)
 
 
 def _cmd_triton_server(args: argparse.Namespace) -> int:
@@ -175,87 +210,7 @@ def _cmd_triton_server(args: argparse.Namespace) -> int:
     return proc.returncode or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    m = sub.add_parser("models", help="list model names, where they come from and whether they are installed")
-    m.add_argument("--json", action="store_true")
-    m.set_defaults(func=_cmd_models)
-
-    g = sub.add_parser("generate", help="generate text from a prompt")
-    _add_model_args(g)
-    _add_mode_args(g)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-file")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.set_defaults(func=_cmd_generate)
-
-    c = sub.add_parser("compressors", help="list KV compression methods, their parameters and defaults")
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=_cmd_compressors)
-
-    d = sub.add_parser("demo", help="the Quickstart demo: full vs lossy vs VeriCache on the real model")
-    _add_model_args(d)
-    d.add_argument("--context", type=int, default=4096, help="prompt length of each task, in tokens")
-    d.add_argument("--compressor", default=None, help="default: the demo's (SnapKV keeping 1/8)")
-    d.set_defaults(func=_cmd_demo)
-
-    t = sub.add_parser("train-tiny", help="train the bundled model (resumable)")
-    t.add_argument("--out", required=True)
-    t.add_argument("--minutes", type=float, default=120.0)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=0)
-    t.add_argument("--curriculum", default="base", choices=["base", "copy"],
-                   help="base: from scratch; copy: continuation, long short-and-copy-heavy stage first")
-    t.add_argument("--init-from", default=None, help="start from this Hugging Face directory (same tokenizer)")
-    t.add_argument("--repeat-share", type=float, default=0.0,
-                   help="share of task documents that repeat a code span (induction-head data)")
-    t.add_argument("--export-to", default=None, help="only export the run's latest checkpoint to this directory")
-    t.set_defaults(func=_cmd_train_tiny)
-
-    e = sub.add_parser("eval-model", help="held-out loss, retrieval and tool-call exact match of a model")
-    _add_model_args(e)
-    e.add_argument("--n", type=int, default=50, help="tasks per metric")
-    e.add_argument("--json", action="store_true")
-    e.set_defaults(func=_cmd_eval_model)
-
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway over the engine")
-    _add_model_args(sv)
-    _add_mode_args(sv)
-    sv.set_defaults(mode="vericache", compressor="snapkv:ratio=0.125")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--backend", default="embedded", choices=["embedded", "triton"])
-    sv.add_argument("--triton-url", default="127.0.0.1:8001", help="gRPC address of the Triton server")
-    sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
-    sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
-    sv.add_argument("--max-queue", type=int, default=64)
-    sv.add_argument("--role", default="single", choices=["single", "drafter", "verifier"],
-                    help="single: one engine; drafter: vericache requests verified by --verifier; "
-                         "verifier: a gRPC verifier next to the prefix store (on --grpc-port)")
-    sv.add_argument("--verifier", default=None, help="grpc://host:port of the verifier (drafter role)")
-    sv.add_argument("--prefix-store", default=None, help="redis://host:port of the prefix KV store")
-    sv.add_argument("--prefix-link", default="local", help="label of the link to the store in metrics (slow, fast)")
-    sv.add_argument("--store-prefixes", action="store_true",
-                    help="verifier role: store the whole blocks of the prompts it serves")
-    sv.add_argument("--prefix-model-id", default=None,
-                    help="the id the store and verifier know this model's KV by (default: name-dtype-kvdtype); "
-                         "a drafter in another dtype than its verifier gives the verifier's")
-    sv.add_argument("--prefill-chunk", type=int, default=512,
-                    help="prompt tokens prefilled per engine step (smaller: other requests wait less)")
-    sv.add_argument("--grpc-port", type=int, default=50051, help="verifier role: the gRPC port")
-    sv.add_argument("--metrics-port", type=int, default=0, help="verifier role: Prometheus port (0: none)")
-    sv.add_argument("--trace", default=None, help="also write the engine's events to this JSON-lines file "
-                                                  "(wall-clock times: the timelines of several processes line up)")
-    sv.set_defaults(func=_cmd_serve)
-
+def _add_triton_server(sub) -> None:
     tr = sub.add_parser("triton-server", help="start a real tritonserver on the VeriCache model repository")
     tr.add_argument("--model-repository", default=None)
     tr.add_argument("--host", default="127.0.0.1")
@@ -264,29 +219,37 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--metrics-port", type=int, default=8002)
     tr.set_defaults(func=_cmd_triton_server)
 
-    q = sub.add_parser("eval", help="long-context code, needle and tool-call quality: full vs lossy vs vericache")
-    q.add_argument("--model", default=DEFAULT_MODEL)
-    q.add_argument("--grid", default="full", choices=["full", "quick"],
-                   help="full: SnapKV/StreamingLLM/H2O at 1/4, 1/8, 1/16, KIVI-2, SnapKV 1/8 + KIVI-2; quick: three")
-    q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid)")
-    q.add_argument("--n", type=int, default=20, help="cases per task (code, needle, tool)")
-    q.add_argument("--context-min", type=int, default=2048)
-    q.add_argument("--context-max", type=int, default=6144)
-    q.add_argument("--checkpoint", default=None, help="JSON-lines file of finished rows (resumable)")
-    q.add_argument("--json", action="store_true")
-    q.add_argument("--plot", default=None)
-    q.add_argument("--record", default=None)
-    q.set_defaults(func=_cmd_eval)
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_models(sub)
+    _add_generate(sub)
+    _add_compressors(sub)
+    _add_demo(sub)
+    _add_train_tiny(sub)
+    _add_eval_model(sub)
+    _add_triton_server(sub)
+    _add_eval(sub)
     from vericache.bench.cli import add_bench_parser
-    from vericache.sim.cli import add_sim_parser
-
     from vericache.remote.cli import add_remote_parsers
+    from vericache.sim.cli import add_sim_parser
 
     add_bench_parser(sub)
     add_sim_parser(sub)
     add_remote_parsers(sub)
+    add_plugin_parsers(sub)
     return parser
+
+
+def add_plugin_parsers(sub) -> None:
+    """Commands other installed packages add (entry points in the "vericache.commands" group, each a
+    function taking the subparsers): the gateway adds ``serve`` this way, so the library never imports it."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group="vericache.commands"), key=lambda e: e.name):
+        ep.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import argparse
 import sys
 from typing import Callable
 
+from vericache.model.registry import DEFAULT_MODEL
+
 
 def draft_len(text: str) -> int | str:
     """``--draft-len``: an integer, or "auto"."""
@@ -31,3 +33,23 @@ def progress(args: argparse.Namespace) -> Callable[[str], None]:
     if getattr(args, "json", False):
         return lambda m: print(m, file=sys.stderr, flush=True)
     return print
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model name (see `vericache models`), Hugging Face directory or .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+
+
+def add_mode_args(p: argparse.ArgumentParser) -> None:
+    """--mode, --compressor, --draft-len, --draft-weights."""
+    from vericache.engine.runner import DEFAULT_COMPRESSOR, MODES
+
+    p.add_argument("--mode", default="full", choices=MODES)
+    p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
+    p.add_argument("--draft-len", default="auto", type=draft_len, help="tokens per draft round, or auto")
+    p.add_argument("--draft-weights", default="auto", choices=["fp32", "int8", "int4", "auto"],
+                   help="weights the drafts read (CPU): fp32 (exact), int8, int4, or auto (per step, the copy measured "
+                        "faster here for its draft rows; the default, fp32 off CPU); verification is exact either way")

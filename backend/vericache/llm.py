@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vericache.compress.base import Compressor
-from vericache.engine.engine import DEFAULT_COMPRESSOR, Engine
+from vericache.engine.runner import DEFAULT_COMPRESSOR, ModelRunner
 from vericache.engine.sequence import RequestOutput
 from vericache.model.loader import load_model
 from vericache.model.registry import DEFAULT_MODEL
@@ -28,9 +28,9 @@ class LLM:
                  dtype: str | torch.dtype | None = None, mode: str = "full",
                  compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto",
                  draft_weights: str = "fp32") -> None:
-        self.engine = None
+        self.runner = None
         self.loaded = load_model(model, device=device, dtype=dtype)
-        self.engine = Engine(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len,
+        self.runner = ModelRunner(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len,
                              draft_weights=draft_weights)
         self._next_id = 0
 
@@ -50,6 +50,6 @@ class LLM:
         for i, p in enumerate(prompts):
             if not isinstance(p, str) or not p:
                 raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
-            seqs.append(self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
+            seqs.append(self.runner.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
         self._next_id += len(prompts)
-        return self.engine.generate(seqs)
+        return self.runner.generate(seqs)

@@ -1,4 +1,7 @@
-"""The FastAPI app: OpenAI-shaped routes over an ``EngineService`` (the embedded backend)."""
+"""The FastAPI app: OpenAI-shaped routes over a backend (the embedded ``BackgroundService``, or Triton).
+
+The routes are plain module-level functions; ``create_app`` wires them to one app and puts what they
+read (backend, metrics, model name, key) on ``app.state.gateway``."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import hmac
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +21,7 @@ from vericache.engine.options import InvalidOption, RequestOptions, resolve_opti
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.metrics import Metrics, metrics_sink, refresh_gauges
-from vericache.serving.service import EngineService, QueueFull, ServiceStopped
+from vericache.serving.service import BackgroundService, QueueFull, ServiceStopped
 from vericache.serving.trace import TraceFile, tee
 from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
 from vericache_gateway.protocol import ChatRequest, CompletionRequest, chat_prompt, error_body
@@ -30,173 +34,215 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
-def create_app(backend: EngineService | EmbeddedBackend | TritonBackend, model_name: str = DEFAULT_MODEL,
+@dataclass
+class Gateway:
+    """What the routes read, on ``app.state.gateway``: one app, one backend."""
+    backend: EmbeddedBackend | TritonBackend
+    metrics: Metrics
+    model_name: str
+    api_key: str | None
+    max_body_bytes: int
+
+
+def create_app(backend: BackgroundService | EmbeddedBackend | TritonBackend, model_name: str = DEFAULT_MODEL,
                api_key: str | None = None, max_body_bytes: int = 1 << 20, trace: str | None = None) -> FastAPI:
-    """``trace``: also write the engine's events to this JSON-lines file (``serving.trace``)."""
-    if isinstance(backend, EngineService):
+    """The routes below on one app; ``trace``: also write the engine's events to this JSON-lines file
+    (``serving.trace``)."""
+    if isinstance(backend, BackgroundService):
         backend = EmbeddedBackend(backend)
     metrics = Metrics(model_name, backend.mode, backend.compressor)
     backend.set_metrics_sink(tee(metrics_sink(metrics), TraceFile(trace) if trace else None))
     app = FastAPI(title="VeriCache", version="0.1.0")
-    app.state.backend, app.state.metrics = backend, metrics
-
-    def fail(status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
-        metrics.lab(metrics.errors, status=str(status)).inc()
-        return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
-        return fail(exc.status, exc.message, exc.type, exc.param, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_, exc: RequestValidationError):
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", [])[1:]) or None
-        return fail(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), "invalid_request_error", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        return fail(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return fail(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}", "invalid_request_error")
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):  # constant-time comparison
-                return fail(401, "missing or invalid API key", "authentication_error")
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health():
-        if not await backend.ready():
-            return fail(503, "backend is not ready", "server_error")
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "vericache"}]}
-
-    @app.get("/metrics")
-    async def prometheus():
-        refresh_gauges(backend.gauges(), metrics)
-        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if len(body.prompt) == 1 else None)
-        if prompt is None:
-            raise APIError(400, "prompt must be a string or a list with exactly one string", param="prompt")
-        return await _serve(request, body, prompt, body.max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        try:
-            prompt = chat_prompt(body.messages, backend.tokenizer)
-        except Exception as exc:  # noqa: BLE001 - a template that fails to render is the request's problem
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from None
-        return await _serve(request, body, prompt, body.max_completion_tokens or body.max_tokens,
-                            chat=True)
-
-    async def _serve(request: Request, body, prompt: str, max_tokens: int | None, chat: bool):
-        if body.model != model_name:
-            raise APIError(400, f"model {body.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", type_="invalid_request_error")
-        options, labels = _request_options(body, backend)
-        if not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
-        ids = backend.tokenizer.encode(prompt)
-        try:
-            params = SamplingParams(max_tokens=max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
-                                    top_k=body.top_k, seed=body.seed, stop=body.stop)
-            backend.check(ids, params)
-        except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from None
-        if not await backend.ready():
-            raise APIError(503, "backend is not ready", "server_error")
-        deltas = _deltas(backend.generate(ids, params, options, request.is_disconnected), labels)
-        try:
-            first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
-        except StopAsyncIteration:
-            raise APIError(499, "client closed the request") from None
-        metrics.lab(metrics.prompt_tokens, **labels).inc(len(ids))
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(_chain(first, deltas), rid, chat, include_usage, len(ids)),
-                                     media_type="text/event-stream")
-        text, reason, stats, n_out = "", None, {}, 0
-        async for delta in _chain(first, deltas):
-            text += delta.text
-            n_out += len(delta.token_ids)
-            if delta.finished:
-                reason, stats = delta.finish_reason, delta.stats
-        return _response(rid, chat, text, reason, {"completion_tokens": n_out, **stats}, len(ids))
-
-    async def _deltas(source, labels: dict):
-        """Deltas with latency metrics (labelled with the request's mode and compressor); backend
-        errors become HTTP errors."""
-        t0, last = time.perf_counter(), None
-        try:
-            async for delta in source:
-                now = time.perf_counter()
-                if delta.token_ids:
-                    if last is None:
-                        metrics.lab(metrics.ttft, **labels).observe(now - t0)
-                    else:
-                        metrics.lab(metrics.itl, **labels).observe((now - last) / len(delta.token_ids))
-                    last = now
-                    metrics.lab(metrics.generation_tokens, **labels).inc(len(delta.token_ids))
-                if delta.finished and delta.finish_reason == "error":
-                    raise APIError(delta.stats.get("status", 500),
-                                   f"generation failed: {delta.stats.get('error', 'engine error')}", "server_error")
-                yield delta
-        except QueueFull as exc:
-            raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
-        except (ServiceStopped, BackendUnavailable) as exc:
-            raise APIError(503, str(exc), "server_error") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-        finally:
-            await source.aclose()  # leaving early aborts the request in the backend
-
-    async def _sse(deltas, rid: str, chat: bool, include_usage: bool, n_prompt: int):
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name}
-        first, n_out = True, 0
-        try:
-            async for delta in deltas:
-                n_out += len(delta.token_ids)
-                if chat:
-                    d = {"content": delta.text} if not first else {"role": "assistant", "content": delta.text}
-                    choice = {"index": 0, "delta": d, "finish_reason": delta.finish_reason}
-                else:
-                    choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
-                first = False
-                chunk = {**head, "choices": [choice]}
-                if delta.finished:
-                    chunk["vericache"] = delta.stats
-                yield f"data: {json.dumps(chunk)}\n\n"
-                if delta.finished and include_usage:
-                    usage = _usage({"completion_tokens": n_out, **delta.stats}, n_prompt)
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
-        except APIError as exc:  # the headers are sent: the error goes in the stream, OpenAI-shaped
-            yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    def _response(rid, chat, text, reason, stats, n_prompt):
-        created = int(time.time())
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": _usage(stats, n_prompt), "vericache": stats}
-
+    app.state.gateway = Gateway(backend, metrics, model_name, api_key, max_body_bytes)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.middleware("http")(guard)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/metrics", prometheus, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def fail(gw: Gateway, status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
+    """An OpenAI-shaped error response, counted."""
+    gw.metrics.lab(gw.metrics.errors, status=str(status)).inc()
+    return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+
+
+# ---------------------------------------------------------------------- errors and the guard
+async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    return fail(gateway_of(request), exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", [])[1:]) or None
+    return fail(gateway_of(request), 400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")),
+                "invalid_request_error", param)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return fail(gateway_of(request), exc.status_code, str(exc.detail),
+                "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+
+async def guard(request: Request, call_next):
+    """Body size limit and the bearer key, before any route runs."""
+    gw = gateway_of(request)
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > gw.max_body_bytes:
+        return fail(gw, 413, f"request body of {size} bytes exceeds the limit of {gw.max_body_bytes}",
+                    "invalid_request_error")
+    if gw.api_key and request.url.path.startswith("/v1/"):
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), gw.api_key.encode()):  # constant-time comparison
+            return fail(gw, 401, "missing or invalid API key", "authentication_error")
+    return await call_next(request)
+
+
+# ---------------------------------------------------------------------- routes
+async def health(request: Request):
+    gw = gateway_of(request)
+    if not await gw.backend.ready():
+        return fail(gw, 503, "backend is not ready", "server_error")
+    return {"status": "ok"}
+
+
+async def models(request: Request):
+    return {"object": "list", "data": [{"id": gateway_of(request).model_name, "object": "model", "created": 0,
+                                        "owned_by": "vericache"}]}
+
+
+async def prometheus(request: Request):
+    gw = gateway_of(request)
+    refresh_gauges(gw.backend.gauges(), gw.metrics)
+    return PlainTextResponse(generate_latest(gw.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+
+async def completions(body: CompletionRequest, request: Request):
+    prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if len(body.prompt) == 1 else None)
+    if prompt is None:
+        raise APIError(400, "prompt must be a string or a list with exactly one string", param="prompt")
+    return await serve_request(gateway_of(request), request, body, prompt, body.max_tokens, chat=False)
+
+
+async def chat_completions(body: ChatRequest, request: Request):
+    gw = gateway_of(request)
+    try:
+        prompt = chat_prompt(body.messages, gw.backend.tokenizer)
+    except Exception as exc:  # noqa: BLE001 - a template that fails to render is the request's problem
+        raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+    return await serve_request(gw, request, body, prompt, body.max_completion_tokens or body.max_tokens, chat=True)
+
+
+# ---------------------------------------------------------------------- one generation
+async def serve_request(gw: Gateway, request: Request, body, prompt: str, max_tokens: int | None, chat: bool):
+    """Validate, generate, and answer as one JSON body or a stream of server-sent events."""
+    backend = gw.backend
+    if body.model != gw.model_name:
+        raise APIError(400, f"model {body.model!r} does not exist; this server serves {gw.model_name!r}",
+                       param="model", type_="invalid_request_error")
+    options, labels = _request_options(body, backend)
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    ids = backend.tokenizer.encode(prompt)
+    try:
+        params = SamplingParams(max_tokens=max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
+                                top_k=body.top_k, seed=body.seed, stop=body.stop)
+        backend.check(ids, params)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from None
+    if not await backend.ready():
+        raise APIError(503, "backend is not ready", "server_error")
+    deltas = _deltas(gw.metrics, backend.generate(ids, params, options, request.is_disconnected), labels)
+    try:
+        first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
+    except StopAsyncIteration:
+        raise APIError(499, "client closed the request") from None
+    gw.metrics.lab(gw.metrics.prompt_tokens, **labels).inc(len(ids))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(gw.model_name, _chain(first, deltas), rid, chat, include_usage, len(ids)),
+                                 media_type="text/event-stream")
+    text, reason, stats, n_out = "", None, {}, 0
+    async for delta in _chain(first, deltas):
+        text += delta.text
+        n_out += len(delta.token_ids)
+        if delta.finished:
+            reason, stats = delta.finish_reason, delta.stats
+    return _response(gw.model_name, rid, chat, text, reason, {"completion_tokens": n_out, **stats}, len(ids))
+
+
+async def _deltas(metrics: Metrics, source, labels: dict):
+    """Deltas with latency metrics (labelled with the request's mode and compressor); backend
+    errors become HTTP errors."""
+    t0, last = time.perf_counter(), None
+    try:
+        async for delta in source:
+            now = time.perf_counter()
+            if delta.token_ids:
+                if last is None:
+                    metrics.lab(metrics.ttft, **labels).observe(now - t0)
+                else:
+                    metrics.lab(metrics.itl, **labels).observe((now - last) / len(delta.token_ids))
+                last = now
+                metrics.lab(metrics.generation_tokens, **labels).inc(len(delta.token_ids))
+            if delta.finished and delta.finish_reason == "error":
+                raise APIError(delta.stats.get("status", 500),
+                               f"generation failed: {delta.stats.get('error', 'engine error')}", "server_error")
+            yield delta
+    except QueueFull as exc:
+        raise APIError(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"}) from None
+    except (ServiceStopped, BackendUnavailable) as exc:
+        raise APIError(503, str(exc), "server_error") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    finally:
+        await source.aclose()  # leaving early aborts the request in the backend
+
+
+async def _sse(model_name: str, deltas, rid: str, chat: bool, include_usage: bool, n_prompt: int):
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model_name}
+    first, n_out = True, 0
+    try:
+        async for delta in deltas:
+            n_out += len(delta.token_ids)
+            if chat:
+                d = {"content": delta.text} if not first else {"role": "assistant", "content": delta.text}
+                choice = {"index": 0, "delta": d, "finish_reason": delta.finish_reason}
+            else:
+                choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
+            first = False
+            chunk = {**head, "choices": [choice]}
+            if delta.finished:
+                chunk["vericache"] = delta.stats
+            yield f"data: {json.dumps(chunk)}\n\n"
+            if delta.finished and include_usage:
+                usage = _usage({"completion_tokens": n_out, **delta.stats}, n_prompt)
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+    except APIError as exc:  # the headers are sent: the error goes in the stream, OpenAI-shaped
+        yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _response(model_name: str, rid, chat, text, reason, stats, n_prompt):
+    created = int(time.time())
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model_name, "choices": [choice], "usage": _usage(stats, n_prompt), "vericache": stats}
 
 
 async def _chain(first, rest):

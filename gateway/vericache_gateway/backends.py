@@ -17,7 +17,7 @@ import numpy as np
 from vericache.engine.options import RequestOptions, ResolvedOptions
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
-from vericache.serving.service import Delta, EngineService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
+from vericache.serving.service import Delta, BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
 
 class BackendUnavailable(RuntimeError):
@@ -25,16 +25,16 @@ class BackendUnavailable(RuntimeError):
 
 
 class EmbeddedBackend:
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: BackgroundService) -> None:
         self.service = service
-        eng = service.serving.eng
-        self.tokenizer, self.mode = eng.tokenizer, eng.mode
-        self.compressor = eng.compressor.spec() if eng.mode != "full" else ""
-        self.defaults = eng.defaults
-        self.max_context = eng.max_context
+        runner = service.loop.runner
+        self.tokenizer, self.mode = runner.tokenizer, runner.mode
+        self.compressor = runner.compressor.spec() if runner.mode != "full" else ""
+        self.defaults = runner.defaults
+        self.max_context = runner.max_context
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
-        self.service.serving.eng.check_request(ids, params)
+        self.service.loop.runner.check_request(ids, params)
 
     async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
                        disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
@@ -61,11 +61,11 @@ class EmbeddedBackend:
         return self.service.healthy()
 
     def gauges(self) -> dict:
-        srv = self.service.serving
-        link = srv.link
+        loop = self.service.loop
+        link = loop.link
         return {"running": self.service.num_running(), "waiting": self.service.num_waiting(),
-                "kv_device": srv.device.used_bytes, "kv_host": srv.host.used_bytes,
-                "kv_usage": srv.device.usage(), "link": None if link is None else
+                "kv_device": loop.device.used_bytes, "kv_host": loop.host.used_bytes,
+                "kv_usage": loop.device.usage(), "link": None if link is None else
                 (link.kind, link.stats.bytes_moved, link.stats.busy_s)}
 
     def set_metrics_sink(self, sink) -> None:

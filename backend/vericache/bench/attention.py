@@ -43,10 +43,10 @@ def _best_ms(fn, repeats: int) -> float:
 def run_attention(model: str, context: int, compressors: list[str], repeats: int = 10, dtype: str | None = None,
                   device: str | None = None, log=print) -> dict:
     llm = LLM(model, device=device, dtype=dtype)
-    eng, cfg, loaded = llm.engine, llm.loaded.config, llm.loaded
+    runner, cfg, loaded = llm.runner, llm.loaded.config, llm.loaded
     prompt = code_prompt(llm.tokenizer, context)
     t0 = time.perf_counter()
-    shared = eng.shared_prefill(eng.new_sequence(0, prompt, SamplingParams(max_tokens=1)))
+    shared = runner.shared_prefill(runner.new_sequence(0, prompt, SamplingParams(max_tokens=1)))
     log(f"prefill of {context} tokens: {time.perf_counter() - t0:.0f} s ({loaded.name}, KV {loaded.kv_dtype})")
     roof = roofline.measure(llm, log)
     bandwidth = roof.read_bytes_per_s / 1e9
@@ -56,7 +56,7 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
     kv = torch.randn(hkv, 1, d, generator=g).to(loaded.kv_dtype)
     token = torch.tensor([prompt[-1]], device=loaded.device)
     rows = []
-    seq = eng.new_sequence(0, prompt, SamplingParams(max_tokens=1))
+    seq = runner.new_sequence(0, prompt, SamplingParams(max_tokens=1))
     for spec in ["full", "full:torch", *compressors]:
         cache = full = shared.reset(seq)
         torch_kernels = spec == "full:torch"  # the same parts through PyTorch's per-part kernels, side by side

@@ -13,9 +13,16 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, markdown_table
+from vericache.bench.common import (
+    RowPredictor,
+    code_prompt,
+    cpu_model,
+    engine_for,
+    markdown_table,
+    shared_prefills,
+)
 from vericache.engine.memory import KVMemory
-from vericache.engine.serving import ServingEngine
+from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache.sim import roofline
@@ -33,34 +40,34 @@ def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
     return [ids[997 * i : 997 * i + context] for i in range(n)]
 
 
-def decode_all(srv: ServingEngine, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True) -> dict:
+def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True) -> dict:
     """Add every sequence with its shared prefill, step to the end; time and peak resident bytes.
 
     With ``from_first_tokens`` the decode is timed from the step after every request has its first
     token; otherwise from the first step (requests that wait for admission are part of it). Either
     way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode."""
-    rids = [srv.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
+    rids = [loop.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
     t_load = time.perf_counter()
-    while from_first_tokens and srv.has_unfinished() and not all(s.output_ids for s in seqs):
-        srv.step()
+    while from_first_tokens and loop.has_unfinished() and not all(s.output_ids for s in seqs):
+        loop.step()
     before = sum(len(s.output_ids) for s in seqs)
     t0, last, steps, peak = time.perf_counter(), time.perf_counter(), 0, 0
-    while srv.has_unfinished():
-        srv.step()
+    while loop.has_unfinished():
+        loop.step()
         steps += 1
-        peak = max(peak, sum(KVMemory.resident_bytes(r) for r in srv.requests.values() if not r.done))
+        peak = max(peak, sum(KVMemory.resident_bytes(r) for r in loop.requests if not r.done))
         if time.perf_counter() - last > 15:
             done = sum(len(s.output_ids) for s in seqs)
             log(f"  {label}: {done} tokens after {time.perf_counter() - t0:.0f} s")
             last = time.perf_counter()
-    failed = [srv.requests[r].error for r in rids if srv.requests[r].error]
+    failed = [loop.requests[r].error for r in rids if loop.requests[r].error]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0]}")
     # loading shared prefills inside the timed span (requests admitted later) is prefill work too
-    load_in_span = sum(e - s for s, e, k in srv.instruments.intervals if k == "load" and s >= t0)
+    load_in_span = sum(e - s for s, e, k in loop.instruments.intervals if k == "load" and s >= t0)
     return {"decode_s": time.perf_counter() - t0 - load_in_span, "steps": steps, "kv_resident_bytes": peak,
             "load_s": t0 - t_load + load_in_span, "decoded": sum(len(s.output_ids) for s in seqs) - before,
-            "step_records": [s for s in srv.instruments.steps if s.start >= t0]}
+            "step_records": [s for s in loop.instruments.steps if s.start >= t0]}
 
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
@@ -69,25 +76,23 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
-    eng, tok, engines = llm.engine, llm.tokenizer, {}
+    runner, tok, engines = llm.runner, llm.tokenizer, {}
     prompts = distinct_prompts(tok, n_requests, context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each, {llm.loaded.name} "
         f"(weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}) on {llm.loaded.device}; compressor {compressor}")
-    t0, prefills = time.perf_counter(), []
-    for i, p in enumerate(prompts):
-        prefills.append(eng.shared_prefill(eng.new_sequence(i, p, params)))
-        log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
+    t0 = time.perf_counter()
+    prefills = shared_prefills(runner, prompts, params, log)
     prefill_s = time.perf_counter() - t0
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     predictor = RowPredictor(llm, context, roof.weights_s, log) if roof is not None else None
     rows, reference, runs = [], None, {}
     for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
         mode_eng, base = engine_for(llm, mode, engines)
-        seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+        seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
         opts = mode_eng.resolve(None)
-        srv = ServingEngine(mode_eng, offload=False)
-        res = decode_all(srv, seqs, opts, prefills, log, mode)
+        loop = StepLoop(mode_eng, offload=False)
+        res = decode_all(loop, seqs, opts, prefills, log, mode)
         runs[mode] = (base, res["step_records"])
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
@@ -113,11 +118,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         rows += llama_cpp_bench.rows(model, prompts, max_tokens, log, llamacpp_flash_attn, llamacpp_copies)
     if roof is not None:  # measured again after the runs: each figure's better value counts
         roof = roof.best(roofline.measure(llm, log))
-    full = next((r for r in rows if r["mode"] == "full"), None)
-    for r in rows:
-        r["x_full"] = round(r["tokens_per_s"] / full["tokens_per_s"], 2) if full else None
-        if full and "kv_resident_bytes" in r:
-            r["kv_resident_x_full"] = round(r["kv_resident_bytes"] / full["kv_resident_bytes"], 3)
+    add_x_full(rows)
     return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."), "cpu": cpu_model(),
             "threads": torch.get_num_threads(), "prefill_s": round(prefill_s, 1),
             "rows": rows, "roofline": roof.to_dict() if roof else None,
@@ -126,6 +127,15 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
             "stalls": [{"mode": label} | st for label, (m, steps) in runs.items()
                        if (st := roofline.stall(steps, m)) is not None],
             "step_records": runs}
+
+
+def add_x_full(rows: list[dict]) -> None:
+    """Each row's tokens/s and resident KV over the full mode's in the same run."""
+    full = next((r for r in rows if r["mode"] == "full"), None)
+    for r in rows:
+        r["x_full"] = round(r["tokens_per_s"] / full["tokens_per_s"], 2) if full else None
+        if full and "kv_resident_bytes" in r:
+            r["kv_resident_x_full"] = round(r["kv_resident_bytes"] / full["kv_resident_bytes"], 3)
 
 
 def batch_markdown(res: dict) -> str:

@@ -35,6 +35,29 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_decode(bsub) -> None:
+    from vericache.engine.runner import DEFAULT_COMPRESSOR
+
+    b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
+    b.add_argument("--model", default=DEFAULT_MODEL)
+    b.add_argument("--modes", default="full",
+                   help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
+                         "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
+    b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
+    b.add_argument("--draft-len", default="auto", type=draft_len)
+    b.add_argument("--context", type=ints, default=[1024, 4096, 16384])
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
+    b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
+    b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    b.add_argument("--roofline-plot", default=None, help="PNG: every decode step's time against its roofline")
+    b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
+    b.set_defaults(func=_cmd_decode)
+
+
 def _cmd_throughput(args: argparse.Namespace) -> int:
     import torch
 
@@ -65,6 +88,33 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_throughput(bsub) -> None:
+    t = bsub.add_parser("throughput", help="full under a budget vs lossy vs vericache naive/staggered/grouped")
+    t.add_argument("--model", default=DEFAULT_MODEL)
+    t.add_argument("--requests", type=int, default=12)
+    t.add_argument("--context", type=int, default=4096)
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--device-budget", type=float, default=0.25,
+                   help="device KV budget: a fraction (<= 1) of all requests' full KV, or bytes")
+    t.add_argument("--device-budget-gb", type=float, default=None,
+                   help="device KV budget in GB (overrides --device-budget)")
+    t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
+    t.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
+    t.add_argument("--calibration", default=None,
+                   help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
+    t.add_argument("--compressor", default="snapkv:ratio=0.125")
+    t.add_argument("--modes", default="full,lossy,vericache-naive,vericache-staggered,vericache-grouped",
+                   help="comma-separated, among full, lossy, vericache-naive, vericache-staggered, vericache-grouped")
+    t.add_argument("--resident-layers", type=int, default=0,
+                   help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
+    t.add_argument("--device", default=None)
+    t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--plot", default=None, help="timeline PNG of link and compute per mode")
+    t.add_argument("--record", default=None)
+    t.set_defaults(func=_cmd_throughput)
+
+
 def _cmd_prefix(args) -> int:
     from vericache.bench.common import record
     from vericache.bench.prefix import prefix_markdown, run_prefix_bench
@@ -88,6 +138,29 @@ def _cmd_prefix(args) -> int:
     return 0
 
 
+def _add_prefix(bsub) -> None:
+    px = bsub.add_parser("prefix", help="remote prefix caching on a shaped network (root): recompute, "
+                         "full-remote (per-device threads and all threads), lossy-remote, vericache")
+    px.add_argument("--model", default=DEFAULT_MODEL)
+    px.add_argument("--prefix-tokens", type=int, default=6000)
+    px.add_argument("--requests", type=int, default=4)
+    px.add_argument("--max-tokens", type=int, default=64)
+    px.add_argument("--slow-gbps", type=float, default=1.0)
+    px.add_argument("--rtt-ms", type=float, default=20.0)
+    px.add_argument("--fast-gbps", type=float, default=25.0)
+    px.add_argument("--compressor", default="snapkv:ratio=0.125")
+    px.add_argument("--modes", default="recompute,full-remote,full-remote-all,lossy-remote,vericache")
+    px.add_argument("--threads-per-device", type=int, default=1,
+                    help="threads of each engine (full-remote's, the drafter, the verifier): one device each; "
+                         "full-remote-all gets every core")
+    px.add_argument("--no-predict", action="store_true", help="skip the cost model's rows (measuring its step costs)")
+    px.add_argument("--draft-dtype", default="float32", help="the drafter's weights (lossy-remote, vericache)")
+    px.add_argument("--json", action="store_true")
+    px.add_argument("--plot", default=None, help="write the timeline PNG here")
+    px.add_argument("--record", default=None)
+    px.set_defaults(func=_cmd_prefix)
+
+
 def _cmd_attention(args) -> int:
     import torch
 
@@ -104,6 +177,22 @@ def _cmd_attention(args) -> int:
     record(args.record, "Attention over compressed KV", attention_markdown(res)
            + (f"\n\n![attention]({Path(args.plot).name})" if args.plot else ""), args.argv)
     return 0
+
+
+def _add_attention(bsub) -> None:
+    at = bsub.add_parser("attention", help="per compressor: KV bytes a draft step reads, attention time, GB/s")
+    at.add_argument("--model", default=DEFAULT_MODEL)
+    at.add_argument("--context", type=int, default=8000)
+    at.add_argument("--compressors", default="snapkv:ratio=0.125,kivi:bits=2,kivi:bits=4,int4,int8,fp8,"
+                    "snapkv:ratio=0.125+kivi:bits=2", help="comma-separated compressor specs")
+    at.add_argument("--repeats", type=int, default=10)
+    at.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
+    at.add_argument("--device", default=None)
+    at.add_argument("--threads", type=int, default=0)
+    at.add_argument("--json", action="store_true")
+    at.add_argument("--plot", default=None, help="write a PNG here")
+    at.add_argument("--record", default=None)
+    at.set_defaults(func=_cmd_attention)
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
@@ -130,73 +219,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve_load(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from vericache.bench.common import record
-    from vericache.bench.serve import run_load
-
-    if args.requests is None and args.duration is None:
-        raise ValueError("give --requests N or --duration SECONDS")
-    res = asyncio.run(run_load(args.url.rstrip("/"), args.model, args.concurrency, args.requests, args.duration,
-                               args.max_tokens, args.request_rate, args.cancel_prob, args.seed, args.server_pid,
-                               log=progress(args)))
-    text = json.dumps(res, indent=None if args.json else 2)
-    print(text)
-    record(args.record, "Serving load" + (" (soak)" if args.duration else ""), f"```json\n{json.dumps(res, indent=2)}\n```",
-           args.argv)
-    return 0
-
-
-def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from vericache.engine.engine import DEFAULT_COMPRESSOR
-
-    b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
-    b.add_argument("--model", default=DEFAULT_MODEL)
-    b.add_argument("--modes", default="full",
-                   help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
-                         "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
-    b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
-    b.add_argument("--draft-len", default="auto", type=draft_len)
-    b.add_argument("--context", type=ints, default=[1024, 4096, 16384])
-    b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--threads", type=int, default=0)
-    b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
-    b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
-    b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
-    b.add_argument("--json", action="store_true")
-    b.add_argument("--plot", default=None, help="write a PNG bar chart here")
-    b.add_argument("--roofline-plot", default=None, help="PNG: every decode step's time against its roofline")
-    b.add_argument("--record", default=None, help="append the figures and the command to this markdown file")
-    b.set_defaults(func=_cmd_decode)
-
-    t = bsub.add_parser("throughput", help="full under a budget vs lossy vs vericache naive/staggered/grouped")
-    t.add_argument("--model", default=DEFAULT_MODEL)
-    t.add_argument("--requests", type=int, default=12)
-    t.add_argument("--context", type=int, default=4096)
-    t.add_argument("--max-tokens", type=int, default=64)
-    t.add_argument("--device-budget", type=float, default=0.25,
-                   help="device KV budget: a fraction (<= 1) of all requests' full KV, or bytes")
-    t.add_argument("--device-budget-gb", type=float, default=None,
-                   help="device KV budget in GB (overrides --device-budget)")
-    t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
-    t.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
-    t.add_argument("--calibration", default=None,
-                   help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
-    t.add_argument("--compressor", default="snapkv:ratio=0.125")
-    t.add_argument("--modes", default="full,lossy,vericache-naive,vericache-staggered,vericache-grouped",
-                   help="comma-separated, among full, lossy, vericache-naive, vericache-staggered, vericache-grouped")
-    t.add_argument("--resident-layers", type=int, default=0,
-                   help="also run vericache-resident: staggered with this many layers of each full KV kept on the device")
-    t.add_argument("--device", default=None)
-    t.add_argument("--threads", type=int, default=0)
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--plot", default=None, help="timeline PNG of link and compute per mode")
-    t.add_argument("--record", default=None)
-    t.set_defaults(func=_cmd_throughput)
-
+def _add_batch(bsub) -> None:
     bt = bsub.add_parser("batch", help="N long requests decoded together, all KV in one memory (shared prefill)")
     bt.add_argument("--model", default=DEFAULT_MODEL)
     bt.add_argument("--requests", type=int, default=16)
@@ -220,41 +243,26 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--record", default=None)
     bt.set_defaults(func=_cmd_batch)
 
-    at = bsub.add_parser("attention", help="per compressor: KV bytes a draft step reads, attention time, GB/s")
-    at.add_argument("--model", default=DEFAULT_MODEL)
-    at.add_argument("--context", type=int, default=8000)
-    at.add_argument("--compressors", default="snapkv:ratio=0.125,kivi:bits=2,kivi:bits=4,int4,int8,fp8,"
-                    "snapkv:ratio=0.125+kivi:bits=2", help="comma-separated compressor specs")
-    at.add_argument("--repeats", type=int, default=10)
-    at.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
-    at.add_argument("--device", default=None)
-    at.add_argument("--threads", type=int, default=0)
-    at.add_argument("--json", action="store_true")
-    at.add_argument("--plot", default=None, help="write a PNG here")
-    at.add_argument("--record", default=None)
-    at.set_defaults(func=_cmd_attention)
 
-    px = bsub.add_parser("prefix", help="remote prefix caching on a shaped network (root): recompute, "
-                         "full-remote (per-device threads and all threads), lossy-remote, vericache")
-    px.add_argument("--model", default=DEFAULT_MODEL)
-    px.add_argument("--prefix-tokens", type=int, default=6000)
-    px.add_argument("--requests", type=int, default=4)
-    px.add_argument("--max-tokens", type=int, default=64)
-    px.add_argument("--slow-gbps", type=float, default=1.0)
-    px.add_argument("--rtt-ms", type=float, default=20.0)
-    px.add_argument("--fast-gbps", type=float, default=25.0)
-    px.add_argument("--compressor", default="snapkv:ratio=0.125")
-    px.add_argument("--modes", default="recompute,full-remote,full-remote-all,lossy-remote,vericache")
-    px.add_argument("--threads-per-device", type=int, default=1,
-                    help="threads of each engine (full-remote's, the drafter, the verifier): one device each; "
-                         "full-remote-all gets every core")
-    px.add_argument("--no-predict", action="store_true", help="skip the cost model's rows (measuring its step costs)")
-    px.add_argument("--draft-dtype", default="float32", help="the drafter's weights (lossy-remote, vericache)")
-    px.add_argument("--json", action="store_true")
-    px.add_argument("--plot", default=None, help="write the timeline PNG here")
-    px.add_argument("--record", default=None)
-    px.set_defaults(func=_cmd_prefix)
+def _cmd_serve_load(args: argparse.Namespace) -> int:
+    import asyncio
 
+    from vericache.bench.common import record
+    from vericache.bench.serve import run_load
+
+    if args.requests is None and args.duration is None:
+        raise ValueError("give --requests N or --duration SECONDS")
+    res = asyncio.run(run_load(args.url.rstrip("/"), args.model, args.concurrency, args.requests, args.duration,
+                               args.max_tokens, args.request_rate, args.cancel_prob, args.seed, args.server_pid,
+                               log=progress(args)))
+    text = json.dumps(res, indent=None if args.json else 2)
+    print(text)
+    record(args.record, "Serving load" + (" (soak)" if args.duration else ""), f"```json\n{json.dumps(res, indent=2)}\n```",
+           args.argv)
+    return 0
+
+
+def _add_serve(bsub) -> None:
     sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--model", default=DEFAULT_MODEL)
@@ -269,3 +277,16 @@ def add_bench_parser(sub) -> None:
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--record", default=None)
     sv.set_defaults(func=_cmd_serve_load)
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_decode(bsub)
+    _add_throughput(bsub)
+    _add_batch(bsub)
+    _add_attention(bsub)
+    _add_prefix(bsub)
+    _add_serve(bsub)
+
+

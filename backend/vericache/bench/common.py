@@ -6,6 +6,7 @@ import datetime
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from vericache.eval.run_model_eval import heldout_tokens
@@ -33,11 +34,11 @@ def engine_for(llm, label: str, engines: dict):
     are made once per label."""
     mode, weights, compressor = label_parts(label)
     if label not in engines:
-        from vericache.engine.engine import Engine
+        from vericache.engine.runner import ModelRunner
 
-        e = llm.engine
+        e = llm.runner
         draft_len = "auto" if e.policy.fixed is None else e.policy.fixed
-        engines[label] = Engine(llm.loaded, mode=mode, compressor=compressor or e.compressor, draft_len=draft_len,
+        engines[label] = ModelRunner(llm.loaded, mode=mode, compressor=compressor or e.compressor, draft_len=draft_len,
                                 prefill_chunk=e.prefill_chunk, draft_weights=weights)
     return engines[label], mode
 
@@ -93,15 +94,25 @@ class RowPredictor:
                      f"{c.verify_row * 1e3:.2f} per row; one compression move {self.moves[key] * 1e3:.1f} ms")
         return self.costs[key], self.moves[key]
 
-    def __call__(self, eng, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
+    def __call__(self, runner, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
         from vericache.model.draft_weights import measured_choice
         from vericache.sim.step_costs import predict_tokens_per_s
 
-        comp, matmuls = eng.compressor, None
-        if mode == "vericache" and eng.draft_weights != "fp32":
-            eng.draft_kind(1)   # builds the copies
-            choice, kind = measured_choice(eng.model), eng.draft_weights
+        comp, matmuls = runner.compressor, None
+        if mode == "vericache" and runner.draft_weights != "fp32":
+            runner.draft_kind(1)   # builds the copies
+            choice, kind = measured_choice(runner.model), runner.draft_weights
             matmuls = lambda rows: choice.seconds_at(kind, rows)  # noqa: E731
         costs, move = self._measured(comp)
         return predict_tokens_per_s(costs, mode, n, tokens_per_round, drafted_per_round, matmuls,
                                     move if mode != "full" else 0.0, comp.window)
+
+
+def shared_prefills(base, prompts: list[list[int]], params, log) -> list:
+    """Each prompt prefilled once, exactly, on ``base`` (a ``ModelRunner``): every mode of a bench
+    loads the same prefills. Progress through ``log``."""
+    t0, prefills = time.perf_counter(), []
+    for i, p in enumerate(prompts):
+        prefills.append(base.shared_prefill(base.new_sequence(i, p, params)))
+        log(f"  prefill {i + 1}/{len(prompts)}: {time.perf_counter() - t0:.0f} s")
+    return prefills

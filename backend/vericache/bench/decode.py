@@ -14,7 +14,7 @@ import torch
 from vericache.bench import llama_cpp_bench
 from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, markdown_table
 from vericache.engine.options import RequestOptions
-from vericache.engine.serving import ServingEngine
+from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache.sim import roofline
@@ -40,16 +40,16 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
-def generate_with_steps(eng, mode: str, prompt: list[int], params: SamplingParams) -> tuple:
-    """``eng.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
-    srv = ServingEngine(eng, offload=False, prefill_chunk=eng.prefill_chunk)
-    seq = eng.new_sequence(0, prompt, params)
-    rid = srv.add_sequence(seq, eng.resolve(RequestOptions(mode=mode)))
-    while srv.has_unfinished():
-        srv.step()
-    if srv.requests[rid].error:
-        raise RuntimeError(f"{mode}: {srv.requests[rid].error}")
-    return seq.to_output(), list(srv.instruments.steps)
+def generate_with_steps(runner, mode: str, prompt: list[int], params: SamplingParams) -> tuple:
+    """``runner.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
+    loop = StepLoop(runner, offload=False, prefill_chunk=runner.prefill_chunk)
+    seq = runner.new_sequence(0, prompt, params)
+    rid = loop.add_sequence(seq, runner.resolve(RequestOptions(mode=mode)))
+    while loop.has_unfinished():
+        loop.step()
+    if loop.requests[rid].error:
+        raise RuntimeError(f"{mode}: {loop.requests[rid].error}")
+    return seq.to_output(), list(loop.instruments.steps)
 
 
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
@@ -57,10 +57,12 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
                      device: str = "cpu", log=print, llamacpp: bool = True) -> dict:
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
     each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
+    # Long: one bench run read top to bottom (per context: every mode on the same prompt, side by side,
+    # then the baselines); the modes share the prompt, prefill and reference outputs.
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
-    eng, engines = llm.engine, {}
+    runner, engines = llm.runner, {}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    eng.generate([eng.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
+    runner.generate([runner.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     rows, roof_rows, runs = [], [], {}
     for ctx in contexts:

@@ -103,13 +103,13 @@ def identity_on_cuda(context: int = 2048, max_tokens: int = 48) -> list[dict]:
     from vericache.sampling import SamplingParams
 
     llm = LLM(DEFAULT_MODEL, device="cuda")
-    eng, params = llm.engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    runner, params = llm.runner, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompt = code_prompt(llm.tokenizer, context)
-    ref = eng.generate([eng.new_sequence(0, prompt, params)], "full")[0]
+    ref = runner.generate([runner.new_sequence(0, prompt, params)], "full")[0]
     rows = []
     for spec in FAMILIES:
-        eng.compressor = eng.defaults.compressor = parse_spec(spec)
-        out = eng.generate([eng.new_sequence(0, prompt, params)], "vericache")[0]
+        runner.compressor = runner.defaults.compressor = parse_spec(spec)
+        out = runner.generate([runner.new_sequence(0, prompt, params)], "vericache")[0]
         rows.append({"compressor": spec, "identical_to_full": out.token_ids == ref.token_ids,
                      "mean_acceptance_length": out.stats.get("mean_acceptance_length")})
         print(json.dumps(rows[-1]), flush=True)

@@ -104,6 +104,8 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
     """The modes, side by side in one run. Exact outputs (recompute, full-remote, the verifier)
     come from fp32 weights; the drafter's weights (lossy-remote, vericache's drafter) are
     ``draft_dtype``: its output is a draft, so a cheaper dtype only costs acceptance."""
+    # Long: one bench run read top to bottom (the network, the store, each mode's processes side by side,
+    # then the model's predictions); the modes share the network, prompts and reference outputs.
     bad = sorted(set(modes) - set(MODES))
     if bad or threads_per_device < 1:
         raise ValueError(f"modes must be among {MODES} (got {bad}) and threads_per_device >= 1 "

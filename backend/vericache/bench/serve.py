@@ -106,6 +106,10 @@ def rss_mb(pid: int) -> float | None:
 async def run_load(url: str, model: str, concurrency: int, requests: int | None, duration: float | None,
                    max_tokens: int, request_rate: float | None, cancel_prob: float, seed: int,
                    server_pid: int | None, log=print) -> dict:
+    """Closed-loop (``concurrency``) or Poisson (``request_rate``) streaming load for ``requests`` or
+    ``duration`` seconds; latency percentiles, errors, the server's RSS and its metrics' deltas."""
+    # Long: the load's workers and monitor are closures over one run's client, semaphore and results
+    # (asyncio's usual shape); the summary after them reads those results in place.
     rng = random.Random(seed)
     results: list[Result] = []
     before = scrape(url)

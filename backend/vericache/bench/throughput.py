@@ -7,14 +7,14 @@ bytes at the configured bandwidth, so every link figure from this command on CPU
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
 from vericache.bench.batch import decode_all, distinct_prompts
-from vericache.engine.engine import Engine
-from vericache.engine.serving import ServingEngine
+from vericache.bench.common import shared_prefills
+from vericache.engine.runner import ModelRunner
+from vericache.engine.step_loop import StepLoop
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
@@ -31,6 +31,8 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
     shared). ``device_budget``: bytes of KV the device may hold (> 1) or a fraction (<= 1) of all
     requests' full KV. ``resident_layers`` > 0 adds vericache-resident (staggered, with that many
     layers of every request's full KV kept on the device)."""
+    # Long: one bench run read top to bottom (setup, each mode on the same prefills side by side, the
+    # ratios); the modes share the prompts, prefills and reference outputs, which splitting would pass around.
     llm = LLM(model, device=device, dtype=dtype)
     prompts = distinct_prompts(llm.tokenizer, n_requests, context)
     per_pos = llm.loaded.config.kv_bytes_per_position(llm.loaded.kv_dtype.itemsize)
@@ -40,11 +42,8 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each; full KV of all: {all_full / 1e9:.2f} GB; "
         f"device budget {budget / 1e9:.2f} GB; link {link_gbps} Gbit/s ({'real PCIe' if cuda else 'emulated'})")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    base = Engine(llm.loaded, mode="full", compressor=compressor)
-    t0, prefills = time.perf_counter(), []
-    for i, p in enumerate(prompts):
-        prefills.append(base.shared_prefill(base.new_sequence(i, p, params)))
-        log(f"  prefill {i + 1}/{n_requests}: {time.perf_counter() - t0:.0f} s")
+    base = ModelRunner(llm.loaded, mode="full", compressor=compressor)
+    prefills = shared_prefills(base, prompts, params, log)
     cal_path = calibration or default_path(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."))
     cal = load(Path(cal_path)) if not cuda else None
     if cal is None and not cuda:
@@ -59,57 +58,67 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
         link = None
         if engine_mode == "vericache":
             link = CudaLink(llm.loaded.device) if cuda else EmulatedLink(link_gbps)
-        eng = Engine(llm.loaded, mode=engine_mode, compressor=compressor)
-        srv = ServingEngine(eng, device_budget=budget, scheduler=scheduler, link=link, resident_layers=resident)
-        seqs = [eng.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+        runner = ModelRunner(llm.loaded, mode=engine_mode, compressor=compressor)
+        loop = StepLoop(runner, device_budget=budget, scheduler=scheduler, link=link, resident_layers=resident)
+        seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
         try:
-            res = decode_all(srv, seqs, None, prefills, log, mode, from_first_tokens=False)
+            res = decode_all(loop, seqs, None, prefills, log, mode, from_first_tokens=False)
         except ValueError as exc:  # e.g. one request's verification buffer exceeds the budget
             rows.append({"mode": mode, "tokens_per_s": 0.0, "error": str(exc)})
             log(f"{mode}: cannot run: {exc}")
             continue
         if cuda:
             torch.cuda.synchronize()
-        wall = res["decode_s"]
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
-        decoded = sum(len(o) - 1 for o in outs)
-        rounds = sum(s.stats.get("rounds", 0) for s in seqs)
-        drafted = sum(s.stats.get("drafted_tokens", 0) for s in seqs)
-        link_busy = link.stats.busy_s if link is not None else 0.0
-        acceptance = decoded / rounds if rounds else 1.0
-        row = {"mode": mode, "tokens_per_s": round(res["decoded"] / wall, 2), "wall_s": round(wall, 2),
-               "identical_to_full": outs == reference if reference is not None else None,
-               "link_utilization": round(link_busy / wall, 3),
-               "compute_utilization": round(srv.instruments.busy_s() / wall, 3),
-               "link_bytes": link.stats.bytes_moved if link is not None else 0,
-               "mean_acceptance_length": round(acceptance, 2) if rounds else None,
-               "mean_groups": round(srv.schedule.mean_groups, 2) if scheduler == "grouped" else None,
-               "early_verifies": srv.instruments.early_verifies if engine_mode == "vericache" else None,
-               "preemptions": srv.instruments.preemptions, "rounds": rounds,
-               "kv_resident_bytes": res["kv_resident_bytes"]}
+        row = mode_row(mode, res, seqs, loop, link, outs == reference if reference is not None else None)
         if cal is not None and not resident:
-            comp = eng.compressor
+            comp = runner.compressor
             kept = comp.nominal_ratio(llm.loaded.kv_dtype.itemsize) if comp.evicts else 1.0
+            rounds, drafted = row["rounds"], sum(s.stats.get("drafted_tokens", 0) for s in seqs)
             row["predicted_tokens_per_s"] = round(predict(
                 cal, mode, n_requests, context + max_tokens // 2, budget, link_gbps * 1e9 / 8, kept, comp.window,
-                acceptance, drafted / rounds if rounds else 0.0), 2)
+                row["mean_acceptance_length"] or 1.0, drafted / rounds if rounds else 0.0), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
             f"identical={row['identical_to_full']}, link {row['link_utilization']:.0%}, "
             f"compute {row['compute_utilization']:.0%}")
-        t_start = srv.instruments.intervals[0][0] if srv.instruments.intervals else 0.0
-        timelines[mode] = (t_start, srv.instruments.intervals, list(link.stats.intervals) if link is not None else [])
+        t_start = loop.instruments.intervals[0][0] if loop.instruments.intervals else 0.0
+        timelines[mode] = (t_start, loop.instruments.intervals, list(link.stats.intervals) if link is not None else [])
         if link is not None:
             link.close()
+    add_ratios(rows)
+    return {"rows": rows, "timelines": timelines, "link": "pcie" if cuda else "emulated",
+            "device_budget_bytes": budget, "calibration": str(cal_path) if cal is not None else None}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """x_full (every row) and x_naive (vericache rows): tokens/s over those modes' in the same run."""
     by_mode = {r["mode"]: r["tokens_per_s"] for r in rows}
     for r in rows:
         r["x_full"] = round(r["tokens_per_s"] / by_mode["full"], 2) if by_mode.get("full") else None
         if by_mode.get("vericache-naive") and r["mode"].startswith("vericache"):
             r["x_naive"] = round(r["tokens_per_s"] / by_mode["vericache-naive"], 2)
-    return {"rows": rows, "timelines": timelines, "link": "pcie" if cuda else "emulated",
-            "device_budget_bytes": budget, "calibration": str(cal_path) if cal is not None else None}
+
+
+def mode_row(mode: str, res: dict, seqs: list, loop: StepLoop, link, identical: bool | None) -> dict:
+    """One mode's figures from its decode run (``decode_all``'s result) and its step loop's instruments."""
+    wall, outs = res["decode_s"], [s.output_ids for s in seqs]
+    decoded = sum(len(o) - 1 for o in outs)
+    rounds = sum(s.stats.get("rounds", 0) for s in seqs)
+    link_busy = link.stats.busy_s if link is not None else 0.0
+    vericache = mode.startswith("vericache")
+    return {"mode": mode, "tokens_per_s": round(res["decoded"] / wall, 2), "wall_s": round(wall, 2),
+            "identical_to_full": identical,
+            "link_utilization": round(link_busy / wall, 3),
+            "compute_utilization": round(loop.instruments.busy_s() / wall, 3),
+            "link_bytes": link.stats.bytes_moved if link is not None else 0,
+            "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
+            "mean_groups": round(loop.schedule.mean_groups, 2) if mode.endswith("-grouped") else None,
+            "early_verifies": loop.instruments.early_verifies if vericache else None,
+            "preemptions": loop.instruments.preemptions, "rounds": rounds,
+            "kv_resident_bytes": res["kv_resident_bytes"]}
 
 
 def plot_timeline(timelines: dict, path: str, link_kind: str) -> None:

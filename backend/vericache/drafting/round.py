@@ -9,7 +9,7 @@ A round for a request whose last token x (at position n) is not yet in any cache
   commit  the full cache keeps n .. n+m; the compressed cache drops its speculative tail and takes
           the full-KV K/V of the accepted positions, so the drafter tracks the full model.
 
-The engine (``engine.serving``) decides *when* each step of a round runs (and packs the rows of
+The engine (``engine.step_loop``) decides *when* each step of a round runs (and packs the rows of
 many requests into one forward); this module decides *what* a step does to one request.
 """
 

@@ -9,18 +9,23 @@ that are sampled from get logits (the LM head over a whole prefill chunk would b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
 from vericache.engine.request import Request
 
-PREFILL, DECODE, DRAFT, VERIFY = "prefill", "decode", "draft", "verify"
+class RowKind(StrEnum):
+    PREFILL = "prefill"   # a chunk of a prompt into the caches
+    DECODE = "decode"     # one token of a full or lossy request
+    DRAFT = "draft"       # one draft token over the compressed cache
+    VERIFY = "verify"     # a round's chunk [x, d1 .. dk] over the full KV
 
 
 @dataclass
 class Row:
     req: Request
-    kind: str                 # PREFILL, DECODE, DRAFT or VERIFY
+    kind: RowKind
     tokens: list[int]
     start: int                # position of tokens[0]
     cache: object
@@ -33,14 +38,14 @@ class StepBatch:
     def __init__(self) -> None:
         self.rows: list[Row] = []
 
-    def add(self, req: Request, kind: str, tokens: list[int], start: int, cache: object,
+    def add(self, req: Request, kind: RowKind, tokens: list[int], start: int, cache: object,
             logits_for: str = "last") -> None:
         self.rows.append(Row(req, kind, tokens, start, cache, logits_for))
 
     @property
     def kinds(self) -> str:
         """The kinds of work in this step, for timelines ("draft+verify")."""
-        return "+".join(k for k in (PREFILL, DECODE, DRAFT, VERIFY) if any(r.kind == k for r in self.rows))
+        return "+".join(k for k in RowKind if any(r.kind == k for r in self.rows))
 
     def attention_work(self) -> tuple[int, int, int]:
         """(rows, K/V bytes read, query-key pairs per query head and layer) of this step's forward,
@@ -52,7 +57,7 @@ class StepBatch:
             rows, kv_bytes, pairs = rows + len(row.tokens), kv_bytes + b, pairs + p
         return rows, kv_bytes, pairs
 
-    def of(self, kind: str) -> list[Row]:
+    def of(self, kind: RowKind) -> list[Row]:
         return [r for r in self.rows if r.kind == kind]
 
     def run(self, model, device: torch.device, draft_weights: str = "fp32") -> None:
@@ -60,11 +65,11 @@ class StepBatch:
         "int4" (the model's ``quantize_drafts`` copies) the draft rows go first and read them; every
         other row reads the exact weights."""
         rows = self.rows
-        if draft_weights != "fp32" and self.of(DRAFT):
+        if draft_weights != "fp32" and self.of(RowKind.DRAFT):
             if model.draft_weights != draft_weights:  # engines sharing one model may draft on different copies
                 model.quantize_drafts(draft_weights)
-            rows = sorted(rows, key=lambda r: r.kind != DRAFT)    # stable: the others keep their order
-        n_draft = sum(len(r.tokens) for r in rows if r.kind == DRAFT) if rows is not self.rows else 0
+            rows = sorted(rows, key=lambda r: r.kind != RowKind.DRAFT)    # stable: the others keep their order
+        n_draft = sum(len(r.tokens) for r in rows if r.kind == RowKind.DRAFT) if rows is not self.rows else 0
         tokens, index, offset = [], [], 0
         for row in rows:
             tokens.extend(row.tokens)

@@ -3,7 +3,7 @@
 Tiers (``kv.blocks``): the *device* tier holds what the accelerator must hold: compressed KV
 (vericache, lossy) or full KV (full mode), plus a transient buffer while a request's full KV is
 brought in for verification. With ``offload`` the *host* tier holds every vericache request's full
-KV (the paper's long-context scenario); without it (``Engine.generate``, ``bench batch``) the full
+KV (the paper's long-context scenario); without it (``ModelRunner.generate``, ``bench batch``) the full
 KV stays on the device too and verification reads it in place.
 """
 

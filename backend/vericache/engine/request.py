@@ -1,8 +1,10 @@
 """A request inside the engine: its sequence, options, caches, state and counters.
 
-States and their transitions (``ALLOWED``), each exercised by the tests:
+States (``State``) and their transitions (``ALLOWED``), each exercised by the tests; the request
+table (``engine.requests``) is the only place that moves them:
   waiting -> prefill -> decoding (full, lossy) | drafting (vericache)
-  drafting -> transferring -> drafting          (a verification round whose full KV crosses a link)
+  drafting -> transferring -> drafting          (a round whose full KV crosses the link to this device)
+  drafting -> awaiting_verifier -> drafting     (a round out at the remote verifier, ``--role drafter``)
   any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
   any state -> finished | aborted | failed      (KV freed at once; failed: a step raised for it)
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from vericache.drafting.round import RoundState
 from vericache.engine.options import ResolvedOptions
@@ -19,16 +22,26 @@ from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import Transfer
 
-WAITING, PREFILL, DECODING, DRAFTING, TRANSFERRING = "waiting", "prefill", "decoding", "drafting", "transferring"
-FINISHED, ABORTED, FAILED = "finished", "aborted", "failed"
-DONE = (FINISHED, ABORTED, FAILED)
-_ENDS = set(DONE)
+class State(StrEnum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    DRAFTING = "drafting"
+    TRANSFERRING = "transferring"            # the round's full KV on the link to this device
+    AWAITING_VERIFIER = "awaiting_verifier"  # the round out at the remote verifier
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+DONE = frozenset({State.FINISHED, State.ABORTED, State.FAILED})
 ALLOWED = {
-    WAITING: {PREFILL} | _ENDS,
-    PREFILL: {DECODING, DRAFTING, WAITING} | _ENDS,
-    DECODING: {WAITING} | _ENDS,
-    DRAFTING: {TRANSFERRING, WAITING} | _ENDS,
-    TRANSFERRING: {DRAFTING, WAITING} | _ENDS,
+    State.WAITING: {State.PREFILL} | DONE,
+    State.PREFILL: {State.DECODING, State.DRAFTING, State.WAITING} | DONE,
+    State.DECODING: {State.WAITING} | DONE,
+    State.DRAFTING: {State.TRANSFERRING, State.AWAITING_VERIFIER, State.WAITING} | DONE,
+    State.TRANSFERRING: {State.DRAFTING, State.WAITING} | DONE,
+    State.AWAITING_VERIFIER: {State.DRAFTING, State.WAITING} | DONE,
 }
 
 
@@ -39,7 +52,7 @@ class Request:
     opts: ResolvedOptions
     policy_state: object = None
     prefill: object = None                     # a SharedPrefill to load instead of prefilling
-    state: str = WAITING
+    state: State = State.WAITING
     full: FullKVCache | None = None            # device tier (full mode, or vericache without tiers) or host
     draft: CompressedKVCache | None = None     # device tier
     resident: FullKVCache | None = None        # device tier: the resident layers of the full KV

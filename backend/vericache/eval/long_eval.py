@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from vericache.engine.engine import Engine
+from vericache.engine.runner import ModelRunner
 from vericache.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
@@ -78,13 +78,13 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
         if not todo:
             continue
         part = tasks[b : b + batch]
-        eng = Engine(llm.loaded)
-        shared = [eng.shared_prefill(s) for s in _sequences(eng, part)]
+        runner = ModelRunner(llm.loaded)
+        shared = [runner.shared_prefill(s) for s in _sequences(runner, part)]
         log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + 1}-{b + len(part)}: prefilled once "
             f"({sum(p.seconds for p in shared):.0f} s), {len(todo)} configs to run")
         for label in todo:
             mode, _, spec = label.partition(" ")
-            e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25")
+            e = ModelRunner(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25")
             t = time.perf_counter()
             res = e.generate(_sequences(e, part), mode, prefills=shared)
             rec = {"model": model, "n": n, "contexts": [lo, hi], "batch": b, "config": label,
@@ -98,8 +98,8 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
     return [_row(label, tasks, labels, done, batch) for label in labels]
 
 
-def _sequences(eng: Engine, tasks: list[lt.LongTask]) -> list:
-    return [eng.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(tasks)]
+def _sequences(runner: ModelRunner, tasks: list[lt.LongTask]) -> list:
+    return [runner.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(tasks)]
 
 
 def _row(label: str, tasks, labels, done, batch: int) -> dict:

@@ -55,7 +55,7 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
     ints, tensors = [seq, p.n, diag], []
     for layout, fields in zip(p.layouts, (p.k, p.v)):
         table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]
-        ints += [layout.kind, layout.bits, layout._g(d)]
+        ints += [layout.kind, layout.bits, layout.group_size(d)]
         tensors += [fields["tok"]["codes"], table["scale"], table.get("zero")]
     return ints, [*tensors, p.pos]
 

@@ -63,7 +63,8 @@ class Layout:
     bits: int = 8
     group: int = 32
 
-    def _g(self, d: int) -> int:
+    def group_size(self, d: int) -> int:
+        """Channels per scale group for head dimension ``d``."""
         return min(self.group, d)
 
     def token_fields(self, d: int) -> dict[str, tuple[int, torch.dtype]]:
@@ -72,7 +73,7 @@ class Layout:
             return {"codes": (d, torch.uint8), "scale": (1, torch.float16)}
         fields = {"codes": (d * self.bits // 8, torch.uint8)}
         if self.kind == TOKEN_GROUPS:
-            fields |= {"scale": (d // self._g(d), torch.float16), "zero": (d // self._g(d), torch.float16)}
+            fields |= {"scale": (d // self.group_size(d), torch.float16), "zero": (d // self.group_size(d), torch.float16)}
         return fields
 
     def group_fields(self, d: int) -> dict[str, tuple[int, torch.dtype]]:
@@ -97,7 +98,7 @@ class Layout:
             codes = (x.float() / scale.float()).to(torch.float8_e4m3fn).view(torch.uint8)
             return {"codes": codes, "scale": scale.expand(*lead, n, 1).contiguous()}, {}
         if self.kind == TOKEN_GROUPS:
-            g = self._g(d)
+            g = self.group_size(d)
             codes, scale, zero = minmax_quantize(x.reshape(*lead, n, d // g, g), -1, self.bits)
             return {"codes": pack_bits(codes.reshape(*lead, n, d), self.bits),
                     "scale": scale.reshape(*lead, n, d // g), "zero": zero.reshape(*lead, n, d // g)}, {}
@@ -115,7 +116,7 @@ class Layout:
             return tok["codes"].view(torch.float8_e4m3fn).float() * tok["scale"].float()
         codes = unpack_bits(tok["codes"], self.bits).float()
         if self.kind == TOKEN_GROUPS:
-            g = self._g(d)
+            g = self.group_size(d)
             c = codes.view(*codes.shape[:-1], d // g, g)
             return (c * tok["scale"].float()[..., None] + tok["zero"].float()[..., None]).flatten(-2)
         n = codes.shape[-2]
@@ -139,7 +140,7 @@ def attend_quantized(q: torch.Tensor, layouts: tuple[Layout, Layout], k: dict, v
         args = []
         for layout, part in zip(layouts, (k, v)):
             fields = part["grp"] if layout.kind == CHANNEL_GROUPS else part["tok"]
-            args += [layout.kind, layout.bits, layout._g(d), part["tok"]["codes"], fields["scale"], fields.get("zero")]
+            args += [layout.kind, layout.bits, layout.group_size(d), part["tok"]["codes"], fields["scale"], fields.get("zero")]
         out, lse = cpu_kernels().attend_quantized(qf, n, *args, pos)
         return out.reshape(hq, t, d).to(q.dtype), lse.reshape(hq, t)
     # elsewhere (CUDA; a Triton kernel is the plan): dequantize the n tokens, then attend

@@ -41,7 +41,7 @@ ALIASES = {"default": DEFAULT_MODEL}
 
 
 def bundled_dir(name: str) -> Path:
-    return Path(__file__).resolve().parent.parent / "models" / name
+    return Path(__file__).resolve().parent.parent / "model_files" / name
 
 
 def packaged_file(entry: ModelEntry) -> Path | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.drafting.round import greedy_accepted
-from vericache.engine.batch import PREFILL, VERIFY, StepBatch
+from vericache.engine.batch import RowKind, StepBatch
 from vericache.engine.sequence import positions_needed
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
@@ -60,7 +60,7 @@ class VerifierCore:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        self.eng, self.store, self.store_prefixes = engine, store, store_prefixes
+        self.runner, self.store, self.store_prefixes = engine, store, store_prefixes
         self.max_sessions = max_sessions
         self.sessions: dict[int, Session] = {}
         self.events: list[tuple[str, dict]] = []      # drained by the metrics exporter
@@ -82,14 +82,14 @@ class VerifierCore:
     # ------------------------------------------------------------------ callers (any thread)
     def open(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> tuple[Session, int]:
         """A new session over ``prompt_ids``; returns it and the first generated token."""
-        self.eng.check_request(prompt_ids, _greedy(max_tokens))
+        self.runner.check_request(prompt_ids, _greedy(max_tokens))
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 raise RuntimeError(f"verifier is full: {self.max_sessions} sessions open")
             sess = Session(next(self._ids), list(prompt_ids), max_tokens, compressor)
             self.sessions[sess.id] = sess
-        eng = self.eng
-        full = FullKVCache(eng.cfg, eng.loaded.device, eng.loaded.kv_dtype,
+        runner = self.runner
+        full = FullKVCache(runner.cfg, runner.loaded.device, runner.loaded.kv_dtype,
                            capacity=positions_needed(len(prompt_ids), max_tokens))
         if self.store is not None:
             limit = (len(prompt_ids) - 1) // self.store.block_tokens  # the last token is always computed
@@ -164,27 +164,27 @@ class VerifierCore:
         for t in tails:
             chunk = t.left[: self.prefill_chunk]
             t.left = t.left[len(chunk):]
-            batch.add(t, PREFILL, chunk, t.at, t.cache, "none" if t.left else "last")
+            batch.add(t, RowKind.PREFILL, chunk, t.at, t.cache, "none" if t.left else "last")
             t.at += len(chunk)
         futs = self._add_verifies(batch, verifies)
         if not batch.rows:
             return []
         t0 = time.perf_counter()
         try:
-            batch.run(self.eng.model, self.eng.loaded.device)
+            batch.run(self.runner.model, self.runner.loaded.device)
         except Exception as exc:  # noqa: BLE001 - reported to the callers
             log.exception("verifier forward failed")
             for fut in futs + [t.fut for t in tails]:
                 fut.set_exception(exc)
             return []
         seconds = time.perf_counter() - t0
-        prefill_rows = batch.of(PREFILL)
+        prefill_rows = batch.of(RowKind.PREFILL)
         if prefill_rows:
             self._event("prefill", {"tokens": sum(len(r.tokens) for r in prefill_rows), "rows": len(prefill_rows),
                                     "seconds": seconds})
         if futs:
             self._event("verify_step", {"rows": len(futs), "seconds": seconds, "with_prefill": bool(prefill_rows)})
-        self._finish_verifies(batch.of(VERIFY), futs)
+        self._finish_verifies(batch.of(RowKind.VERIFY), futs)
         for row in prefill_rows:
             if row.logits_for == "last":
                 self._run(row.req.fut, self._opened, row.req, row.argmax[0])
@@ -193,7 +193,7 @@ class VerifierCore:
     def _tail(self, sess: Session, full: FullKVCache, fut: Future) -> Tail:
         """A session's cache (the stored blocks loaded) and the prompt tokens left to prefill."""
         sess.hit_tokens = full.length
-        recorder = QueryRecorder(self.eng.cfg.num_hidden_layers, 64)
+        recorder = QueryRecorder(self.runner.cfg.num_hidden_layers, 64)
         return Tail(sess, fut, full, recorder, TeeCache(full, recorder), list(sess.prompt_ids[full.length:]), full.length)
 
     def _opened(self, tail: Tail, token: int) -> int:
@@ -236,7 +236,7 @@ class VerifierCore:
             if sess.full is None or sess.closed:
                 fut.set_exception(ValueError(f"session {sess.id} is closed"))
                 continue
-            batch.add(sess, VERIFY, tokens, start, sess.full, "all")
+            batch.add(sess, RowKind.VERIFY, tokens, start, sess.full, "all")
             futs.append(fut)
         return futs
 

@@ -1,5 +1,5 @@
 """Prometheus metrics in vLLM's style under ``vericache_`` (one registry per app, no globals): the
-metric set, the sink that turns the engine's events (``EngineService`` metrics) into them, and the
+metric set, the sink that turns the engine's events (``BackgroundService`` metrics) into them, and the
 gauges read at scrape time. The gateway and the verifier role both export these."""
 
 from __future__ import annotations

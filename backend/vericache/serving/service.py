@@ -1,7 +1,7 @@
 """The engine as a service: a background step loop, a bounded queue, per-request delta streams.
 
 No Triton or HTTP imports: the gateway's embedded backend and the Triton model both drive this.
-Threading model: one thread owns the ``ServingEngine`` and runs ``step()``; other threads only
+Threading model: one thread owns the ``StepLoop`` and runs ``step()``; other threads only
 put commands (submit, abort) on a queue that the loop drains between steps, and read deltas from
 each request's own queue. Aborting frees the request's KV at the next loop turn (milliseconds).
 """
@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vericache.engine.request import State
 from vericache.engine.options import RequestOptions
-from vericache.engine.serving import FINISHED, ServingEngine
+from vericache.engine.step_loop import StepLoop
 from vericache.sampling import SamplingParams
 
 log = logging.getLogger("vericache.service")
@@ -57,10 +58,10 @@ class RequestStream:
 MetricsSink = Callable[[str, dict], None]  # (event, fields): "request_done", "step", ...
 
 
-class EngineService:
-    def __init__(self, serving: ServingEngine, max_queue: int = 64, metrics: MetricsSink | None = None) -> None:
-        self.serving = serving
-        self.tokenizer = serving.eng.tokenizer
+class BackgroundService:
+    def __init__(self, loop: StepLoop, max_queue: int = 64, metrics: MetricsSink | None = None) -> None:
+        self.loop = loop
+        self.tokenizer = loop.runner.tokenizer
         self.max_queue = max_queue
         self.metrics = metrics or (lambda event, fields: None)
         self._commands: queue.Queue = queue.Queue()
@@ -72,20 +73,20 @@ class EngineService:
         self._draining = False
         self._broken = False
         self._step_errors = 0
-        self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="vericache-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers' side
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                options: RequestOptions | None = None, checked: bool = False) -> RequestStream:
-        """Validate (unless ``checked``: the caller ran ``Engine.check_request``), enqueue, and return
+        """Validate (unless ``checked``: the caller ran ``ModelRunner.check_request``), enqueue, and return
         the request's stream. ``options`` override the server's mode, compressor and draft length for
         this request. Raises ValueError, TypeError, QueueFull, ServiceStopped."""
         if self._stop.is_set() or self._draining:
             raise ServiceStopped("the engine is shutting down")
         if not checked:
-            self.serving.eng.check_request(prompt_ids, params)  # bad input fails here, before queueing
-        opts = self.serving.eng.resolve(options)
+            self.loop.runner.check_request(prompt_ids, params)  # bad input fails here, before queueing
+        opts = self.loop.runner.resolve(options)
         with self._lock:
             if self.num_waiting() + self._commands.qsize() >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
@@ -102,10 +103,10 @@ class EngineService:
         self._commands.put(("abort", rid))
 
     def num_running(self) -> int:
-        return self.serving.counts()[0]
+        return self.loop.requests.counts()[0]
 
     def num_waiting(self) -> int:
-        return self.serving.counts()[1]
+        return self.loop.requests.counts()[1]
 
     def healthy(self) -> bool:
         """False only when the engine cannot go on (its thread is gone or its steps keep failing)."""
@@ -115,34 +116,34 @@ class EngineService:
         """Stop accepting, let in-flight requests finish (up to ``drain_timeout``), then stop."""
         self._draining = True
         deadline = time.time() + drain_timeout
-        while self.serving.has_unfinished() and time.time() < deadline:
+        while self.loop.has_unfinished() and time.time() < deadline:
             time.sleep(0.02)
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.serving.link is not None:
-            self.serving.link.close()
+        if self.loop.link is not None:
+            self.loop.link.close()
 
     # ------------------------------------------------------------------ the engine thread
-    def _loop(self) -> None:
+    def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_commands()
-            if not self.serving.has_unfinished():
+            if not self.loop.has_unfinished():
                 try:  # idle: sleep until a command arrives
                     self._handle(self._commands.get(timeout=0.05))
                 except queue.Empty:
                     pass
                 continue
             try:
-                outs = self.serving.step()
+                outs = self.loop.step()
                 self._step_errors = 0
             except Exception:  # noqa: BLE001 - the engine's own bookkeeping broke: fail what runs, go on
                 log.exception("engine step failed")
                 self._step_errors += 1
-                outs = self.serving.fail_unfinished("the engine step failed; see the server log")
+                outs = self.loop.fail_unfinished("the engine step failed; see the server log")
                 if self._step_errors >= 3:  # it keeps failing: the engine cannot go on (/health: 503)
                     self._broken = True
                     self._stop.set()
-            phases, rounds, rtts = self.serving.instruments.take_events()
+            phases, rounds, rtts = self.loop.instruments.take_events()
             now, wall = time.perf_counter(), time.time()
             for start, end, kind in phases:   # ``end``: wall-clock, so traces of several processes line up
                 self.metrics("phase", {"kind": kind, "seconds": end - start, "end": wall - (now - end)})
@@ -156,7 +157,7 @@ class EngineService:
 
     def _drain_remote_events(self) -> None:
         """Prefix fetches and store outages (``remote.fetch``) as metrics events."""
-        prefix = self.serving.prefix
+        prefix = self.loop.prefix
         while prefix is not None and prefix.events:
             event, fields = prefix.events.pop(0)
             self.metrics(event, fields)
@@ -172,7 +173,7 @@ class EngineService:
         if cmd[0] == "submit":
             _, prompt_ids, params, opts, holder, done = cmd
             try:
-                rid = self.serving.add_request(prompt_ids, params, opts, checked=True)  # submit checked it
+                rid = self.loop.add_request(prompt_ids, params, opts, checked=True)  # submit checked it
                 holder["stream"] = self._streams[rid] = RequestStream(rid, len(prompt_ids))
                 self._texts[rid] = ""
                 self._arrival[rid] = time.perf_counter()
@@ -180,13 +181,13 @@ class EngineService:
                 holder["error"] = exc
             done.set()
         elif cmd[0] == "abort":
-            self.serving.abort(cmd[1])
-            for o in self.serving.collect_outputs():  # report the abort at once, even when idle
+            self.loop.abort(cmd[1])
+            for o in self.loop.collect_outputs():  # report the abort at once, even when idle
                 self._deliver(o)
 
     def _labels(self, rid: int) -> dict:
         """The request's mode and compressor (metric labels and response stats)."""
-        req = self.serving.requests.get(rid)
+        req = self.loop.requests.get(rid)
         if req is None:
             return {}
         return {"mode": req.opts.mode, "compressor": req.opts.compressor_label}
@@ -195,10 +196,10 @@ class EngineService:
         stream = self._streams.get(o.request_id)
         if stream is None:
             return
-        req = self.serving.requests[o.request_id]
+        req = self.loop.requests[o.request_id]
         prev = self._texts[o.request_id]
         if o.finished:
-            text_delta = req.seq.text()[len(prev):] if req.state == FINISHED else ""
+            text_delta = req.seq.text()[len(prev):] if req.state == State.FINISHED else ""
         else:
             text = self.tokenizer.decode(req.seq.output_ids)
             # hold back what could still become a stop string (it is cut from the final text) and a
@@ -220,5 +221,5 @@ class EngineService:
                 stats["error"], stats["status"] = o.error, req.error_status
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
             del self._streams[o.request_id], self._texts[o.request_id]
-            self.serving.forget(o.request_id)  # finished requests are not kept forever
+            self.loop.requests.forget(o.request_id)  # finished requests are not kept forever
         stream.put(Delta(o.new_token_ids, text_delta, o.finished, o.finish_reason, stats))

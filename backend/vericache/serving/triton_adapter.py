@@ -19,7 +19,7 @@ import numpy as np
 from vericache.engine.options import RequestOptions
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
-from vericache.serving.service import EngineService, RequestStream
+from vericache.serving.service import BackgroundService, RequestStream
 
 
 class GenerationFailed(RuntimeError):
@@ -55,9 +55,9 @@ class Job:
 
 
 class TritonAdapter:
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: BackgroundService) -> None:
         self.service = service
-        self.eng = service.serving.eng
+        self.runner = service.loop.runner
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "TritonAdapter":
@@ -98,10 +98,10 @@ class TritonAdapter:
                                     seed=None if seed is None else int(seed), stop=_strings(inputs, "stop_words") or None)
         except (ValueError, TypeError) as exc:
             raise InvalidInput(str(exc)) from None
-        ids = self.eng.tokenizer.encode(text)
+        ids = self.runner.tokenizer.encode(text)
         try:
-            self.eng.check_request(ids, params)
-            self.eng.resolve(options)
+            self.runner.check_request(ids, params)
+            self.runner.resolve(options)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         return ids, params, options, bool(_scalar(inputs, "stream", False))

@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from vericache.engine.engine import Engine
+from vericache.engine.runner import ModelRunner
 from vericache.model.loader import load_model
 from vericache.remote.prefixes import model_id
 from vericache.remote.server import start_server
@@ -27,7 +27,7 @@ def run_verifier(model: str, host: str, port: int, prefix_store: str | None = No
     loaded = load_model(model, device=device, dtype=dtype)
     mid = model_id(loaded)
     store = PrefixStore(prefix_store, mid) if prefix_store else None
-    core = VerifierCore(Engine(loaded, mode="full"), store, store_prefixes)
+    core = VerifierCore(ModelRunner(loaded, mode="full"), store, store_prefixes)
     server = start_server(core, mid, f"{host}:{port}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

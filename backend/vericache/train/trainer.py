@@ -210,6 +210,8 @@ def prepare_data(work: Path, vocab_size: int, log) -> tuple[Path, list[int], lis
 
 
 def train(tc: TrainConfig, log=print) -> Path:
+    # Long: one resumable training run read top to bottom (data, model, resume, the step loop with its
+    # checkpoints and evals); its parts share the run's state, and split apart they would only pass it around.
     out, work = Path(tc.out), Path(tc.out) / "work"
     work.mkdir(parents=True, exist_ok=True)
     if tc.threads:

@@ -78,8 +78,8 @@ class TritonPythonModel:
     def _gauges(self):
         service = self.adapter.service
         while service.healthy():
-            self.kv_device.set(service.serving.device.used_bytes)
-            self.kv_host.set(service.serving.host.used_bytes)
+            self.kv_device.set(service.loop.device.used_bytes)
+            self.kv_host.set(service.loop.host.used_bytes)
             self.running.set(service.num_running())
             time.sleep(0.1)
 

@@ -1,6 +1,6 @@
 """The engine's front: a loaded model, the default options, request checks and ``generate``.
 
-``generate`` adds the requests to a ``ServingEngine`` (the one step loop the server and the benches
+``generate`` adds the requests to a ``StepLoop`` (the one step loop the server and the benches
 drive too) with every cache in one memory, and steps until all are done.
 """
 
@@ -23,14 +23,14 @@ from vericache.engine.options import (
     resolve_options,
 )
 from vericache.engine.sequence import RequestOutput, Sequence
-from vericache.engine.serving import ServingEngine
+from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.draft_weights import check_draft_weights, measured_choice
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams
 
-__all__ = ["MODES", "DEFAULT_COMPRESSOR", "Engine", "SharedPrefill"]
+__all__ = ["MODES", "DEFAULT_COMPRESSOR", "ModelRunner", "SharedPrefill"]
 DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
 
 
@@ -61,7 +61,7 @@ class SharedPrefill:
         return self.full
 
 
-class Engine:
+class ModelRunner:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
                  draft_len: int | str = "auto", prefill_chunk: int = 2048, draft_weights: str = "fp32") -> None:
         """``draft_weights``: what draft rows read, "fp32" (the exact weights), "int8" or "int4"
@@ -117,15 +117,15 @@ class Engine:
         if prefills is not None and len(prefills) != len(seqs):
             raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
         opts = self.resolve(RequestOptions(mode=check_mode(mode or self.mode)))
-        srv = ServingEngine(self, offload=False, prefill_chunk=self.prefill_chunk)
+        loop = StepLoop(self, offload=False, prefill_chunk=self.prefill_chunk)
         ids = [seq.request_id for seq in seqs]
-        rids = [srv.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
-        while srv.has_unfinished():
-            srv.step()
+        rids = [loop.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
+        while loop.has_unfinished():
+            loop.step()
         for seq, rid, own_id in zip(seqs, rids, ids):
             seq.request_id = own_id
-            if srv.requests[rid].error:
-                raise RuntimeError(f"request {own_id} failed: {srv.requests[rid].error}")
+            if loop.requests[rid].error:
+                raise RuntimeError(f"request {own_id} failed: {loop.requests[rid].error}")
         return [s.to_output() for s in seqs]
 
     # ------------------------------------------------------------------ limits

@@ -16,7 +16,7 @@ import logging
 import time
 
 from vericache.drafting.round import accept_draft, record_round
-from vericache.engine.request import DRAFTING, FINISHED, PREFILL, TRANSFERRING, Request
+from vericache.engine.request import Request, State
 from vericache.remote.client import VerifierUnavailable
 from vericache.remote.forms import load_compressed, load_full
 
@@ -27,17 +27,17 @@ def prefix_form(req: Request) -> str:
     return "full" if req.mode == "full" else req.opts.compressor.spec()
 
 
-def start(srv, req: Request) -> None:
+def start(loop, req: Request) -> None:
     """At allocation: start the prefix fetch and open the verifier session, as they apply."""
     ids = req.prefill_ids
-    if srv.prefix is not None and req.prefill is None and (req.mode != "vericache" or srv.memory.remote):
-        req.fetch = srv.prefix.fetch(ids, prefix_form(req), srv.eng.loaded.device)
-    if srv.memory.is_remote(req):
+    if loop.prefix is not None and req.prefill is None and (req.mode != "vericache" or loop.memory.remote):
+        req.fetch = loop.prefix.fetch(ids, prefix_form(req), loop.runner.loaded.device)
+    if loop.memory.is_remote(req):
         comp = req.opts.compressor.spec()
-        req.session = srv.verifier.session(ids, max(req.seq.remaining, 1), comp)
+        req.session = loop.verifier.session(ids, max(req.seq.remaining, 1), comp)
 
 
-def fetch_pending(srv, req: Request) -> bool:
+def fetch_pending(loop, req: Request) -> bool:
     """True while the request's prefix fetch is in flight; applies it once it has landed."""
     if req.fetch is None:
         return False
@@ -48,34 +48,34 @@ def fetch_pending(srv, req: Request) -> bool:
         if req.mode == "full":
             n = load_full(req.full, got.blocks)
         else:
-            n = load_compressed(req.draft, got.blocks, srv.prefix.store.block_tokens)
+            n = load_compressed(req.draft, got.blocks, loop.prefix.store.block_tokens)
         req.done_ids = req.prefix_tokens = n
     req.fetch_bytes, req.fetch_s = got.nbytes, got.seconds
     return False
 
 
-def poll(srv) -> None:
+def poll(loop) -> None:
     """Apply every verifier reply that has landed (first tokens, verified rounds, failures)."""
-    for req in list(srv.requests.values()):
+    for req in list(loop.requests):
         if req.session is None or req.done:
             continue
         while not req.done:
             try:
                 item = req.session.poll()
             except VerifierUnavailable as exc:
-                srv.fail(req, f"verifier unavailable: {exc}", status=503)
+                loop.requests.fail(req, f"verifier unavailable: {exc}", status=503)
                 break
             if item is None:
                 break
             tensors, msg, rtt = item
-            srv.instruments.remote_rtts.append(rtt)
+            loop.instruments.remote_rtts.append(rtt)
             if msg["op"] == "opened":
-                _first_token(srv, req, msg)
-            elif msg["op"] == "verified" and req.state == TRANSFERRING:
-                _verified(srv, req, msg["accepted"], msg["token"], tensors["k"], tensors["v"])
+                _first_token(loop, req, msg)
+            elif msg["op"] == "verified" and req.state == State.AWAITING_VERIFIER:
+                _verified(loop, req, msg["accepted"], msg["token"], tensors["k"], tensors["v"])
 
 
-def _first_token(srv, req: Request, msg: dict) -> None:
+def _first_token(loop, req: Request, msg: dict) -> None:
     req.verifier_hit_tokens = msg.get("hit_tokens", 0)
     if req.seq.output_ids:  # re-admitted after preemption: the token is known already
         return
@@ -85,32 +85,32 @@ def _first_token(srv, req: Request, msg: dict) -> None:
              "stored; drafter loaded %d, state %s)", req.id, req.first_token_at - req.added_at,
              req.verifier_hit_tokens, req.prefix_tokens, req.state)
     if finished:
-        srv.release(req, FINISHED)
-    elif req.state == PREFILL and req.prefilled:
-        srv.set_state(req, DRAFTING)
+        loop.requests.release(req, State.FINISHED)
+    elif req.state == State.PREFILL and req.prefilled:
+        loop.requests.set_state(req, State.DRAFTING)
 
 
-def _verified(srv, req: Request, m: int, token: int, k, v) -> None:
+def _verified(loop, req: Request, m: int, token: int, k, v) -> None:
     rs, start = req.round, req.position
     m = accept_draft(req.seq, None, rs.drafts, rs.qs, rs.drafts[:m] + [token])
     req.draft.commit_exact(start, k, v, start + 1 + m)   # the verifier's K/V replace the drafter's own
     record_round(rs, len(rs.drafts), m)
-    srv.round_done(req, m)
+    loop.requests.round_done(req, m)
     if req.seq.finished:
-        srv.release(req, FINISHED)
+        loop.requests.release(req, State.FINISHED)
     else:
-        srv.set_state(req, DRAFTING)
-        srv.charge(req)
+        loop.requests.set_state(req, State.DRAFTING)
+        loop.requests.charge(req)
 
 
-def send_verifies(srv) -> None:
+def send_verifies(loop) -> None:
     """Put every complete remote round on the wire."""
-    for req in srv.in_state(DRAFTING):
+    for req in loop.requests.in_state(State.DRAFTING):
         if req.session is not None and req.round.complete:
             req.session.verify(req.position, [req.last_token] + req.round.drafts)
-            srv.set_state(req, TRANSFERRING)
+            loop.requests.set_state(req, State.AWAITING_VERIFIER)
 
 
-def waiting_on_remote(srv) -> bool:
+def waiting_on_remote(loop) -> bool:
     return any((r.session is not None and r.session.in_flight) or r.fetch is not None
-               for r in srv.requests.values() if not r.done)
+               for r in loop.requests if not r.done)

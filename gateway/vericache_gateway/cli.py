@@ -1,0 +1,64 @@
+"""``vericache serve``: the gateway's command (the OpenAI-compatible server, or a remote role)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vericache.cli_args import add_mode_args, add_model_args
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.role == "verifier":
+        from vericache.serving.verifier_role import run_verifier
+
+        run_verifier(args.model, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
+                     args.metrics_port, args.device, args.dtype, trace=args.trace)
+        return 0
+    if args.role == "drafter" and not args.verifier:
+        raise ValueError("--role drafter needs --verifier grpc://host:port")
+    try:  # deferred: ``vericache --help`` works without the serve extra
+        from vericache_gateway.server import serve
+    except ImportError as exc:
+        raise ValueError(f"the gateway needs the 'serve' extra (pip install 'vericache[serve]'): {exc}") from None
+    serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, backend=args.backend,
+          triton_url=args.triton_url, mode=args.mode,
+          compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
+          device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
+          prefix_store=args.prefix_store, prefix_link=args.prefix_link,
+          verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
+          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights, trace=args.trace)
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    """``vericache serve``: added to the library's command line through the "vericache.commands"
+    entry point (pyproject.toml), so the library never imports the gateway."""
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway over the engine")
+    add_model_args(sv)
+    add_mode_args(sv)
+    sv.set_defaults(mode="vericache", compressor="snapkv:ratio=0.125")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--backend", default="embedded", choices=["embedded", "triton"])
+    sv.add_argument("--triton-url", default="127.0.0.1:8001", help="gRPC address of the Triton server")
+    sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
+    sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
+    sv.add_argument("--max-queue", type=int, default=64)
+    sv.add_argument("--role", default="single", choices=["single", "drafter", "verifier"],
+                    help="single: one engine; drafter: vericache requests verified by --verifier; "
+                         "verifier: a gRPC verifier next to the prefix store (on --grpc-port)")
+    sv.add_argument("--verifier", default=None, help="grpc://host:port of the verifier (drafter role)")
+    sv.add_argument("--prefix-store", default=None, help="redis://host:port of the prefix KV store")
+    sv.add_argument("--prefix-link", default="local", help="label of the link to the store in metrics (slow, fast)")
+    sv.add_argument("--store-prefixes", action="store_true",
+                    help="verifier role: store the whole blocks of the prompts it serves")
+    sv.add_argument("--prefix-model-id", default=None,
+                    help="the id the store and verifier know this model's KV by (default: name-dtype-kvdtype); "
+                         "a drafter in another dtype than its verifier gives the verifier's")
+    sv.add_argument("--prefill-chunk", type=int, default=512,
+                    help="prompt tokens prefilled per engine step (smaller: other requests wait less)")
+    sv.add_argument("--grpc-port", type=int, default=50051, help="verifier role: the gRPC port")
+    sv.add_argument("--metrics-port", type=int, default=0, help="verifier role: Prometheus port (0: none)")
+    sv.add_argument("--trace", default=None, help="also write the engine's events to this JSON-lines file "
+                                                  "(wall-clock times: the timelines of several processes line up)")
+    sv.set_defaults(func=_cmd_serve)

@@ -1,0 +1,183 @@
+"""The code's layering, checked on its source (issue 22's "done when"): no module reaches into another's
+private names, no import cycles (deferred imports included), the library never imports the gateway,
+long functions say why, the step loop stays short and DESIGN.md's decode step names real files."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"vericache": ROOT / "backend" / "vericache", "vericache_gateway": ROOT / "gateway" / "vericache_gateway"}
+STEP_LOOP = PACKAGES["vericache"] / "engine" / "step_loop.py"
+LONG_FUNCTION = 60
+
+
+def module_name(path: Path) -> str:
+    for pkg, root in PACKAGES.items():
+        if path.is_relative_to(root):
+            parts = [pkg, *path.relative_to(root).with_suffix("").parts]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return "tests." + path.stem
+
+
+def library_files() -> list[Path]:
+    return sorted(p for root in PACKAGES.values() for p in root.rglob("*.py"))
+
+
+def all_files() -> list[Path]:
+    return library_files() + sorted((ROOT / "tests").glob("*.py"))
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def defined_private_names(tree: ast.AST) -> set[str]:
+    """Private names a file defines: functions, classes, assignments, attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if is_private(n)}
+
+
+def private_reaches() -> list[str]:
+    """Every use of a private name of one of our files from another file: `from m import _x`, or
+    `obj._x` where `_x` is defined in our code but not in the using file (third-party private ops,
+    like torch's int4 matmul, are not our names and are not counted)."""
+    trees = {p: ast.parse(p.read_text()) for p in all_files()}
+    own = {p: defined_private_names(t) for p, t in trees.items()}
+    ours = set().union(*own.values())
+    found = []
+    for path, tree in trees.items():
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (*PACKAGES, "conftest",
+                                                                                             "test_gateway"):
+                found += [f"{where}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                          if is_private(a.name)]
+            elif isinstance(node, ast.Attribute) and is_private(node.attr) and node.attr in ours:
+                if node.attr not in own[path]:
+                    found.append(f"{where}:{node.lineno} uses .{node.attr} of {ast.unparse(node.value)}")
+    return found
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Our modules that ``path`` imports anywhere in it (module level or inside functions)."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != me and not me.startswith(target + "."):  # a package's own __init__
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in library_files()}
+    return {name: imports_of(path, set(files)) for name, path in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert private_reaches() == []
+
+
+def test_the_checks_catch_what_they_look_for():
+    """The analyses themselves: a cycle and a private reach are found when present."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert defined_private_names(ast.parse("def _f(_x): self._y = 1\n_z = 2")) == {"_f", "_x", "_y", "_z"}
+
+
+def test_no_import_cycles_deferred_imports_included():
+    graph = import_graph()
+    assert len(graph) > 100 and any(graph.values())
+    assert cycles(graph) == []
+
+
+def test_the_library_never_imports_the_gateway():
+    graph = import_graph()
+    library = [m for m in graph if m.startswith("vericache.")]
+    assert [(m, sorted(d)) for m in library if (d := {x for x in graph[m] if x.startswith("vericache_gateway")})] == []
+
+
+def test_long_functions_say_why():
+    """A library function over 60 lines carries a comment starting "# Long:" saying why it is not split."""
+    unexplained = []
+    for path in library_files():
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = lines[node.lineno - 1 : node.end_lineno]
+                if len(body) > LONG_FUNCTION and not any(line.strip().startswith("# Long:") for line in body):
+                    unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({len(body)} lines)")
+    assert unexplained == []
+
+
+def test_the_step_loop_file_stays_short():
+    assert STEP_LOOP.exists()
+    assert len(STEP_LOOP.read_text().splitlines()) <= 250
+
+
+def test_design_lists_a_decode_step_through_at_most_ten_real_files():
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    section = text.split("One decode step, file by file", 1)[1].split("\n\n", 1)[0]
+    files = re.findall(r"^\d+\. `([\w/]+\.py)`", section, flags=re.M)
+    assert 5 <= len(files) <= 10, files
+    assert len(set(files)) == len(files)
+    missing = [f for f in files if not (PACKAGES["vericache"] / f).exists()]
+    assert missing == []
+    assert "engine/step_loop.py" in files
