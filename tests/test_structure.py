@@ -130,6 +130,31 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+CACHE_INTERNALS = {"residual", "res_start", "committed", "q_seen", "fields"}   # CompressedKVCache's parts
+CACHE_NAMES = {"full", "draft", "resident", "prefill_buf", "cache", "dst", "src", "buf", "ctx", "full_cache"}
+
+
+def cache_field_reaches() -> list[str]:
+    """Library code outside ``kv/`` reading or writing a KV cache's tensors or a compressed cache's
+    parts: ``<cache>.k`` / ``<cache>.v`` (by the names caches go by) or the compressed cache's internals."""
+    found = []
+    for path in library_files():
+        if path.is_relative_to(PACKAGES["vericache"] / "kv"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+            if (node.attr in ("k", "v") and owner in CACHE_NAMES) or (
+                    node.attr in CACHE_INTERNALS and owner in CACHE_NAMES | {"draft"}):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_kv_caches_are_changed_through_their_methods_only():
+    assert cache_field_reaches() == []
+
+
 def test_no_module_uses_another_modules_private_names():
     assert private_reaches() == []
 

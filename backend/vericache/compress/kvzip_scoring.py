@@ -32,8 +32,9 @@ class ReconstructionScoringCache:
         else:
             self.own_k[layer] = torch.cat([self.own_k[layer], k], dim=1)
             self.own_v[layer] = torch.cat([self.own_v[layer], v], dim=1)
-        keys = torch.cat([self.ctx.k[layer, :, : self.p], self.own_k[layer]], dim=1)    # [Hkv, S, D]
-        vals = torch.cat([self.ctx.v[layer, :, : self.p], self.own_v[layer]], dim=1)
+        ctx_k, ctx_v = self.ctx.layer_views(layer, self.p)                               # [Hkv, P, D]
+        keys = torch.cat([ctx_k, self.own_k[layer]], dim=1)                              # [Hkv, S, D]
+        vals = torch.cat([ctx_v, self.own_v[layer]], dim=1)
         hq, t, d = q.shape
         hkv, s, _ = keys.shape
         qg = q.view(hkv, hq // hkv, t, d)
@@ -55,7 +56,7 @@ def reconstruction_scores(model, full_cache: FullKVCache, prompt_ids: list[int],
     """Per-layer [Hkv, P] importance of the P context tokens held in ``full_cache``."""
     scorer = ReconstructionScoringCache(full_cache, model.config.num_hidden_layers)
     ids = list(repeat_ids) + list(prompt_ids)
-    device = full_cache.k.device
+    device = full_cache.device
     pos = full_cache.length
     for s in range(0, len(ids), chunk):
         part = ids[s : s + chunk]

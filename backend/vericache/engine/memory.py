@@ -76,16 +76,16 @@ class KVMemory:
         host = torch.device("cpu")
         if mode == "full" or (mode == "vericache" and not self.remote):
             home = host if self.is_offloaded(req) else self.dev
-            if req.prefill is not None and req.prefill.full.k.device == home:
+            if req.prefill is not None and req.prefill.full.device == home:
                 req.full = req.prefill.reset(req.seq)
             else:
                 req.full = FullKVCache(self.cfg, home, self.dtype, capacity=cap)
                 if home.type == "cpu" and self.dev.type == "cuda":  # pinned: the link copies asynchronously
-                    req.full.k, req.full.v = req.full.k.pin_memory(), req.full.v.pin_memory()
+                    req.full.pin()
                 if req.prefill is not None:
                     src = req.prefill.reset(req.seq)
                     req.full.load(src, src.length)
-            if req.full.k.device != self.dev and req.prefill is None:
+            if req.full.device != self.dev and req.prefill is None:
                 # prefill attends on the device: into a device buffer, copied home when done
                 req.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap)
         if mode in ("lossy", "vericache"):

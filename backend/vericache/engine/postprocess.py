@@ -47,8 +47,8 @@ def finish_prefill(loop, req: Request, logits: torch.Tensor, context: FullKVCach
         comp = req.opts.compressor
         ids = req.prefill_ids
         # a prompt partly loaded from the prefix store has no whole-prompt context here
-        scores = None if req.draft.res_start else comp.on_prefill(
-            runner.model, context or req.draft.residual, ids, runner.tokenizer)
+        whole = req.draft.prefill_context()
+        scores = None if whole is None else comp.on_prefill(runner.model, context or whole, ids, runner.tokenizer)
         req.draft.set_prefill_scores(scores, n)
         # compression starts once the whole prompt is in (an exact prefill); beside a full
         # cache the draft cache takes the prompt's K/V from it

@@ -126,13 +126,15 @@ class StepLoop:
     def step(self) -> list[StepOutput]:
         """schedule -> run -> postprocess, around the remote replies and the link's transfers."""
         self.scheduler.admit()
-        remote_rounds.poll(self)
+        if self.verifier is not None:   # drafter role: apply the verifier's replies
+            remote_rounds.poll(self)
         batch = self.scheduler.plan()
         if batch.rows and self._run(batch):
             t0 = time.perf_counter()
             postprocess(self, batch)
             self.instruments.steps[-1].post = time.perf_counter() - t0
-        remote_rounds.send_verifies(self)
+        if self.verifier is not None:   # drafter role: complete rounds go to the verifier
+            remote_rounds.send_verifies(self)
         if self.link is not None:
             self.schedule.start_transfers(self, self.requests.in_state(State.DRAFTING))
         if self.link is not None or self.prefix is not None or self.verifier is not None:

@@ -32,7 +32,7 @@ def can_verify(loop, req: Request) -> bool:
     """Start verifying before the last layers land when, at the measured rates, they will land
     before the forward reaches them: r layers still in flight take r * t_link_layer, the forward
     spends (L - r) * t_verify_layer on the layers already there."""
-    streamed = req.transfer.dst.k.shape[0]
+    streamed = req.transfer.dst.layers
     done = req.transfer.layers_done()
     if done == streamed:
         return True

@@ -164,6 +164,43 @@ class CompressedKVCache:
         for layer, q in enumerate(queries):
             self.observe(layer, q)
 
+    def load_stored(self, blocks: list[dict[str, torch.Tensor]], block_tokens: int) -> int:
+        """Fill an empty cache's store with a prefix's leading stored blocks (``remote.forms``: each
+        block's fields as this store holds them); returns the positions covered (they become committed;
+        the next position written is the first after them)."""
+        if self.length or self.committed:
+            raise ValueError("load_stored needs an empty cache")
+        if not blocks:
+            return 0
+        names = set(self.fields) | ({"pos"} if self.pos is not None else set())
+        for b in blocks:
+            if set(b) != names:
+                raise ValueError(f"stored form has fields {sorted(b)}; this cache needs {sorted(names)}")
+        tok = [name for name in self.fields if ".tok." in name] + (["pos"] if self.pos is not None else [])
+        count = sum(b[tok[0]].shape[2] for b in blocks)
+        n = len(blocks) * block_tokens
+        if count > self.fields[tok[0]].shape[2] or n > self.capacity:
+            raise ValueError(f"{len(blocks)} blocks ({count} stored tokens per head, {n} positions) do not fit "
+                             f"this cache ({self.fields[tok[0]].shape[2]} per head, {self.capacity} positions)")
+        for name in self.fields:
+            x = torch.cat([b[name] for b in blocks], dim=2)
+            dst = self.fields[name]
+            if x.shape[:2] != dst.shape[:2] or x.shape[3:] != dst.shape[3:]:
+                raise ValueError(f"stored {name} of shape {tuple(x.shape)} does not fit {tuple(dst.shape)}")
+            dst[:, :, : x.shape[2]] = x.to(dst)
+        if self.pos is not None:
+            self.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(self.pos)
+            self.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
+        self.count = count
+        self.res_start = self.committed = self.prompt_len = n
+        self.residual.truncate(0)
+        return n
+
+    def prefill_context(self) -> FullKVCache | None:
+        """The exact K/V of every position so far while none is compressed yet (the residual holds them
+        from position 0); None once a stored prefix was loaded (its positions are in the store only)."""
+        return self.residual if self.res_start == 0 else None
+
     def set_prefill_scores(self, scores: dict[int, torch.Tensor] | None, prompt_len: int) -> None:
         """KVzip's per-layer [Hkv, P] prompt scores, kept as one [L * Hkv, P] tensor."""
         self.prompt_len = prompt_len

@@ -35,6 +35,22 @@ class FullKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def pin(self) -> None:
+        """Move K/V to pinned host memory (a host-tier cache: the link then copies asynchronously)."""
+        self.k, self.v = self.k.pin_memory(), self.v.pin_memory()
+
     def nbytes_per_position(self) -> int:
         layers, heads, _, dim = self.k.shape
         return 2 * layers * heads * dim * self.k.element_size()  # K and V
@@ -91,6 +107,17 @@ class FullKVCache:
                              f"{first_layer + n - 1}: the cache holds {self.length} positions, {self.k.shape[0]} layers")
         self.k[first_layer : first_layer + n, :, start:end] = src.k[:, :, start:end]
         self.v[first_layer : first_layer + n, :, start:end] = src.v[:, :, start:end]
+
+    def views(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [L, Hkv, end - start, D] of positions start .. end-1, as views: for reading (encoders,
+        stores); a write through them bypasses the cache."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"cannot view positions {start}..{end - 1}: the cache holds {self.length}")
+        return self.k[:, :, start:end], self.v[:, :, start:end]
+
+    def layer_views(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [Hkv, end, D] of one layer's positions 0 .. end-1, as views (for reading)."""
+        return self.k[layer, :, :end], self.v[layer, :, :end]
 
     def copy_out(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [L, Hkv, end - start, D] of positions start .. end-1, as new tensors."""

@@ -28,8 +28,7 @@ def full_forms(full: FullKVCache, n_blocks: int, block_tokens: int) -> list[Form
     if n_blocks * block_tokens > full.length:
         raise ValueError(f"{n_blocks} blocks of {block_tokens} need {n_blocks * block_tokens} positions; "
                          f"the cache holds {full.length}")
-    return [{"k": full.k[:, :, b * block_tokens : (b + 1) * block_tokens],
-             "v": full.v[:, :, b * block_tokens : (b + 1) * block_tokens]} for b in range(n_blocks)]
+    return [dict(zip("kv", full.views(b * block_tokens, (b + 1) * block_tokens))) for b in range(n_blocks)]
 
 
 def load_full(full: FullKVCache, blocks: list[Form]) -> int:
@@ -51,7 +50,7 @@ def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Te
             raise ValueError(f"{comp.spec()}: quantization group {layout.group} does not divide the "
                              f"block of {block_tokens} tokens")
     n = n_blocks * block_tokens
-    k, v = full.k[:, :, :n], full.v[:, :, :n]                                    # [L, Hkv, N, D]
+    k, v = full.views(0, n)                                                      # [L, Hkv, N, D]
     n_l, hkv = k.shape[:2]
     keep = None
     if comp.evicts:
@@ -89,31 +88,5 @@ def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Te
 
 def load_compressed(cache: CompressedKVCache, blocks: list[Form], block_tokens: int) -> int:
     """Fill an empty compressed cache's store with leading blocks; returns the positions covered
-    (they become committed; the next position written is the first after them)."""
-    if cache.length or cache.committed:
-        raise ValueError("load_compressed needs an empty cache")
-    if not blocks:
-        return 0
-    names = set(cache.fields) | ({"pos"} if cache.pos is not None else set())
-    for b in blocks:
-        if set(b) != names:
-            raise ValueError(f"stored form has fields {sorted(b)}; this cache needs {sorted(names)}")
-    tok = [name for name in cache.fields if ".tok." in name] + (["pos"] if cache.pos is not None else [])
-    count = sum(b[tok[0]].shape[2] for b in blocks)
-    n = len(blocks) * block_tokens
-    if count > cache.fields[tok[0]].shape[2] or n > cache.capacity:
-        raise ValueError(f"{len(blocks)} blocks ({count} stored tokens per head, {n} positions) do not fit "
-                         f"this cache ({cache.fields[tok[0]].shape[2]} per head, {cache.capacity} positions)")
-    for name in cache.fields:
-        x = torch.cat([b[name] for b in blocks], dim=2)
-        dst = cache.fields[name]
-        if x.shape[:2] != dst.shape[:2] or x.shape[3:] != dst.shape[3:]:
-            raise ValueError(f"stored {name} of shape {tuple(x.shape)} does not fit {tuple(dst.shape)}")
-        dst[:, :, : x.shape[2]] = x.to(dst)
-    if cache.pos is not None:
-        cache.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(cache.pos)
-        cache.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
-    cache.count = count
-    cache.res_start = cache.committed = cache.prompt_len = n
-    cache.residual.truncate(0)
-    return n
+    (``CompressedKVCache.load_stored``)."""
+    return cache.load_stored(blocks, block_tokens)

@@ -182,10 +182,10 @@ class PrefixStore:
         ends at the last good block); otherwise through ``get``."""
         if full.length:
             raise ValueError(f"get_full_into needs an empty cache; it holds {full.length} positions")
-        if self.bulk is None or full.k.device.type != "cpu":
-            return self.get(token_ids, "full", max_blocks, full.k.device, into=lambda b: full.append(b["k"], b["v"]))
+        if self.bulk is None or full.device.type != "cpu":
+            return self.get(token_ids, "full", max_blocks, full.device, into=lambda b: full.append(b["k"], b["v"]))
         hashes = self.hashes(token_ids)[:max_blocks]
-        want = [[full.k.shape[0], full.k.shape[1], self.block_tokens, full.k.shape[3]], str(full.k.dtype)]
+        want = [[full.layers, full.cfg.num_key_value_heads, self.block_tokens, full.cfg.head_dim], str(full.dtype)]
 
         def dest(i: int, entries: list[dict]) -> list[memoryview] | None:
             if [e["name"] for e in entries] != ["k", "v"] or any([e["shape"], e["dtype"]] != want for e in entries):

@@ -119,9 +119,8 @@ def move_seconds(compressor, cfg, dtype: torch.dtype, context: int, repeats: int
     w, n_l = compressor.window, cfg.num_hidden_layers
     cap = context + (repeats + 2) * (w + compressor.align)
     full = FullKVCache(cfg, "cpu", dtype, capacity=cap)
-    full.begin(0, cap)
-    full.k.normal_()
-    full.v.normal_()
+    shape = (n_l, cfg.num_key_value_heads, cap, cfg.head_dim)
+    full.append(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
     cache = CompressedKVCache(compressor, cfg, "cpu", dtype, capacity=cap)
     cache.load_prefill(full, [torch.randn(cfg.num_attention_heads, w, cfg.head_dim, dtype=dtype)] * n_l)
     cache.commit(context)

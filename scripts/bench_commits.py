@@ -1,0 +1,78 @@
+"""Run one `vericache bench ...` command at two commits, alternately, and print each mode's tokens/s side
+by side: "unchanged within noise" measured in one run on one (shared, noisy) machine.
+
+    python scripts/bench_commits.py --base 090fc3b --repeats 2 -- bench decode --model tiny --json ...
+
+The base commit is checked out in a temporary git worktree and imported first on PYTHONPATH (same
+virtual environment); the other side is this working tree. The bench command must print JSON (`--json`)
+with a "rows" list of {"mode", "tokens_per_s"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_name() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def run_at(tree: Path, args: list[str]) -> dict[str, float]:
+    """The bench command's rows (mode -> tokens/s), run with ``tree``'s packages first on the path."""
+    env = dict(os.environ, PYTHONPATH=f"{tree / 'backend'}:{tree / 'gateway'}")
+    out = subprocess.run([sys.executable, "-m", "vericache.cli", *args], capture_output=True, text=True, env=env,
+                         cwd=tree)
+    if out.returncode:
+        raise SystemExit(f"bench failed at {tree}:\n{out.stderr[-3000:]}")
+    rows = json.loads(out.stdout)["rows"]
+    return {r["mode"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the commit to compare against")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the vericache arguments")
+    args = parser.parse_args()
+    bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    runs: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_tree), args.base],
+                       check=True, capture_output=True)
+        try:
+            for i in range(args.repeats):
+                for side, tree in (("base", base_tree), ("head", ROOT)):
+                    rows = run_at(tree, bench)
+                    for mode, tps in rows.items():
+                        runs[side].setdefault(mode, []).append(tps)
+                    print(f"[{i + 1}/{args.repeats}] {side}: {rows}", file=sys.stderr, flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    print(f"CPU: {cpu_name()}; base {args.base}, head {head} (+ working tree); `vericache {' '.join(bench)}`")
+    print("| mode | base tok/s (runs) | head tok/s (runs) | head / base (medians) |")
+    print("|---|---|---|---|")
+    for mode in runs["base"]:
+        b, h = runs["base"][mode], runs["head"].get(mode, [])
+        ratio = statistics.median(h) / statistics.median(b) if h and statistics.median(b) else float("nan")
+        print(f"| {mode} | {', '.join(f'{x:.2f}' for x in b)} | {', '.join(f'{x:.2f}' for x in h)} | {ratio:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
