@@ -129,6 +129,22 @@ def test_illegal_transitions_are_refused(llm):
         assert State.ABORTED in dsts and src not in (State.FINISHED, State.ABORTED)
 
 
+def test_the_callers_sequence_keeps_its_id_and_the_table_owns_the_lifecycle(llm):
+    """A caller's Sequence is the caller's: the loop gives the request its own id and writes only the
+    output into it; every state the request passes through comes from the table's transitions."""
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"), offload=False)
+    loop.add_request([9, 9, 9], SamplingParams(max_tokens=2))          # takes id 0
+    seq = loop.runner.new_sequence(41, [5, 6, 7, 8] * 8, SamplingParams(max_tokens=6, ignore_eos=True))
+    rid, seen = loop.add_sequence(seq), []
+    while loop.has_unfinished():
+        loop.step()
+        seen.append(loop.requests[rid].state)
+    assert rid == 1 and seq.request_id == 41 and len(seq.output_ids) == 6
+    assert seen[-1] == State.FINISHED and State.DRAFTING in seen
+    assert all(b in ALLOWED[a] for a, b in zip(seen, seen[1:]) if a != b)
+    assert [o.request_id for o in loop.collect_outputs()] == []      # everything was reported once
+
+
 def test_block_pool_accounting():
     pool = BlockPool("device", 10 * 1024, block_bytes=1024)
     pool.resize("a", 2500)

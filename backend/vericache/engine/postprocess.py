@@ -22,7 +22,8 @@ log = logging.getLogger("vericache.engine")
 
 
 def postprocess(loop, batch: StepBatch) -> None:
-    handlers = {RowKind.PREFILL: _after_prefill, RowKind.DECODE: _after_decode, RowKind.DRAFT: _after_draft, RowKind.VERIFY: _after_verify}
+    handlers = {RowKind.PREFILL: _after_prefill, RowKind.DECODE: _after_decode, RowKind.DRAFT: _after_draft,
+                RowKind.VERIFY: _after_verify}
     for row in batch.rows:
         req = row.req
         if req.done or req.state == State.WAITING:

@@ -27,8 +27,9 @@ class RequestTable:
 
     # ------------------------------------------------------------------ the table
     def add(self, req: Request) -> int:
-        """Give an accepted request its id (ids go only to accepted requests) and enter it."""
-        req.id = req.seq.request_id = next(self._ids)
+        """Give an accepted request its id (ids go only to accepted requests) and enter it. (The
+        sequence keeps its own ``request_id``: it may be the caller's object.)"""
+        req.id = next(self._ids)
         self._by_id[req.id] = req
         return req.id
 

@@ -118,14 +118,12 @@ class ModelRunner:
             raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
         opts = self.resolve(RequestOptions(mode=check_mode(mode or self.mode)))
         loop = StepLoop(self, offload=False, prefill_chunk=self.prefill_chunk)
-        ids = [seq.request_id for seq in seqs]
         rids = [loop.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
         while loop.has_unfinished():
             loop.step()
-        for seq, rid, own_id in zip(seqs, rids, ids):
-            seq.request_id = own_id
+        for seq, rid in zip(seqs, rids):
             if loop.requests[rid].error:
-                raise RuntimeError(f"request {own_id} failed: {loop.requests[rid].error}")
+                raise RuntimeError(f"request {seq.request_id} failed: {loop.requests[rid].error}")
         return [s.to_output() for s in seqs]
 
     # ------------------------------------------------------------------ limits

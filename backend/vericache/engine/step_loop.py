@@ -79,7 +79,9 @@ class StepLoop:
         """Queue a request; ``options`` override the engine's mode, compressor and draft length;
         ``prefill`` (an ``ModelRunner.shared_prefill`` of this prompt) is loaded instead of recomputed;
         ``checked``: the caller validated the input (``ModelRunner.check_request``) already."""
-        return self._add(self.runner.new_sequence(-1, prompt_ids, params, checked), options, prefill)
+        seq = self.runner.new_sequence(-1, prompt_ids, params, checked)
+        seq.request_id = rid = self._add(seq, options, prefill)   # our own sequence: it takes the id
+        return rid
 
     def add_sequence(self, seq: Sequence, options: RequestOptions | ResolvedOptions | None = None,
                      prefill=None) -> int:
