@@ -197,9 +197,9 @@ def test_chat_completion_over_triton_uses_the_models_template(triton, smollm, fr
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
 
 
-def test_gateway_503_while_triton_is_down_then_recovers(tmp_path):
+def test_gateway_503_while_triton_is_down_then_recovers(tmp_path, free_port):
     http, grpc, metrics = _free_ports(3)
-    server, url = _gateway(f"127.0.0.1:{grpc}")
+    server, url = _gateway(f"127.0.0.1:{grpc}", free_port)
     proc = None
     try:
         assert httpx.get(url + "/health", timeout=10).status_code == 503
