@@ -17,7 +17,7 @@ from vericache.bench.common import (
     RowPredictor,
     code_prompt,
     cpu_model,
-    engine_for,
+    runner_for,
     markdown_table,
     shared_prefills,
 )
@@ -76,7 +76,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
-    runner, tok, engines = llm.runner, llm.tokenizer, {}
+    runner, tok, runners = llm.runner, llm.tokenizer, {}
     prompts = distinct_prompts(tok, n_requests, context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each, {llm.loaded.name} "
@@ -88,10 +88,10 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     predictor = RowPredictor(llm, context, roof.weights_s, log) if roof is not None else None
     rows, reference, runs = [], None, {}
     for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
-        mode_eng, base = engine_for(llm, mode, engines)
+        mode_runner, base = runner_for(llm, mode, runners)
         seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
-        opts = mode_eng.resolve(None)
-        loop = StepLoop(mode_eng, offload=False)
+        opts = mode_runner.resolve(None)
+        loop = StepLoop(mode_runner, offload=False)
         res = decode_all(loop, seqs, opts, prefills, log, mode)
         runs[mode] = (base, res["step_records"])
         outs = [s.output_ids for s in seqs]
@@ -104,10 +104,10 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
                "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
                "identical_to_full": outs == reference if reference is not None else None,
                "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-               "compressor": "" if base == "full" else mode_eng.compressor.spec()}
+               "compressor": "" if base == "full" else mode_runner.compressor.spec()}
         if predictor is not None:
             per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
-            row["predicted_tokens_per_s"] = round(predictor(mode_eng, base, n_requests, *per_round), 2)
+            row["predicted_tokens_per_s"] = round(predictor(mode_runner, base, n_requests, *per_round), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "

@@ -29,18 +29,18 @@ def label_parts(label: str) -> tuple[str, str, str | None]:
     return mode, weights or "fp32", compressor or None
 
 
-def engine_for(llm, label: str, engines: dict):
-    """A bench mode label's engine and mode (``label_parts``); the engines share ``llm``'s model and
+def runner_for(llm, label: str, runners: dict):
+    """A bench mode label's runner and mode (``label_parts``); the runners share ``llm``'s model and
     are made once per label."""
     mode, weights, compressor = label_parts(label)
-    if label not in engines:
+    if label not in runners:
         from vericache.engine.runner import ModelRunner
 
         e = llm.runner
         draft_len = "auto" if e.policy.fixed is None else e.policy.fixed
-        engines[label] = ModelRunner(llm.loaded, mode=mode, compressor=compressor or e.compressor, draft_len=draft_len,
-                                prefill_chunk=e.prefill_chunk, draft_weights=weights)
-    return engines[label], mode
+        runners[label] = ModelRunner(llm.loaded, mode=mode, compressor=compressor or e.compressor, draft_len=draft_len,
+                                 prefill_chunk=e.prefill_chunk, draft_weights=weights)
+    return runners[label], mode
 
 
 def cpu_model() -> str:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, markdown_table
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, runner_for, markdown_table
 from vericache.engine.options import RequestOptions
 from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM
@@ -60,15 +60,15 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     # Long: one bench run read top to bottom (per context: every mode on the same prompt, side by side,
     # then the baselines); the modes share the prompt, prefill and reference outputs.
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len)
-    runner, engines = llm.runner, {}
+    runner, runners = llm.runner, {}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     runner.generate([runner.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     rows, roof_rows, runs = [], [], {}
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
-        results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
-        bases = {m: engine_for(llm, m, engines)[1] for m in modes}
+        results = {m: generate_with_steps(*runner_for(llm, m, runners), prompt, params) for m in modes}
+        bases = {m: runner_for(llm, m, runners)[1] for m in modes}
         predictor = RowPredictor(llm, ctx, roof.weights_s, log) if roof is not None else None
         ref = results["full"][0] if "full" in results else None
         for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
@@ -85,7 +85,7 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             if predictor is not None:
                 rounds = st.get("rounds", 0)
                 per_round = ((len(out.token_ids) - 1) / rounds, st["drafted_tokens"] / rounds) if rounds else (1.0, 0.0)
-                row["predicted_tokens_per_s"] = round(predictor(engine_for(llm, mode, engines)[0], bases[mode], 1,
+                row["predicted_tokens_per_s"] = round(predictor(runner_for(llm, mode, runners)[0], bases[mode], 1,
                                                                 *per_round), 1)
                 row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
             if roof is not None:

@@ -77,7 +77,7 @@ class StepLoop:
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     options: RequestOptions | ResolvedOptions | None = None, prefill=None, checked: bool = False) -> int:
         """Queue a request; ``options`` override the engine's mode, compressor and draft length;
-        ``prefill`` (an ``ModelRunner.shared_prefill`` of this prompt) is loaded instead of recomputed;
+        ``prefill`` (a ``ModelRunner.shared_prefill`` of this prompt) is loaded instead of recomputed;
         ``checked``: the caller validated the input (``ModelRunner.check_request``) already."""
         seq = self.runner.new_sequence(-1, prompt_ids, params, checked)
         seq.request_id = rid = self._add(seq, options, prefill)   # our own sequence: it takes the id

@@ -1,4 +1,4 @@
-"""Build an ``BackgroundService`` from plain settings (used by the gateway and the Triton model)."""
+"""Build a ``BackgroundService`` from plain settings (used by the gateway and the Triton model)."""
 
 from __future__ import annotations
 
