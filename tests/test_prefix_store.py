@@ -13,7 +13,7 @@ from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.remote.chain import block_hashes
 from vericache.remote.codec import CorruptValue, pack, unpack
-from vericache.remote.forms import compressed_forms, load_compressed, load_full
+from vericache.remote.forms import compressed_forms, load_full
 from vericache.remote.prefixes import model_id, put_prompt
 from vericache.remote.store import PrefixStore, StoreUnavailable
 
@@ -126,7 +126,7 @@ def test_compressed_form_round_trip(llm, stored, prefix, spec):
         for name in want:
             assert torch.equal(block[name].view(torch.uint8), want[name].view(torch.uint8)), name
     cache = CompressedKVCache(comp, cfg, "cpu", torch.float32, capacity=n + 64)
-    assert load_compressed(cache, got.blocks, BT) == n
+    assert cache.load_stored(got.blocks, BT) == n
     assert cache.committed == cache.res_start == n
     assert cache.nbytes() < 0.6 * n * full.nbytes_per_position()  # really compressed
     k, v = cache.dequantized(0)

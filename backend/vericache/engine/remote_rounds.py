@@ -18,7 +18,7 @@ import time
 from vericache.drafting.round import accept_draft, record_round
 from vericache.engine.request import Request, State
 from vericache.remote.client import VerifierUnavailable
-from vericache.remote.forms import load_compressed, load_full
+from vericache.remote.forms import load_full
 
 log = logging.getLogger("vericache.engine")
 
@@ -48,7 +48,7 @@ def fetch_pending(loop, req: Request) -> bool:
         if req.mode == "full":
             n = load_full(req.full, got.blocks)
         else:
-            n = load_compressed(req.draft, got.blocks, loop.prefix.store.block_tokens)
+            n = req.draft.load_stored(got.blocks, loop.prefix.store.block_tokens)
         req.done_ids = req.prefix_tokens = n
     req.fetch_bytes, req.fetch_s = got.nbytes, got.seconds
     return False

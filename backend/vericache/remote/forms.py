@@ -1,4 +1,5 @@
-"""A prefix's per-block stored forms, and loading them back into caches.
+"""A prefix's per-block stored forms, and loading the full form back (a compressed form loads
+through ``CompressedKVCache.load_stored``).
 
 Per block of ``block_tokens`` positions the store keeps
 - the *full* form: K, V [L, Hkv, block, D] in the KV dtype (what the verifier attends over), and
@@ -17,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from vericache.compress.base import Compressor, ScoreInputs
-from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 
 Form = dict[str, torch.Tensor]
@@ -84,9 +84,3 @@ def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Te
             form |= tok
         forms.append({name: x.contiguous() for name, x in form.items()})
     return forms
-
-
-def load_compressed(cache: CompressedKVCache, blocks: list[Form], block_tokens: int) -> int:
-    """Fill an empty compressed cache's store with leading blocks; returns the positions covered
-    (``CompressedKVCache.load_stored``)."""
-    return cache.load_stored(blocks, block_tokens)
