@@ -85,7 +85,12 @@ def mixed_linear(x: torch.Tensor, n_draft: int, exact: Callable[[torch.Tensor], 
 
 
 def weight_matrices(model) -> list[torch.Tensor]:
-    """Every weight matrix one forward of a ``Transformer`` multiplies by, fused as the engine runs them."""
+    """Every weight matrix one forward of a ``Transformer`` multiplies by, fused as the engine runs them
+    (fp32; a model on the exact op dequantizes its stored weights)."""
+    if model.head_exact is not None:
+        from vericache.model.exact_linear import exact_linears
+
+        return [lin.dense() for lin in exact_linears(model)]
     out = []
     for layer in model.model.layers:
         a, mlp = layer.self_attn, layer.mlp

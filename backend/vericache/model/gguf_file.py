@@ -4,7 +4,9 @@ A GGUF file holds quantized weights, the model's hyperparameters as ``llama.*`` 
 its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, dequantize
 every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights,
 and write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into a cache
-directory keyed by the file's SHA-256, so the second load is a safetensors mmap (well under a
+directory keyed by the file's SHA-256. Beside them ``stored.safetensors`` keeps every matrix (the
+linears and the embedding) in its GGUF blocks, rows in Hugging Face order: what the CPU forward
+reads through the batch-invariant linear op (``load_stored``), so the second load is a safetensors mmap (well under a
 second) and every process (gateway, Triton stub, benches) shares one conversion.
 """
 
@@ -25,6 +27,7 @@ from vericache.config import ModelConfigError
 # the ggml types we dequantize (all through gguf.quants.dequantize)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+STORED_FILE = "stored.safetensors"   # the matrices in their GGUF blocks (``stored_state``)
 # llama.cpp tensor names -> Hugging Face Llama names (per block: blk.<i>.<part>.weight)
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -56,7 +59,7 @@ def gguf_to_hf_dir(path: str | Path, root: Path | None = None) -> Path:
     if not path.is_file():
         raise ModelConfigError(f"GGUF file not found: {path}")
     out = (root or cache_root()) / "gguf" / file_sha256(path)[:24]
-    if (out / "model.safetensors").exists():
+    if (out / STORED_FILE).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
@@ -65,8 +68,11 @@ def gguf_to_hf_dir(path: str | Path, root: Path | None = None) -> Path:
         try:
             tmp.rename(out)  # atomic: a concurrent converter that won the race leaves us its copy
         except OSError:
-            if not (out / "model.safetensors").exists():
-                raise
+            if not (out / STORED_FILE).exists():
+                if not (out / "model.safetensors").exists():
+                    raise
+                shutil.rmtree(out, ignore_errors=True)   # converted before stored blocks existed: redo
+                tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -156,6 +162,43 @@ def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
     return state
 
 
+def stored_state(reader, cfg: dict) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every matrix as stored: Hugging Face name -> (ggml type, uint8 [rows, row bytes]), Q/K rows
+    unpermuted (a row permutation moves whole block rows, so the blocks stay as they are)."""
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or len(t.shape) != 2:
+            continue
+        rows = int(t.shape[1])
+        data = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1).copy())
+        if name.endswith("q_proj.weight"):
+            data = unpermute_qk(data, cfg["num_attention_heads"]).contiguous()
+        elif name.endswith("k_proj.weight"):
+            data = unpermute_qk(data, cfg["num_key_value_heads"]).contiguous()
+        out[name] = (t.tensor_type.name, data)
+    return out
+
+
+def load_stored(model_dir: Path) -> dict:
+    """The stored matrices of a converted GGUF model (``StoredWeight`` by name); {} for other models."""
+    from safetensors import safe_open
+
+    from vericache.kernels.linear_op import StoredWeight
+
+    path = Path(model_dir) / STORED_FILE
+    if not path.exists():
+        return {}
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        for name in f.keys():
+            fmt, k = json.loads(meta[name])
+            data = f.get_tensor(name)
+            out[name] = StoredWeight(fmt, data, data.shape[0], k)
+    return out
+
+
 def _hf_name(name: str) -> str | None:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
@@ -179,6 +222,9 @@ def write_hf_dir(path: Path, out: Path) -> None:
     state = hf_state_dict(reader, cfg)
     tokenizer, tok_cfg = build_tokenizer(meta)
     save_file(state, str(out / "model.safetensors"))
+    stored = stored_state(reader, cfg)
+    save_file({n: d for n, (_, d) in stored.items()}, str(out / STORED_FILE),
+              metadata={n: json.dumps([fmt, state[n].shape[1]]) for n, (fmt, _) in stored.items()})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))

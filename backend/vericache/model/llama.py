@@ -24,6 +24,7 @@ from torch import nn
 from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear, weight_matrices
+from vericache.model.exact_linear import ExactLinear
 
 
 class AttentionCache(Protocol):
@@ -94,11 +95,15 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights (``fuse``)
         self.qkv_draft: DraftLinear | None = None   # draft rows' weights (``Transformer.quantize_drafts``)
         self.o_draft: DraftLinear | None = None
+        self.qkv_exact: ExactLinear | None = None   # the batch-invariant op (``exact_linear.install``)
+        self.o_exact: ExactLinear | None = None
 
     def fuse(self) -> None:
         """One [Hq*D + 2*Hkv*D, hidden] matmul instead of three (inference): q/k/v_proj become views
         of the fused weight, so memory and the state dict are unchanged."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not self.q_proj.weight.numel():
+            return   # no data here: the weights are stored blocks (``exact_linear``)
         w = torch.cat([p.weight.detach() for p in projs])
         b = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
         at = 0
@@ -115,12 +120,7 @@ class Attention(nn.Module):
                 caches: Sequence[AttentionCache] | None, n_draft: int = 0) -> torch.Tensor:
         # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]; rows :n_draft are drafts (draft weights)
         n, dq, dkv = x.shape[0], self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        if n_draft and self.qkv_draft is not None:
-            q, k, v = mixed_linear(x, n_draft, self._qkv_exact, self.qkv_draft).split([dq, dkv, dkv], dim=-1)
-        elif self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split([dq, dkv, dkv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = mixed_linear(x, n_draft, self._qkv_exact, self.qkv_draft).split([dq, dkv, dkv], dim=-1)
         q = q.reshape(n, self.n_heads, self.head_dim).transpose(0, 1)
         k = k.reshape(n, self.n_kv, self.head_dim).transpose(0, 1)
         v = v.reshape(n, self.n_kv, self.head_dim).transpose(0, 1)
@@ -132,9 +132,11 @@ class Attention(nn.Module):
         else:
             out = self._attend_caches(q, k, v, layer, seq_lens, caches)
         # out: [N, Hq, D] -> [N, Hq*D]
-        return mixed_linear(out.reshape(n, -1).to(x.dtype), n_draft, self.o_proj, self.o_draft)
+        return mixed_linear(out.reshape(n, -1).to(x.dtype), n_draft, self.o_exact or self.o_proj, self.o_draft)
 
     def _qkv_exact(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv_exact is not None:
+            return self.qkv_exact(x)
         if self.qkv is not None:
             return F.linear(x, *self.qkv)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -185,9 +187,13 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # fused weights (``fuse``)
         self.gate_up_draft: DraftLinear | None = None   # draft rows' weights
         self.down_draft: DraftLinear | None = None
+        self.gate_up_exact: ExactLinear | None = None   # the batch-invariant op
+        self.down_exact: ExactLinear | None = None
 
     def fuse(self) -> None:
         """One matmul for gate and up (inference); the two projections become views of it."""
+        if not self.gate_proj.weight.numel():
+            return
         w = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
@@ -195,15 +201,12 @@ class MLP(nn.Module):
         self.gate_up = w
 
     def forward(self, x: torch.Tensor, n_draft: int = 0) -> torch.Tensor:
-        if n_draft and self.gate_up_draft is not None:
-            gate, up = mixed_linear(x, n_draft, self._gate_up_exact, self.gate_up_draft).chunk(2, dim=-1)
-            return mixed_linear(F.silu(gate) * up, n_draft, self.down_proj, self.down_draft)
-        if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = mixed_linear(x, n_draft, self._gate_up_exact, self.gate_up_draft).chunk(2, dim=-1)
+        return mixed_linear(F.silu(gate) * up, n_draft, self.down_exact or self.down_proj, self.down_draft)
 
     def _gate_up_exact(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_exact is not None:
+            return self.gate_up_exact(x)
         if self.gate_up is not None:
             return F.linear(x, self.gate_up)
         return torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
@@ -239,6 +242,8 @@ class Transformer(nn.Module):
         self.draft_sets: dict[str, tuple] = {}           # kind -> (per-layer copies, lm_head copy)
         self.draft_choice = None                         # draft_weights.DraftChoice once measured ("auto")
         self.lm_head_draft: DraftLinear | None = None
+        self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
+        self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
@@ -282,7 +287,10 @@ class Transformer(nn.Module):
             for cache, s, t in zip(caches, starts, seq_lens):
                 cache.begin(s, t)
         positions = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, seq_lens)]).to(tokens.device)
-        x = self.model.embed_tokens(tokens)                                # [N, hidden]
+        if self.embed_exact is not None:                                   # [N, hidden]
+            x = self.embed_exact.op.dequantize(self.embed_exact.weight, tokens)
+        else:
+            x = self.model.embed_tokens(tokens)
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         adt = self.attn_dtype or x.dtype
@@ -293,4 +301,5 @@ class Transformer(nn.Module):
         if logits_index is not None:
             n_draft = int((logits_index < n_draft).sum()) if n_draft else 0   # indices ascend
             x = x[logits_index]
-        return mixed_linear(self.model.norm(x), n_draft, self.lm_head, self.lm_head_draft).float()
+        head = self.head_exact or self.lm_head
+        return mixed_linear(self.model.norm(x), n_draft, head, self.lm_head_draft).float()

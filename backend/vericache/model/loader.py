@@ -8,10 +8,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from vericache.config import ModelConfig, ModelConfigError
-from vericache.model.llama import Transformer
+from vericache.kernels.linear_op import linear_op
+from vericache.model import exact_linear
+from vericache.model.gguf_file import load_stored
+from vericache.model.llama import Transformer, rope_inv_freq
 from vericache.model.registry import resolve_model
 from vericache.model.tokenizer import Tokenizer
 
@@ -52,11 +55,13 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelConfigError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint but those named in ``skip`` (read from elsewhere)."""
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(model_dir):
         try:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as fh:
+                state.update({k: fh.get_tensor(k) for k in fh.keys() if k not in skip})
         except FileNotFoundError:
             raise ModelConfigError(f"weight shard missing: {f}") from None
         except (SafetensorError, OSError, ValueError) as exc:
@@ -95,24 +100,36 @@ class LoadedModel:
 
 def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
                dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """On the CPU every linear runs the batch-invariant op (``model/exact_linear.py``); a GGUF model's
+    matrices stay in their blocks (fp32 only: its dequantized values are fp32), its ``nn.Linear``
+    modules and embedding hold no data."""
     path = resolve_model(name_or_path)
     dev = torch.device(device) if device is not None else default_device()
     dt = parse_dtype(dtype, dev)
     cfg = ModelConfig.from_file(path / "config.json")
-    model = Transformer(cfg)
-    state = load_state_dict(path)
+    stored = load_stored(path) if dev.type == "cpu" and dt == torch.float32 else {}
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for name in stored:   # data-less placeholders: the op reads the blocks
+        module, _, field = name.rpartition(".")
+        setattr(model.get_submodule(module), field, torch.nn.Parameter(torch.empty(0), requires_grad=False))
+    model = model.to_empty(device="cpu")
+    state = load_state_dict(path, skip=frozenset(stored))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        model.lm_head.weight = model.model.embed_tokens.weight
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if m not in stored and not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ModelConfigError(
             f"weights in {path} do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     model = model.to(device=dev, dtype=dt).eval()
-    model.inv_freq = model.inv_freq.float()  # RoPE frequencies stay fp32 whatever the weights are
+    model.inv_freq = rope_inv_freq(cfg).to(dev)  # RoPE frequencies stay fp32 whatever the weights are
     model.attn_dtype = kv_dtype_for(dt, dev)
     model.fuse_projections()
+    if dev.type == "cpu":
+        exact_linear.install(model, linear_op(), stored)
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
     return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path))

@@ -1,0 +1,301 @@
+// The batch-invariant linear op over weights as stored: y[M, N] = x[M, K] W[N, K]^T (+ bias).
+//
+// W is read in its GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or as F16, BF16, F32
+// rows: row n of W is row_bytes bytes at w + n * row_bytes. Each block is dequantized to exactly the
+// fp32 values the `gguf` package gives (the same IEEE multiply and add, never fused), then
+//
+//   y[m, n] = lane_sum(acc) (+ bias[n]),  acc[l] = fma(x[m, k], w[n, k], acc[l]) for k = l, l+16, ...
+//
+// 16 lanes in ascending k, then a fixed halving tree over the lanes. That is the whole contract:
+// every output is one fixed sequence of IEEE operations over K whatever M is, which rows share a
+// tile, how N is split between threads and how many threads there are (K is never split). The
+// portable build (scalar, std::fma), the AVX2 build (two 8-lane registers) and the AVX-512 build
+// (one 16-lane register) run the same sequence, so they give the same bits. Compiled with
+// -ffp-contract=off and without -ffast-math so the compiler keeps it that way.
+//
+// Plain C ABI (ctypes): no torch headers, so each ISA variant builds in seconds.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Fmt { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 3, Q4_1 = 4, Q5_0 = 5, Q5_1 = 6, Q8_0 = 7, Q4_K = 8, Q5_K = 9, Q6_K = 10 };
+constexpr int LANES = 16;
+
+// elements per block and bytes per block, by format
+int block_elems(int f) { return f <= BF16 ? 1 : (f >= Q4_K ? 256 : 32); }
+int block_bytes(int f) {
+  static const int b[] = {4, 2, 2, 18, 20, 22, 24, 34, 144, 176, 210};
+  return b[f];
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);                  // inf / nan
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {                                                  // subnormal: normalise (exact)
+      int e = -1;
+      uint32_t m = man;
+      do { m <<= 1; ++e; } while (!(m & 0x400));
+      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (m & 0x3ff) << 13;
+    }
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline float rdh(const uint8_t* p) { return half_to_float(rd16(p)); }
+
+// K-quants' 6-bit scale and min of sub-block j (gguf's Q4_K.get_scale_min)
+inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63; *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+// One block -> fp32 out[block_elems]. Scalar and exact: an int converts to fp32 exactly, then one
+// multiply (and one add or subtract) rounds once, as numpy does; vectorising it changes no bits.
+void dequant_block(int f, const uint8_t* b, float* out) {
+  switch (f) {
+    case F32: std::memcpy(out, b, 4); break;
+    case F16: out[0] = rdh(b); break;
+    case BF16: { uint32_t v = (uint32_t)rd16(b) << 16; std::memcpy(out, &v, 4); break; }
+    case Q4_0: {
+      const float d = rdh(b);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * (float)((int)(b[2 + j] & 0x0f) - 8);
+        out[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
+      }
+      break;
+    }
+    case Q4_1: {
+      const float d = rdh(b), m = rdh(b + 2);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * (float)(b[4 + j] & 0x0f) + m;
+        out[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+      }
+      break;
+    }
+    case Q5_0: case Q5_1: {
+      const bool has_min = f == Q5_1;
+      const float d = rdh(b), m = has_min ? rdh(b + 2) : 0.0f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
+      const uint8_t* qs = b + (has_min ? 8 : 6);
+      for (int j = 0; j < 32; ++j) {
+        const int lo = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
+        const int q = lo | (int)((qh >> j) & 1) << 4;
+        out[j] = has_min ? d * (float)q + m : d * (float)(q - 16);
+      }
+      break;
+    }
+    case Q8_0: {
+      const float d = rdh(b);
+      for (int j = 0; j < 32; ++j) out[j] = (float)(int8_t)b[2 + j] * d;
+      break;
+    }
+    case Q4_K: case Q5_K: {
+      const float d = rdh(b), dmin = rdh(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;                               // Q5_K only
+      const uint8_t* qs = b + (f == Q5_K ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(scales, j, &sc, &mn);
+        const float dj = d * (float)sc, mj = dmin * (float)mn;
+        const uint8_t* q = qs + 32 * (j / 2);
+        for (int l = 0; l < 32; ++l) {
+          int v = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
+          if (f == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+          out[32 * j + l] = dj * (float)v - mj;
+        }
+      }
+      break;
+    }
+    case Q6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* sc = (const int8_t*)(b + 192);
+      const float d = rdh(b + 208);
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, r = e % 128;
+        const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0f;
+        const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        out[e] = (d * (float)sc[e / 16]) * (float)((lo | hi << 4) - 32);
+      }
+      break;
+    }
+  }
+}
+
+// Row n of W -> fp32 out[kp] (kp = K rounded up to 16, zero tail).
+void dequant_row(int f, const uint8_t* row, int64_t K, int64_t kp, float* out) {
+  if (f == F32) {
+    std::memcpy(out, row, K * 4);
+  } else {
+    const int be = block_elems(f), bb = block_bytes(f);
+    for (int64_t k = 0; k < K; k += be) dequant_block(f, row + (k / be) * bb, out + k);
+  }
+  for (int64_t k = K; k < kp; ++k) out[k] = 0.0f;
+}
+
+// 16 fp32 lanes: one AVX-512 register, two AVX2 registers, or an array. Only fma and a fixed
+// halving lane sum: the operations every build performs identically.
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void fma(const V16& a, const V16& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 {
+  __m256 lo, hi;
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void fma(const V16& a, const V16& b) { lo = _mm256_fmadd_ps(a.lo, b.lo, lo); hi = _mm256_fmadd_ps(a.hi, b.hi, hi); }
+  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+};
+#else
+struct V16 {
+  float v[LANES];
+  static V16 zero() { V16 r; for (float& x : r.v) x = 0.0f; return r; }
+  static V16 load(const float* p) { V16 r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  void fma(const V16& a, const V16& b) { for (int l = 0; l < LANES; ++l) v[l] = std::fma(a.v[l], b.v[l], v[l]); }
+  void store(float* p) const { std::memcpy(p, v, sizeof v); }
+};
+#endif
+
+// The fixed lane sum: halve 16 -> 8 -> 4 -> 2 -> 1, lane i + lane i + w.
+inline float lane_sum(const V16& a) {
+  float t[LANES];
+  a.store(t);
+  for (int w = LANES / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
+  return t[0];
+}
+
+// MT rows of x times NT dequantized rows of W: acc[m][n] over k in 16-lane steps, in k order.
+template <int MT, int NT>
+void tile(const float* const* xs, const float* panel, int64_t kp, const float* bias, int64_t n0,
+          float* const* ys) {
+  V16 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = V16::zero();
+  for (int64_t k = 0; k < kp; k += LANES) {
+    V16 w[NT];
+    for (int n = 0; n < NT; ++n) w[n] = V16::load(panel + n * kp + k);
+    for (int m = 0; m < MT; ++m) {
+      const V16 x = V16::load(xs[m] + k);
+      for (int n = 0; n < NT; ++n) acc[m][n].fma(x, w[n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      const float s = lane_sum(acc[m][n]);
+      ys[m][n0 + n] = bias ? s + bias[n0 + n] : s;
+    }
+}
+
+#if defined(__AVX512F__)
+constexpr int MT = 4, NT = 4;
+#elif defined(__AVX2__)
+constexpr int MT = 2, NT = 4;
+#else
+constexpr int MT = 2, NT = 2;
+#endif
+constexpr int MC = 64;       // rows of x per pass (stay in L2 while every weight tile passes by)
+constexpr int NB = 16;       // weight rows per work item (a multiple of NT)
+
+template <int NTT>
+void rows_tile(int mt, const float* const* xs, const float* panel, int64_t kp, const float* bias, int64_t n0,
+               float* const* ys) {
+  switch (mt) {
+    case 1: tile<1, NTT>(xs, panel, kp, bias, n0, ys); break;
+    case 2: tile<2 <= MT ? 2 : 1, NTT>(xs, panel, kp, bias, n0, ys); break;
+    case 3: tile<3 <= MT ? 3 : 1, NTT>(xs, panel, kp, bias, n0, ys); break;
+    default: tile<MT, NTT>(xs, panel, kp, bias, n0, ys); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* vc_linear_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+int vc_block_elems(int fmt) { return fmt < 0 || fmt > Q6_K ? -1 : block_elems(fmt); }
+int vc_block_bytes(int fmt) { return fmt < 0 || fmt > Q6_K ? -1 : block_bytes(fmt); }
+
+// out[i, :K] = row rows[i] of W dequantized (embedding lookups, tests, draft copies).
+int vc_dequant_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows, int64_t n_rows,
+                    float* out) {
+  if (fmt < 0 || fmt > Q6_K || K % block_elems(fmt)) return -1;
+  for (int64_t i = 0; i < n_rows; ++i) dequant_row(fmt, w + rows[i] * row_bytes, K, K, out + i * K);
+  return 0;
+}
+
+// y[m * ldy + n] = x[m * ldx + :K] . W[n] (+ bias[n]) for m < M, n < N. x rows must be readable up to
+// K rounded up to 16 with zeros there (the caller pads when K % 16 != 0).
+int vc_linear(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t ldx,
+              int64_t M, const float* bias, float* y, int64_t ldy, int n_threads) {
+  if (fmt < 0 || fmt > Q6_K || K % block_elems(fmt) || ldx < K || ldy < N) return -1;
+  const int64_t kp = (K + LANES - 1) / LANES * LANES;
+  const int64_t items = (N + NB - 1) / NB;
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t mc = M - m0 < MC ? M - m0 : MC;
+#pragma omp parallel num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
+    {
+      std::vector<float> panel(NB * kp);
+      const float* xs[MT];
+      float* ys[MT];
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < items; ++it) {
+        const int64_t n0 = it * NB, nb = N - n0 < NB ? N - n0 : NB;
+        for (int64_t n = 0; n < nb; ++n) dequant_row(fmt, w + (n0 + n) * row_bytes, K, kp, panel.data() + n * kp);
+        for (int64_t m = 0; m < mc; m += MT) {
+          const int mt = (int)(mc - m < MT ? mc - m : MT);
+          for (int i = 0; i < mt; ++i) {
+            xs[i] = x + (m0 + m + i) * ldx;
+            ys[i] = y + (m0 + m + i) * ldy;
+          }
+          int64_t n = 0;
+          for (; n + NT <= nb; n += NT) rows_tile<NT>(mt, xs, panel.data() + n * kp, kp, bias, n0 + n, ys);
+          for (; n < nb; ++n) rows_tile<1>(mt, xs, panel.data() + n * kp, kp, bias, n0 + n, ys);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

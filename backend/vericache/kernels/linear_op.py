@@ -1,0 +1,191 @@
+"""The batch-invariant linear op (``linear.cpp``) built per instruction set and called through ctypes.
+
+``linear.cpp`` has no torch headers, so g++ builds each variant in seconds: ``avx512``
+(``-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c``), ``avx2`` (``-mavx2 -mfma -mf16c``, no
+AVX-512 flag: what an AMD EPYC without AVX-512 runs) and ``portable`` (baseline x86-64, scalar). All
+three give the same bits (the op's lane structure is fixed); ``best_isa()`` picks the widest one this
+CPU's flags allow, ``LinearOp(isa)`` loads one. The library links the process's libgomp (torch's), so
+the op and torch share one OpenMP thread pool and ``torch.set_num_threads`` governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "linear.cpp"
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "portable": ["-march=x86-64", "-mtune=generic"],
+}
+ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+                 "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
+# exact, reproducible IEEE arithmetic: explicit fma only, no contraction, no reassociation
+CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+
+# GGUF (ggml) type names -> the op's format codes; bytes per block and elements per block
+FORMATS = {"F32": 0, "F16": 1, "BF16": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q5_1": 6, "Q8_0": 7,
+           "Q4_K": 8, "Q5_K": 9, "Q6_K": 10}
+BLOCK = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32),
+         "Q5_1": (24, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+
+
+def cpu_flags() -> set[str]:
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return set()
+    line = next((ln for ln in path.read_text().splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def supported_isas() -> list[str]:
+    """The variants this CPU can run, widest first (an AVX-512 machine runs the AVX2 build too)."""
+    flags = cpu_flags()
+    return [isa for isa in ("avx512", "avx2", "portable") if ISA_CPU_FLAGS[isa] <= flags]
+
+
+def best_isa() -> str:
+    """$VERICACHE_ISA when set (``avx2`` times the AVX2 build on an AVX-512 machine), else the widest."""
+    forced = os.environ.get("VERICACHE_ISA")
+    if forced:
+        if forced not in supported_isas():
+            raise ValueError(f"VERICACHE_ISA={forced!r}: this CPU runs {', '.join(supported_isas())}")
+        return forced
+    return supported_isas()[0]
+
+
+def _build(isa: str, verbose: bool = False) -> Path:
+    text = SOURCE.read_bytes()
+    tag = hashlib.sha1(text + repr((isa, CFLAGS, ISA_FLAGS[isa], torch.__version__)).encode()).hexdigest()[:12]
+    root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))
+    out = root / f"linear-{isa}-{tag}.so"
+    if out.exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = ["g++", *CFLAGS, *ISA_FLAGS[isa], str(SOURCE), "-o", str(tmp)]
+    if verbose:
+        print(" ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"building the {isa} linear op failed:\n{done.stderr[-4000:]}")
+    tmp.rename(out)   # atomic: concurrent builders each write their own file first
+    return out
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """A weight matrix [n, k] as stored: ``data`` uint8 [n, row_bytes] blocks of ``fmt`` (a GGUF type
+    name), or for F32/F16/BF16 the [n, k] tensor itself."""
+    fmt: str
+    data: torch.Tensor
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {self.fmt!r}; supported: {', '.join(FORMATS)}")
+        size, elems = BLOCK[self.fmt]
+        if self.k % elems:
+            raise ValueError(f"{self.fmt} rows need k divisible by {elems}, got k={self.k}")
+        if self.data.shape[0] != self.n or self.data.nbytes != self.n * self.row_bytes:
+            raise ValueError(f"{self.fmt} weight [{self.n}, {self.k}] needs {self.n} rows of {self.row_bytes} "
+                             f"bytes, got {tuple(self.data.shape)} {self.data.dtype}")
+        if not self.data.is_contiguous():
+            raise ValueError("stored weight data must be contiguous")
+
+    @property
+    def row_bytes(self) -> int:
+        size, elems = BLOCK[self.fmt]
+        return self.k // elems * size
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @classmethod
+    def from_tensor(cls, w: torch.Tensor) -> "StoredWeight":
+        """A dense fp32/fp16/bf16 [n, k] tensor as it is (no copy when contiguous)."""
+        fmt = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(w.dtype)
+        if fmt is None or w.dim() != 2:
+            raise TypeError(f"a dense weight must be a 2-D fp32/fp16/bf16 tensor, got {w.dtype} {tuple(w.shape)}")
+        return cls(fmt, w.detach().contiguous(), w.shape[0], w.shape[1])
+
+    def rows(self, start: int, stop: int) -> "StoredWeight":
+        """Rows start..stop-1 (a view)."""
+        return StoredWeight(self.fmt, self.data[start:stop], stop - start, self.k)
+
+    @staticmethod
+    def cat(parts: list["StoredWeight"]) -> "StoredWeight":
+        """Rows of several weights of one format and width, stacked (the fused q/k/v and gate/up)."""
+        fmts, ks = {p.fmt for p in parts}, {p.k for p in parts}
+        if len(fmts) != 1 or len(ks) != 1:
+            raise ValueError(f"cannot stack weights of formats {sorted(fmts)} and widths {sorted(ks)}")
+        return StoredWeight(parts[0].fmt, torch.cat([p.data for p in parts]), sum(p.n for p in parts), parts[0].k)
+
+
+class LinearOp:
+    """One loaded variant of the op: ``op(x, weight, bias)`` and ``op.dequantize(weight, rows)``."""
+
+    def __init__(self, isa: str | None = None, verbose: bool = False) -> None:
+        self.isa = isa or best_isa()
+        if self.isa not in ISA_FLAGS:
+            raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISA_FLAGS)}")
+        self.lib = ctypes.CDLL(str(_build(self.isa, verbose)))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.lib.vc_linear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+        self.lib.vc_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+        self.lib.vc_linear_isa.restype = ctypes.c_char_p
+        assert self.lib.vc_linear_isa().decode() == self.isa
+
+    def __call__(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
+                 threads: int | None = None) -> torch.Tensor:
+        """x: [M, k] fp32 -> [M, n] fp32 (other float dtypes are computed in fp32 and cast back)."""
+        if x.dim() != 2 or x.shape[1] != weight.k:
+            raise ValueError(f"x must be [M, {weight.k}], got {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"the linear op runs on CPU tensors, got {x.device}")
+        dtype = x.dtype
+        xf = x.float()
+        if weight.k % 16 or xf.stride(1) != 1:   # the op reads whole 16-lane steps of each row
+            pad = -weight.k % 16
+            xf = torch.nn.functional.pad(xf, (0, pad)) if pad else xf.contiguous()
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+            if bias.shape != (weight.n,):
+                raise ValueError(f"bias must be [{weight.n}], got {tuple(bias.shape)}")
+        y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+        rc = self.lib.vc_linear(FORMATS[weight.fmt], weight.data.data_ptr(), weight.row_bytes, weight.n, weight.k,
+                                xf.data_ptr(), xf.stride(0), x.shape[0],
+                                bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.n,
+                                threads or torch.get_num_threads())
+        if rc:
+            raise ValueError(f"linear op refused {weight.fmt} [{weight.n}, {weight.k}] x {tuple(x.shape)}")
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def dequantize(self, weight: StoredWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the weight (all when ``rows`` is None) as fp32 [len(rows), k]: embedding lookups."""
+        idx = torch.arange(weight.n) if rows is None else rows.to(torch.int64).reshape(-1).contiguous()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= weight.n):
+            raise ValueError(f"row index out of range [0, {weight.n}): {idx.min().item()}..{idx.max().item()}")
+        out = torch.empty(idx.numel(), weight.k, dtype=torch.float32)
+        rc = self.lib.vc_dequant_rows(FORMATS[weight.fmt], weight.data.data_ptr(), weight.row_bytes, weight.k,
+                                      idx.data_ptr(), idx.numel(), out.data_ptr())
+        if rc:
+            raise ValueError(f"cannot dequantize {weight.fmt} rows of width {weight.k}")
+        return out
+
+
+@functools.cache
+def linear_op(isa: str | None = None) -> LinearOp:
+    """The op for ``isa`` (default ``best_isa()``), built once per machine and loaded once per process."""
+    return LinearOp(isa or best_isa())

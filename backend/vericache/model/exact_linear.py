@@ -1,0 +1,99 @@
+"""Every linear of the exact CPU forward through the batch-invariant op (``kernels/linear_op.py``).
+
+``ExactLinear`` is one weight as stored (GGUF blocks, or an fp32/bf16 tensor as it is) with its op;
+``install`` gives a ``Transformer`` one per fused matmul (q/k/v, o, gate/up, down, the LM head) and the
+embedding's stored rows, so a row's logits are the same bits whatever else shares its forward. The
+``nn.Linear`` modules stay the reference (training, transformers parity, CUDA); for a GGUF model they
+hold no data (the blocks are the weights, resident at about the file's size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vericache.kernels.linear_op import LinearOp, StoredWeight
+
+
+@dataclass
+class ExactLinear:
+    """y[M, n] = x[M, k] W^T (+ bias) over ``weight`` as stored; x of any float dtype, y in x's dtype."""
+    weight: StoredWeight
+    bias: torch.Tensor | None
+    op: LinearOp
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.k
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.weight, self.bias)
+
+    def dense(self) -> torch.Tensor:
+        """The weight as fp32 [n, k] (what the draft copies quantize)."""
+        return self.op.dequantize(self.weight)
+
+
+def _dense(w: torch.Tensor) -> StoredWeight:
+    return StoredWeight.from_tensor(w.detach())
+
+
+def _weight(stored: dict[str, StoredWeight], name: str, module: nn.Linear) -> StoredWeight:
+    return stored[name] if name in stored else _dense(module.weight)
+
+
+def _fused(stored: dict[str, StoredWeight], names: list[str], modules: list[nn.Linear],
+           fused: torch.Tensor | None) -> StoredWeight:
+    """Several projections' rows as one weight: the stored blocks stacked, or the modules' fused tensor."""
+    if any(f"{n}.weight" in stored for n in names) or fused is None:
+        return StoredWeight.cat([_weight(stored, f"{n}.weight", m) for n, m in zip(names, modules)])
+    return _dense(fused)
+
+
+def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | None = None) -> None:
+    """Route ``model``'s (a ``Transformer``) linears and embedding through ``op``. ``stored``: weights as
+    stored under their Hugging Face names (a GGUF model's blocks); the rest are read from the modules."""
+    stored = stored or {}
+    for i, layer in enumerate(model.model.layers):
+        a, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        qkv = _fused(stored, [f"{pre}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
+                     [a.q_proj, a.k_proj, a.v_proj], a.qkv[0] if a.qkv is not None else None)
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None
+        a.qkv_exact = ExactLinear(qkv, bias, op)
+        a.o_exact = ExactLinear(_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj), None, op)
+        gate_up = _fused(stored, [f"{pre}mlp.gate_proj", f"{pre}mlp.up_proj"], [mlp.gate_proj, mlp.up_proj],
+                         mlp.gate_up)
+        mlp.gate_up_exact = ExactLinear(gate_up, None, op)
+        mlp.down_exact = ExactLinear(_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj), None, op)
+    embed = stored.get("model.embed_tokens.weight")
+    head = stored.get("lm_head.weight", embed if model.config.tie_word_embeddings else None)
+    model.head_exact = ExactLinear(head or _dense(model.lm_head.weight), None, op)
+    model.embed_exact = ExactLinear(embed, None, op) if embed is not None else None
+
+
+def exact_linears(model: nn.Module) -> list[ExactLinear]:
+    """Every ``ExactLinear`` of one forward, in order (per layer q/k/v, o, gate/up, down; then the head)."""
+    out = []
+    for layer in model.model.layers:
+        out += [layer.self_attn.qkv_exact, layer.self_attn.o_exact, layer.mlp.gate_up_exact, layer.mlp.down_exact]
+    return out + [model.head_exact]
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights the model holds: parameters with data, plus stored blocks no parameter shares."""
+    seen, total = set(), 0
+    tensors = [p for p in model.parameters()] + [e.weight.data for e in exact_linears(model) if e is not None]
+    if getattr(model, "embed_exact", None) is not None:
+        tensors.append(model.embed_exact.weight.data)
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
