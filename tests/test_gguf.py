@@ -116,9 +116,12 @@ def test_synthetic_gguf_every_type_matches_transformers(synthetic, tmp_path, mon
     ours = load_model(path, device="cpu", dtype="float32")
     assert ours.config.num_attention_heads == HEADS and ours.config.num_key_value_heads == KV_HEADS
     assert ours.config.tie_word_embeddings and ours.tokenizer.eos_token_ids == [len(_byte_vocab()) - 1]
-    # an F32 q_proj comes back bit-exact: the Q/K permutation is undone
-    q = ours.model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    # an F32 q_proj comes back bit-exact from its stored rows: the Q/K permutation is undone
+    qkv = ours.model.model.layers[0].self_attn.qkv_exact
+    q = qkv.dense()[: HEADS * ours.config.head_dim]
     assert torch.equal(q, torch.from_numpy(originals["blk.0.attn_q"]))
+    # the matrices stay in their GGUF types (q/k/v of three types: three stored weights, one linear)
+    assert len(qkv.formats) == 3 and ours.model.model.layers[0].self_attn.q_proj.weight.numel() == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     ids = list(np.random.default_rng(1).integers(0, 256, 40))

@@ -19,25 +19,40 @@ from vericache.kernels.linear_op import LinearOp, StoredWeight
 
 @dataclass
 class ExactLinear:
-    """y[M, n] = x[M, k] W^T (+ bias) over ``weight`` as stored; x of any float dtype, y in x's dtype."""
-    weight: StoredWeight
+    """y[M, n] = x[M, k] W^T (+ bias) over ``weights`` as stored, their rows stacked (one weight, or
+    fused projections stored in different formats); x of any float dtype, y in x's dtype."""
+    weights: list[StoredWeight]
     bias: torch.Tensor | None
     op: LinearOp
 
     @property
+    def weight(self) -> StoredWeight:
+        """The one stored weight (fused projections of one format are one)."""
+        if len(self.weights) != 1:
+            raise ValueError(f"this linear stacks {len(self.weights)} weights of formats {self.formats}")
+        return self.weights[0]
+
+    @property
+    def formats(self) -> list[str]:
+        return [w.fmt for w in self.weights]
+
+    @property
     def in_features(self) -> int:
-        return self.weight.k
+        return self.weights[0].k
 
     @property
     def out_features(self) -> int:
-        return self.weight.n
+        return sum(w.n for w in self.weights)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.weight, self.bias)
+        if len(self.weights) == 1:
+            return self.op(x, self.weights[0], self.bias)
+        biases = [None] * len(self.weights) if self.bias is None else self.bias.split([w.n for w in self.weights])
+        return torch.cat([self.op(x, w, b) for w, b in zip(self.weights, biases)], dim=-1)
 
     def dense(self) -> torch.Tensor:
         """The weight as fp32 [n, k] (what the draft copies quantize)."""
-        return self.op.dequantize(self.weight)
+        return torch.cat([self.op.dequantize(w) for w in self.weights])
 
 
 def _dense(w: torch.Tensor) -> StoredWeight:
@@ -49,11 +64,15 @@ def _weight(stored: dict[str, StoredWeight], name: str, module: nn.Linear) -> St
 
 
 def _fused(stored: dict[str, StoredWeight], names: list[str], modules: list[nn.Linear],
-           fused: torch.Tensor | None) -> StoredWeight:
-    """Several projections' rows as one weight: the stored blocks stacked, or the modules' fused tensor."""
-    if any(f"{n}.weight" in stored for n in names) or fused is None:
-        return StoredWeight.cat([_weight(stored, f"{n}.weight", m) for n, m in zip(names, modules)])
-    return _dense(fused)
+           fused: torch.Tensor | None) -> list[StoredWeight]:
+    """Several projections' rows as one weight: the stored blocks stacked (one weight per run of
+    projections in one format), or the modules' fused tensor."""
+    if not any(f"{n}.weight" in stored for n in names) and fused is not None:
+        return [_dense(fused)]
+    out: list[StoredWeight] = []
+    for w in [_weight(stored, f"{n}.weight", m) for n, m in zip(names, modules)]:
+        out[-1:] = [StoredWeight.cat([out[-1], w])] if out and out[-1].fmt == w.fmt else out[-1:] + [w]
+    return out
 
 
 def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | None = None) -> None:
@@ -66,15 +85,15 @@ def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | No
                      [a.q_proj, a.k_proj, a.v_proj], a.qkv[0] if a.qkv is not None else None)
         bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None
         a.qkv_exact = ExactLinear(qkv, bias, op)
-        a.o_exact = ExactLinear(_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj), None, op)
+        a.o_exact = ExactLinear([_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj)], None, op)
         gate_up = _fused(stored, [f"{pre}mlp.gate_proj", f"{pre}mlp.up_proj"], [mlp.gate_proj, mlp.up_proj],
                          mlp.gate_up)
         mlp.gate_up_exact = ExactLinear(gate_up, None, op)
-        mlp.down_exact = ExactLinear(_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj), None, op)
+        mlp.down_exact = ExactLinear([_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj)], None, op)
     embed = stored.get("model.embed_tokens.weight")
     head = stored.get("lm_head.weight", embed if model.config.tie_word_embeddings else None)
-    model.head_exact = ExactLinear(head or _dense(model.lm_head.weight), None, op)
-    model.embed_exact = ExactLinear(embed, None, op) if embed is not None else None
+    model.head_exact = ExactLinear([head if head is not None else _dense(model.lm_head.weight)], None, op)
+    model.embed_exact = ExactLinear([embed], None, op) if embed is not None else None
 
 
 def exact_linears(model: nn.Module) -> list[ExactLinear]:
@@ -88,9 +107,8 @@ def exact_linears(model: nn.Module) -> list[ExactLinear]:
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights the model holds: parameters with data, plus stored blocks no parameter shares."""
     seen, total = set(), 0
-    tensors = [p for p in model.parameters()] + [e.weight.data for e in exact_linears(model) if e is not None]
-    if getattr(model, "embed_exact", None) is not None:
-        tensors.append(model.embed_exact.weight.data)
+    linears = exact_linears(model) + ([model.embed_exact] if model.embed_exact is not None else [])
+    tensors = list(model.parameters()) + [w.data for lin in linears for w in lin.weights]
     for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         if t.numel() and key not in seen:

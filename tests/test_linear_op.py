@@ -1,0 +1,153 @@
+"""The batch-invariant linear op: the gguf package's values, the same bits whatever shares a call, in
+every build (portable, AVX2, AVX-512 where this CPU runs it), and a forward built on it that gives a
+sequence the same logits alone, in a batch and in chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vericache.kernels.linear_op import BLOCK, FORMATS, LinearOp, StoredWeight, supported_isas
+from vericache.kv.full import FullKVCache
+
+QUANTIZED = [f for f in FORMATS if BLOCK[f][1] > 1]
+DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def ops() -> dict[str, LinearOp]:
+    """Every build this CPU runs (each compiled here: a few seconds)."""
+    return {isa: LinearOp(isa) for isa in supported_isas()}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of random ``fmt`` blocks (random codes and scale bytes; the fp16 scales set to small
+    finite values so the weights look like a layer's)."""
+    rng = np.random.default_rng(seed)
+    size, elems = BLOCK[fmt]
+    raw = rng.integers(0, 256, size=(n, k // elems * size), dtype=np.uint8)
+    b = raw.reshape(n, -1, size)
+
+    def halves() -> np.ndarray:
+        return rng.normal(0, 0.02, size=b.shape[:2]).astype(np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+
+    offsets = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(fmt, [0])
+    for at in offsets:
+        b[..., at : at + 2] = halves()
+    return raw
+
+
+def weight_and_reference(fmt: str, n: int, k: int, seed: int = 0) -> tuple[StoredWeight, torch.Tensor]:
+    """A stored weight and its values as the ``gguf`` package dequantizes them (fp32 [n, k])."""
+    if fmt in DENSE:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(DENSE[fmt])
+        return StoredWeight.from_tensor(w), w.float()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_blocks(fmt, n, k, seed)
+    ref = np.array(dequantize(raw, getattr(GGMLQuantizationType, fmt)), dtype=np.float32).reshape(n, k)
+    return StoredWeight(fmt, torch.from_numpy(raw), n, k), torch.from_numpy(ref)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantized_values_are_the_gguf_package_values(ops, fmt):
+    w, ref = weight_and_reference(fmt, 24, 512)
+    for isa, op in ops.items():
+        assert torch.equal(bits(op.dequantize(w)), bits(ref)), isa
+        rows = torch.tensor([5, 0, 23, 5])
+        assert torch.equal(bits(op.dequantize(w, rows)), bits(ref[rows])), isa
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_row_is_the_same_bits_in_every_call_every_thread_count_and_every_build(ops, fmt):
+    """Row i of x W^T alone, inside calls of 1-64 rows (every tile remainder), with 1 and 2 threads,
+    in every build: one result. And it is x W^T (fp32 accumulation of the gguf values)."""
+    n, k = 52, 256 if fmt not in DENSE else 200   # 200: a dense width that is not a multiple of 16
+    w, ref = weight_and_reference(fmt, n, k, seed=1)
+    bias = torch.randn(n)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
+    first = None
+    for isa, op in ops.items():
+        full = op(x, w, bias)
+        first = full if first is None else first
+        assert torch.equal(bits(full), bits(first)), f"{isa} differs from {next(iter(ops))}"
+        for m in (1, 2, 3, 4, 5, 7, 16, 17, 33, 63, 64):
+            for threads in (1, 2):
+                assert torch.equal(bits(op(x[:m], w, bias, threads=threads)), bits(full[:m])), (isa, m, threads)
+        for i in (0, 9, 63):   # a row alone, wherever it sat
+            assert torch.equal(bits(op(x[i : i + 1], w, bias)), bits(full[i : i + 1])), (isa, i)
+    exact = x.double() @ ref.double().T + bias.double()
+    assert torch.allclose(first.double(), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_get_clear_errors(ops):
+    op = next(iter(ops.values()))
+    w, _ = weight_and_reference("Q4_1", 8, 64)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        op(torch.randn(3, 32), w)
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        op(torch.randn(3, 64), w, torch.randn(7))
+    with pytest.raises(ValueError, match="unknown weight format 'Q3_X'"):
+        StoredWeight("Q3_X", w.data, 8, 64)
+    with pytest.raises(ValueError, match="Q4_1 rows need k divisible by 32, got k=48"):
+        StoredWeight("Q4_1", torch.zeros(8, 30, dtype=torch.uint8), 8, 48)
+    with pytest.raises(ValueError, match="needs 8 rows of 40 bytes"):
+        StoredWeight("Q4_1", torch.zeros(8, 41, dtype=torch.uint8), 8, 64)
+    with pytest.raises(ValueError, match="row index out of range"):
+        op.dequantize(w, torch.tensor([8]))
+    with pytest.raises(TypeError, match="2-D fp32/fp16/bf16"):
+        StoredWeight.from_tensor(torch.zeros(4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cannot stack weights of formats"):
+        StoredWeight.cat([w, StoredWeight.from_tensor(torch.zeros(2, 64))])
+
+
+def _logits_three_ways(loaded, prompts: list[torch.Tensor], chunk: int) -> tuple:
+    """Sequence 0's logits: alone in one forward, in chunks of ``chunk``, and inside a batch."""
+    model, cfg = loaded.model, loaded.config
+
+    def cache() -> FullKVCache:
+        return FullKVCache(cfg, "cpu", loaded.kv_dtype)
+
+    p0 = prompts[0]
+    with torch.inference_mode():
+        alone = model(p0, [0], [len(p0)], [cache()])
+        c, parts = cache(), []
+        for s in range(0, len(p0), chunk):
+            t = min(chunk, len(p0) - s)
+            parts.append(model(p0[s : s + t], [s], [t], [c]))
+        order = prompts[1:] + [p0]   # sequence 0 last, after the others' rows
+        batched = model(torch.cat(order), [0] * len(order), [len(p) for p in order], [cache() for _ in order])
+    return alone, torch.cat(parts), batched[-len(p0) :]
+
+
+@pytest.mark.parametrize("batch,chunk", [(1, 1), (4, 5), (16, 32)])
+def test_the_forward_gives_a_sequence_the_same_logits_alone_in_chunks_and_in_a_batch(llm, batch, chunk):
+    gen = torch.Generator().manual_seed(batch)
+    vocab = llm.loaded.config.vocab_size
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen) for n in torch.randint(3, 40, (batch,), generator=gen)]
+    alone, chunked, batched = _logits_three_ways(llm.loaded, prompts, chunk)
+    assert torch.equal(bits(chunked), bits(alone))
+    assert torch.equal(bits(batched), bits(alone))
+
+
+def test_the_real_model_keeps_its_blocks_and_is_batch_invariant(smollm):
+    """SmolLM2's matrices stay Q4_1/Q8_0 blocks (resident weights about the file's size, not 540 MB of
+    fp32) and its logits are the same bits alone and batched."""
+    from vericache.model.exact_linear import exact_linears, resident_weight_bytes
+
+    model = smollm.loaded.model
+    fmts = {lin.weight.fmt for lin in exact_linears(model)}
+    assert fmts == {"Q4_1", "Q8_0"}
+    assert model.embed_exact is not None and model.embed_exact.weight is model.head_exact.weight
+    assert resident_weight_bytes(model) < 110e6
+    vocab = smollm.loaded.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (9, 4, 13)]
+    alone, chunked, batched = _logits_three_ways(smollm.loaded, prompts, 4)
+    assert torch.equal(bits(chunked), bits(alone)) and torch.equal(bits(batched), bits(alone))
