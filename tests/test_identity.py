@@ -7,9 +7,11 @@ retrieval task. Runs in fp32 (see docs/DESIGN.md for the bf16 near-tie caveat).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+import torch
 
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
@@ -128,3 +130,60 @@ def test_shared_prefill_equals_own_prefill_in_every_mode(llm, identity_prompts, 
         runner.generate([runner.new_sequence(0, prompts[0], params)], "full", prefills=shared)
     with pytest.raises(ValueError, match="this prefill is of"):  # a prefill of another prompt
         runner.generate([runner.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])
+
+
+# ---------------------------------------------------------------- near ties: identical by construction
+@pytest.fixture(scope="module")
+def near_tie_model(tmp_path_factory):
+    """The bundled model with an untied output head whose rows come in near-duplicate pairs (row 2j+1 =
+    row 2j times 1 + 1e-6 noise per element): every greedy choice inside a pair is decided by the
+    logits' last bits, so any op whose bits depend on the batch changes the output (MKL's F.linear,
+    whose bits change with the rows in a call, decodes these prompts differently alone and batched)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vericache.model.registry import resolve_model
+    from vericache.model.loader import load_model
+
+    src, out = resolve_model("tiny"), tmp_path_factory.mktemp("near_tie")
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(src / name, out / name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(src / "model.safetensors"))
+    head = state["model.embed_tokens.weight"].float()   # fp32: bf16 would round the twins back together
+    noise = 1 + 1e-6 * torch.randn(head[1::2].shape, generator=torch.Generator().manual_seed(0))
+    head[1::2] = head[0::2] * noise
+    state["lm_head.weight"] = head
+    save_file(state, str(out / "model.safetensors"))
+    return load_model(out, device="cpu", dtype="float32")
+
+
+def _generate(runner, prompts, max_tokens=MAX_TOKENS, mode=None):
+    params = SamplingParams(max_tokens=max_tokens)
+    return [o.token_ids for o in runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(prompts)], mode)]
+
+
+@pytest.fixture(scope="module")
+def near_tie_reference(near_tie_model, identity_prompts):
+    """Full-KV decoding of each prompt alone, and the same prompts batched (mixed lengths)."""
+    runner = ModelRunner(near_tie_model)
+    prompts = [p[-300:] for p in identity_prompts]
+    alone = [_generate(runner, [p])[0] for p in prompts]
+    return prompts, alone
+
+
+def test_near_tie_weights_decode_the_same_alone_and_batched(near_tie_model, near_tie_reference):
+    prompts, alone = near_tie_reference
+    head = near_tie_model.model.head_exact.weight
+    assert head.fmt == "F32" and head.n == near_tie_model.config.vocab_size
+    assert _generate(ModelRunner(near_tie_model), prompts) == alone
+
+
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_near_tie_weights_vericache_equals_full(near_tie_model, near_tie_reference, spec):
+    prompts, alone = near_tie_reference
+    runner = ModelRunner(near_tie_model, mode="vericache", compressor=spec, draft_len=8)
+    assert _generate(runner, prompts) == alone

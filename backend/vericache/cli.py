@@ -35,16 +35,22 @@ def _add_compressors(sub) -> None:
 def _cmd_models(args: argparse.Namespace) -> int:
     from vericache.model.registry import list_models
 
+    from vericache.kernels.linear_op import best_isa, cpu_flags
+
     rows = list_models()
+    isa = best_isa() if cpu_flags() else "portable"
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"models": rows, "linear_op_isa": isa}))
         return 0
-    print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'params':>8} {'context':>7}")
+    print(f"linear op build for this CPU: {isa} (VERICACHE_ISA overrides); weights: resident bytes when loaded")
+    print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'weights':>9} {'params':>8} "
+          f"{'context':>7}")
     for r in rows:
         size = f"{r['size_bytes'] / 1e6:.0f} MB" if r["installed"] else "-"
         params = f"{r['parameters'] / 1e6:.0f}M" if r["parameters"] else "-"
+        weights = f"{r['weight_bytes'] / 1e6:.0f} MB" if r.get("weight_bytes") else "-"
         print(f"{r['name']:<14} {','.join(r['aliases']) or '-':<9} {r['source']:<26} {'yes' if r['installed'] else 'no':<9} "
-              f"{size:>9} {params:>8} {r['context_length'] or '-':>7}")
+              f"{size:>9} {weights:>9} {params:>8} {r['context_length'] or '-':>7}")
         if not r["installed"]:
             print(f"{'':<14} install: {r['install']}")
     return 0

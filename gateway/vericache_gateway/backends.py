@@ -66,7 +66,8 @@ class EmbeddedBackend:
         return {"running": self.service.num_running(), "waiting": self.service.num_waiting(),
                 "kv_device": loop.device.used_bytes, "kv_host": loop.host.used_bytes,
                 "kv_usage": loop.device.usage(), "link": None if link is None else
-                (link.kind, link.stats.bytes_moved, link.stats.busy_s)}
+                (link.kind, link.stats.bytes_moved, link.stats.busy_s),
+                "weight_bytes": self.service.weight_bytes}
 
     def set_metrics_sink(self, sink) -> None:
         self.service.metrics = sink

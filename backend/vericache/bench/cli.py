@@ -195,6 +195,38 @@ def _add_attention(bsub) -> None:
     at.set_defaults(func=_cmd_attention)
 
 
+def _cmd_linear(args) -> int:
+    import torch
+
+    from vericache.bench.common import record
+    from vericache.bench.linear import linear_markdown, plot_linear, run_linear
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    isas = [i for i in args.isas.split(",") if i] or None
+    res = run_linear(args.model, args.rows, isas, args.repeats, log=progress(args))
+    if args.plot:
+        plot_linear(res, args.plot)
+    print(json.dumps(res) if args.json else linear_markdown(res))
+    record(args.record, "Linear op vs MKL fp32", linear_markdown(res)
+           + (f"\n\n![linear]({Path(args.plot).name})" if args.plot else ""), args.argv)
+    return 0 if res["identical_across_builds"] else 1
+
+
+def _add_linear(bsub) -> None:
+    li = bsub.add_parser("linear", help="one forward's matmuls: the batch-invariant op per ISA build vs MKL fp32")
+    li.add_argument("--model", default=DEFAULT_MODEL)
+    li.add_argument("--rows", type=ints, default=[1, 16, 64, 512])
+    li.add_argument("--isas", default="", help="comma-separated builds (avx512, avx2, portable); default: "
+                    "every build this CPU runs but the portable one")
+    li.add_argument("--repeats", type=int, default=5)
+    li.add_argument("--threads", type=int, default=0)
+    li.add_argument("--json", action="store_true")
+    li.add_argument("--plot", default=None, help="write a PNG here")
+    li.add_argument("--record", default=None)
+    li.set_defaults(func=_cmd_linear)
+
+
 def _cmd_batch(args: argparse.Namespace) -> int:
     import torch
 
@@ -286,6 +318,7 @@ def add_bench_parser(sub) -> None:
     _add_throughput(bsub)
     _add_batch(bsub)
     _add_attention(bsub)
+    _add_linear(bsub)
     _add_prefix(bsub)
     _add_serve(bsub)
 

@@ -187,6 +187,67 @@ struct V16 {
 };
 #endif
 
+// Block k0 / 32 of a row (32 elements, Q4_0 / Q4_1 / Q8_0) straight into two V16 registers, the same
+// exact multiply (and add) as dequant_block; other formats go through dequant_block and memory.
+#if defined(__AVX512F__)
+inline V16 cvt16(__m512i q) { return {_mm512_cvtepi32_ps(q)}; }
+inline V16 mul_add(V16 q, float d, const float* m) {
+  __m512 r = _mm512_mul_ps(q.v, _mm512_set1_ps(d));
+  return {m ? _mm512_add_ps(r, _mm512_set1_ps(*m)) : r};
+}
+inline void nibbles(const uint8_t* qs, int bias, V16* lo, V16* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+  const __m512i off = _mm512_set1_epi32(bias);
+  *lo = cvt16(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)), off));
+  *hi = cvt16(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), off));
+}
+inline V16 bytes16(const uint8_t* q) { return cvt16(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline V16 mul_add(V16 q, float d, const float* m) {
+  const __m256 dv = _mm256_set1_ps(d);
+  V16 r{_mm256_mul_ps(q.lo, dv), _mm256_mul_ps(q.hi, dv)};
+  if (m) { const __m256 mv = _mm256_set1_ps(*m); r.lo = _mm256_add_ps(r.lo, mv); r.hi = _mm256_add_ps(r.hi, mv); }
+  return r;
+}
+inline void nibbles(const uint8_t* qs, int bias, V16* lo, V16* hi) {
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qs));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0f), off = _mm256_set1_epi32(bias);
+  auto f = [&](__m256i v) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(v, off)); };
+  *lo = {f(_mm256_and_si256(a, mask)), f(_mm256_and_si256(b, mask))};
+  *hi = {f(_mm256_srli_epi32(a, 4)), f(_mm256_srli_epi32(b, 4))};
+}
+inline V16 bytes16(const uint8_t* q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))))};
+}
+#endif
+
+inline void load_block(int f, const uint8_t* b, V16* w0, V16* w1) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (f == Q4_1) {
+    const float d = rdh(b), m = rdh(b + 2);
+    nibbles(b + 4, 0, w0, w1);
+    *w0 = mul_add(*w0, d, &m); *w1 = mul_add(*w1, d, &m);
+    return;
+  }
+  if (f == Q4_0) {
+    const float d = rdh(b);
+    nibbles(b + 2, 8, w0, w1);
+    *w0 = mul_add(*w0, d, nullptr); *w1 = mul_add(*w1, d, nullptr);
+    return;
+  }
+  if (f == Q8_0) {   // q * d: multiplication commutes, so the same bits as gguf's x * d
+    const float d = rdh(b);
+    *w0 = mul_add(bytes16(b + 2), d, nullptr); *w1 = mul_add(bytes16(b + 18), d, nullptr);
+    return;
+  }
+#endif
+  alignas(64) float t[32];
+  dequant_block(f, b, t);
+  *w0 = V16::load(t); *w1 = V16::load(t + 16);
+}
+
 // The fixed lane sum: halve 16 -> 8 -> 4 -> 2 -> 1, lane i + lane i + w.
 inline float lane_sum(const V16& a) {
   float t[LANES];
@@ -218,7 +279,35 @@ void tile(const float* const* xs, const float* panel, int64_t kp, const float* b
     }
 }
 
-#if defined(__AVX512F__)
+// Few rows (decode): each 32-element block of NT weight rows is dequantized into registers and used
+// by the MT rows at once, never stored; acc[m][n] sees k in the same order as ``tile``.
+template <int MT, int NT>
+void tile_direct(int f, const uint8_t* w, int64_t row_bytes, int64_t K, const float* const* xs, const float* bias,
+                 int64_t n0, float* const* ys) {
+  V16 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = V16::zero();
+  const int bb = block_bytes(f);
+  for (int64_t k = 0; k < K; k += 32) {
+    V16 w0[NT], w1[NT];
+    for (int n = 0; n < NT; ++n) load_block(f, w + (n0 + n) * row_bytes + (k / 32) * bb, &w0[n], &w1[n]);
+    for (int m = 0; m < MT; ++m) {
+      const V16 x0 = V16::load(xs[m] + k), x1 = V16::load(xs[m] + k + 16);
+      for (int n = 0; n < NT; ++n) acc[m][n].fma(x0, w0[n]);
+      for (int n = 0; n < NT; ++n) acc[m][n].fma(x1, w1[n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      const float s = lane_sum(acc[m][n]);
+      ys[m][n0 + n] = bias ? s + bias[n0 + n] : s;
+    }
+}
+
+// Register tile of the panel path (a tile's shape changes which outputs share loads, never the bits).
+#if defined(VC_MT) && defined(VC_NT)
+constexpr int MT = VC_MT, NT = VC_NT;
+#elif defined(__AVX512F__)
 constexpr int MT = 4, NT = 4;
 #elif defined(__AVX2__)
 constexpr int MT = 2, NT = 4;
@@ -271,6 +360,18 @@ int vc_linear(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
   if (fmt < 0 || fmt > Q6_K || K % block_elems(fmt) || ldx < K || ldy < N) return -1;
   const int64_t kp = (K + LANES - 1) / LANES * LANES;
   const int64_t items = (N + NB - 1) / NB;
+  if (M <= 2 && (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)) {   // decode: no panel, blocks in registers
+#pragma omp parallel for schedule(static) num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t n0 = it * NB, nb = N - n0 < NB ? N - n0 : NB;
+      const float* xs[2] = {x, x + ldx};
+      float* ys[2] = {y, y + ldy};
+      int64_t n = n0;
+      for (; n + 4 <= n0 + nb; n += 4) (M == 1 ? tile_direct<1, 4> : tile_direct<2, 4>)(fmt, w, row_bytes, K, xs, bias, n, ys);
+      for (; n < n0 + nb; ++n) (M == 1 ? tile_direct<1, 1> : tile_direct<2, 1>)(fmt, w, row_bytes, K, xs, bias, n, ys);
+    }
+    return 0;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())

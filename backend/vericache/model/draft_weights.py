@@ -10,8 +10,9 @@ Measured on an Intel Xeon (AVX-512, AMX), 2 threads, SmolLM2-135M's 121 matmuls 
 (``python scripts/draft_weights_bench.py``): fp32 28 / 32 / 74 / 136 ms at 1 / 3 / 16 / 64 rows,
 int8 12 / 13 / 19 / 44, int4 8 / 12 / 45 / 169: int4 wins for one sequence's drafts, int8 for a
 batch's (the int4 kernel's bf16 path has no many-row blocking here).
-``auto`` measures that on the machine it runs on (``DraftChoice``, at engine start) and lets each
-step's draft row count pick the faster copy. A step's draft rows come first in its packed rows
+``auto`` measures that on the machine it runs on (``DraftChoice``, at engine start), beside the exact
+weights through the batch-invariant op (``fp32``: on a GGUF model its stored blocks, often the fewest
+bytes), and lets each step's draft row count pick the fastest. A step's draft rows come first in its packed rows
 (``StepBatch``), so every linear runs the first ``n_draft`` rows on the draft copy and the rest on
 the exact weight.
 """
@@ -110,9 +111,13 @@ class DraftChoice:
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> "DraftChoice":
         """Time the copies ``model.quantize_drafts`` built (``model.draft_sets``) on random rows."""
         seconds: dict[str, list[float]] = {}
+        kinds = {kind: [lin for layer in copies for lin in layer] + [head] for kind, (copies, head) in model.draft_sets.items()}
+        if model.head_exact is not None:   # the exact weights through the linear op are a candidate too
+            from vericache.model.exact_linear import exact_linears
+
+            kinds["fp32"] = exact_linears(model)
         with torch.inference_mode():
-            for kind, (copies, head) in model.draft_sets.items():
-                lins = [lin for layer in copies for lin in layer] + [head]
+            for kind, lins in kinds.items():
                 seconds[kind] = []
                 for n in rows:
                     xs = [torch.randn(n, lin.in_features) for lin in lins]

@@ -107,7 +107,8 @@ def exact_linears(model: nn.Module) -> list[ExactLinear]:
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights the model holds: parameters with data, plus stored blocks no parameter shares."""
     seen, total = set(), 0
-    linears = exact_linears(model) + ([model.embed_exact] if model.embed_exact is not None else [])
+    linears = [] if model.head_exact is None else exact_linears(model)
+    linears += [model.embed_exact] if model.embed_exact is not None else []
     tensors = list(model.parameters()) + [w.data for lin in linears for w in lin.weights]
     for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from vericache.config import ModelConfig, ModelConfigError
 from vericache.kernels.linear_op import linear_op
 from vericache.model import exact_linear
+from vericache.model.checkpoint_files import weight_files
 from vericache.model.gguf_file import load_stored
 from vericache.model.llama import Transformer, rope_inv_freq
 from vericache.model.registry import resolve_model
@@ -41,24 +41,10 @@ def kv_dtype_for(weights: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else weights
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelConfigError(f"corrupt weight index {index}: {exc}") from None
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    raise ModelConfigError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
-
-
 def load_state_dict(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint but those named in ``skip`` (read from elsewhere)."""
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(model_dir):
+    for f in weight_files(model_dir):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 state.update({k: fh.get_tensor(k) for k in fh.keys() if k not in skip})

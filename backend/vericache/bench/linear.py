@@ -1,0 +1,104 @@
+"""``vericache bench linear``: one forward's matmuls through the batch-invariant op, per ISA build,
+against MKL's fp32 ``F.linear`` on the same (dequantized) weights, measured side by side in one run.
+
+For each row count: the op's time in every build this CPU runs (``avx512``, ``avx2``; ``portable``
+when asked), MKL's time, the ratio, and at one row the stored bytes over the read bandwidth measured in
+the run (the floor a decode step's weights cannot beat). Each build is also checked bit for bit
+against the first (the same logits whatever the build). Repeats interleave the contenders, so a noisy
+moment on a shared machine hits them alike; the best of ``repeats`` counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from vericache.bench.common import cpu_model, markdown_table
+from vericache.kernels.linear_op import LinearOp, supported_isas
+from vericache.model.exact_linear import exact_linears
+from vericache.model.loader import load_model
+from vericache.sim.roofline import read_bandwidth
+
+COLUMNS = ["rows", "contender", "ms", "x_mkl", "x_bytes_floor"]
+
+
+def _forward_matmuls(linears, xs, op: LinearOp | None):
+    """One forward's matmuls: each stored weight through ``op``, or (op None) MKL on the fp32 copies."""
+    if op is None:
+        return [F.linear(xs[w.shape[1]], w) for w in linears]
+    return [op(xs[lin.weight.k], lin.weight) for lin in linears]
+
+
+@torch.inference_mode()
+def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repeats: int = 5, log=print) -> dict:
+    loaded = load_model(model, device="cpu", dtype="float32")
+    lins = [w for lin in exact_linears(loaded.model) for w in ([lin] if len(lin.weights) == 1 else [])]
+    stored = [lin.weight for lin in lins]
+    dense = [lin.dense() for lin in lins]
+    isas = isas or [i for i in supported_isas() if i != "portable"]
+    ops = {isa: LinearOp(isa) for isa in isas}
+    stored_bytes = sum(w.nbytes for w in stored)
+    bandwidth = read_bandwidth()
+    floor_s = stored_bytes / bandwidth
+    log(f"{loaded.name}: {len(stored)} matrices, {stored_bytes / 1e6:.1f} MB stored "
+        f"({', '.join(sorted({w.fmt for w in stored}))}), fp32 {sum(w.nbytes for w in dense) / 1e6:.0f} MB; "
+        f"read {bandwidth / 1e9:.1f} GB/s -> {floor_s * 1e3:.1f} ms floor at one row; {torch.get_num_threads()} threads")
+    out_rows, identical = [], True
+    for m in rows:
+        g = torch.Generator().manual_seed(m)
+        xs = {k: torch.randn(m, k, generator=g) for k in {w.k for w in stored}}
+        first = None
+        for name, op in ops.items():   # every build: the same bits
+            ys = _forward_matmuls(lins, xs, op)
+            first = first or ys
+            identical &= all(torch.equal(a, b) for a, b in zip(ys, first))
+        contenders = {**{f"op-{isa}": (lambda op=op: _forward_matmuls(lins, xs, op)) for isa, op in ops.items()},
+                      "mkl-fp32": lambda: _forward_matmuls(dense, xs, None)}
+        best = {name: float("inf") for name in contenders}
+        for fn in contenders.values():
+            fn()   # warm-up
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        for name, s in best.items():
+            out_rows.append({"rows": m, "contender": name, "ms": round(s * 1e3, 2),
+                             "x_mkl": round(s / best["mkl-fp32"], 3),
+                             "x_bytes_floor": round(s / floor_s, 2) if m == 1 else ""})
+        log(f"  {m} rows: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in best.items()))
+    return {"model": loaded.name, "cpu": cpu_model(), "isas": isas, "threads": torch.get_num_threads(),
+            "stored_bytes": stored_bytes, "fp32_bytes": sum(w.nbytes for w in dense),
+            "read_GBps": round(bandwidth / 1e9, 2), "identical_across_builds": identical, "rows": out_rows}
+
+
+def linear_markdown(res: dict) -> str:
+    head = (f"{res['model']} on {res['cpu']}, {res['threads']} threads; builds {', '.join(res['isas'])}; "
+            f"stored {res['stored_bytes'] / 1e6:.1f} MB (fp32 {res['fp32_bytes'] / 1e6:.0f} MB); read "
+            f"{res['read_GBps']} GB/s; identical across builds: {res['identical_across_builds']}\n\n")
+    return head + markdown_table(res["rows"], COLUMNS)
+
+
+def plot_linear(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["contender"] for r in res["rows"]))
+    counts = sorted({r["rows"] for r in res["rows"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ms = [next(r["ms"] for r in res["rows"] if r["rows"] == c and r["contender"] == name) for c in counts]
+        ax.bar([j + i * width for j in range(len(counts))], ms, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(counts))], [str(c) for c in counts])
+    ax.set_yscale("log")
+    ax.set_xlabel("rows per call")
+    ax.set_ylabel("one forward's matmuls (ms, log)")
+    ax.set_title(f"{res['model']}: batch-invariant op vs MKL fp32\n{res['cpu']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
