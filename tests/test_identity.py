@@ -79,7 +79,7 @@ def test_vericache_equals_full(llm, identity_prompts, full_reference, spec, batc
             assert st["drafted_tokens"] <= st["rounds"] * draft_len
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "auto"])
+@pytest.mark.parametrize("weights", ["q8", "int8", "int4", "auto"])
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_vericache_with_quantized_draft_weights_equals_full(llm, identity_prompts, full_reference, spec, weights):
     """Drafts on int8 or int4 weights (and compressed KV), verification on the exact ones: still the full output."""

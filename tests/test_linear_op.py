@@ -151,3 +151,33 @@ def test_the_real_model_keeps_its_blocks_and_is_batch_invariant(smollm):
     prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (9, 4, 13)]
     alone, chunked, batched = _logits_three_ways(smollm.loaded, prompts, 4)
     assert torch.equal(bits(chunked), bits(alone)) and torch.equal(bits(batched), bits(alone))
+
+
+def test_empty_calls_return_empty_results(ops):
+    """A step whose rows are all drafts hands the exact op zero rows (and the reverse): no read at all."""
+    w, _ = weight_and_reference("Q4_1", 8, 64)
+    for op in ops.values():
+        for fn in (op, op.draft):
+            assert fn(torch.empty(0, 64), w).shape == (0, 8)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "F32"])
+def test_draft_dots_are_close_but_not_exact_and_the_same_in_every_build(ops, fmt):
+    """Drafts' integer dots (int8 activations per block of 32 against the stored codes): within 2% of
+    x W^T where there is an integer path (Q4_0/Q4_1/Q8_0), the exact op elsewhere; a row's result
+    does not depend on the call's other rows; integer sums make every build agree."""
+    w, ref = weight_and_reference(fmt, 36, 256, seed=4)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
+    exact = x @ ref.T
+    first = None
+    for isa, op in ops.items():
+        y = op.draft(x, w)
+        first = y if first is None else first
+        assert torch.equal(y, first), isa
+        for m in (1, 2, 5):
+            assert torch.equal(op.draft(x[:m], w), y[:m]), (isa, m)
+        if fmt in ("Q4_0", "Q4_1", "Q8_0"):
+            err = ((y - exact).norm() / exact.norm()).item()
+            assert 0 < err < 0.02, (isa, err)
+        else:
+            assert torch.equal(y, op(x, w))

@@ -32,6 +32,7 @@ from vericache.sampling import SamplingParams
 
 __all__ = ["MODES", "DEFAULT_COMPRESSOR", "ModelRunner", "SharedPrefill"]
 DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
+AUTO_DRAFT_KINDS = ("q8",)   # what "auto" measures beside the exact weights (no copies: int8/int4 are asked for by name)
 
 
 @dataclass
@@ -64,9 +65,10 @@ class SharedPrefill:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
                  draft_len: int | str = "auto", prefill_chunk: int = 2048, draft_weights: str = "fp32") -> None:
-        """``draft_weights``: what draft rows read, "fp32" (the exact weights), "int8" or "int4"
-        (``model.draft_weights``), or "auto": on CPU both copies, each step's draft rows on the one
-        measured faster for their count here (``DraftChoice``), on other devices fp32. Verification,
+        """``draft_weights``: what draft rows read, "fp32" (the exact weights), "q8" (integer dots on
+        the stored weights), "int8" or "int4" copies (``model.draft_weights``), or "auto": on CPU the
+        exact weights and "q8" (no copies), each step's draft rows on the one measured faster for their
+        count here (``DraftChoice``), on other devices fp32. Verification,
         full and lossy rows always read the exact weights."""
         check_mode(mode)
         check_draft_weights(draft_weights)
@@ -90,7 +92,7 @@ class ModelRunner:
     def _build_drafts(self) -> None:
         """The draft copies this engine's steps read (an extra copy each: the exact weights stay for
         the rest), and for "auto" their measured times (once per model; engines sharing it share them)."""
-        kinds = ("int8", "int4") if self.draft_weights == "auto" else (self.draft_weights,)
+        kinds = AUTO_DRAFT_KINDS if self.draft_weights == "auto" else (self.draft_weights,)
         for kind in kinds:
             if kind != "fp32" and kind not in self.model.draft_sets:
                 self.model.quantize_drafts(kind)
@@ -103,7 +105,7 @@ class ModelRunner:
             return "fp32"
         self._build_drafts()
         if self.draft_weights == "auto":
-            return self.model.draft_choice.kind_for(n_draft_rows)
+            return self.model.draft_choice.kind_for(n_draft_rows, ("fp32", *AUTO_DRAFT_KINDS))
         return self.draft_weights
 
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:

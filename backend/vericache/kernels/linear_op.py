@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCE = HERE / "linear.cpp"
+SOURCES = [HERE / "linear.cpp", HERE / "linear_q8.cpp"]
+HEADERS = [HERE / "gguf_blocks.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -35,6 +36,7 @@ CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=of
 # GGUF (ggml) type names -> the op's format codes; bytes per block and elements per block
 FORMATS = {"F32": 0, "F16": 1, "BF16": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q5_1": 6, "Q8_0": 7,
            "Q4_K": 8, "Q5_K": 9, "Q6_K": 10}
+Q8_FORMATS = ("Q4_0", "Q4_1", "Q8_0")   # formats with an integer draft path (``LinearOp.draft``)
 BLOCK = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32),
          "Q5_1": (24, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
@@ -64,7 +66,7 @@ def best_isa() -> str:
 
 
 def _build(isa: str, verbose: bool = False) -> Path:
-    text = SOURCE.read_bytes()
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     tag = hashlib.sha1(text + repr((isa, CFLAGS, ISA_FLAGS[isa], torch.__version__)).encode()).hexdigest()[:12]
     root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))
     out = root / f"linear-{isa}-{tag}.so"
@@ -72,7 +74,7 @@ def _build(isa: str, verbose: bool = False) -> Path:
         return out
     root.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = ["g++", *CFLAGS, *ISA_FLAGS[isa], str(SOURCE), "-o", str(tmp)]
+    cmd = ["g++", *CFLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(tmp)]
     if verbose:
         print(" ".join(cmd))
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -143,13 +145,27 @@ class LinearOp:
         self.lib = ctypes.CDLL(str(_build(self.isa, verbose)))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.lib.vc_linear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+        self.lib.vc_linear_q8.argtypes = self.lib.vc_linear.argtypes
         self.lib.vc_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
         self.lib.vc_linear_isa.restype = ctypes.c_char_p
         assert self.lib.vc_linear_isa().decode() == self.isa
 
     def __call__(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
                  threads: int | None = None) -> torch.Tensor:
-        """x: [M, k] fp32 -> [M, n] fp32 (other float dtypes are computed in fp32 and cast back)."""
+        """x: [M, k] fp32 -> [M, n] fp32, exact and batch-invariant (other float dtypes are computed in
+        fp32 and cast back)."""
+        return self._run(self.lib.vc_linear, x, weight, bias, threads)
+
+    def draft(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
+              threads: int | None = None) -> torch.Tensor:
+        """Like ``__call__`` with free numerics (``linear_q8.cpp``): int8 activations per block of 32 in
+        integer dot products with Q4_0/Q4_1/Q8_0 codes; other formats run the exact op."""
+        if weight.fmt not in Q8_FORMATS:
+            return self(x, weight, bias, threads)
+        return self._run(self.lib.vc_linear_q8, x, weight, bias, threads)
+
+    def _run(self, fn, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None,
+             threads: int | None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != weight.k:
             raise ValueError(f"x must be [M, {weight.k}], got {tuple(x.shape)}")
         if x.device.type != "cpu":
@@ -164,10 +180,9 @@ class LinearOp:
             if bias.shape != (weight.n,):
                 raise ValueError(f"bias must be [{weight.n}], got {tuple(bias.shape)}")
         y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
-        rc = self.lib.vc_linear(FORMATS[weight.fmt], weight.data.data_ptr(), weight.row_bytes, weight.n, weight.k,
-                                xf.data_ptr(), xf.stride(0), x.shape[0],
-                                bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.n,
-                                threads or torch.get_num_threads())
+        rc = fn(FORMATS[weight.fmt], weight.data.data_ptr(), weight.row_bytes, weight.n, weight.k,
+                xf.data_ptr(), xf.stride(0), x.shape[0], bias.data_ptr() if bias is not None else None,
+                y.data_ptr(), weight.n, threads or torch.get_num_threads())
         if rc:
             raise ValueError(f"linear op refused {weight.fmt} [{weight.n}, {weight.k}] x {tuple(x.shape)}")
         return y if dtype == torch.float32 else y.to(dtype)

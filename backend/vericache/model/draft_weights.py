@@ -5,7 +5,9 @@ its matmuls may be approximate: the design card's FP8/INT4 draft engine, here on
 - ``int8``: a per-output-channel int8 copy through fbgemm's dynamic int8 linear
   (``torch.ops.quantized.linear_dynamic``: activations quantized per call), a quarter of the fp32 bytes;
 - ``int4``: 4-bit min-max codes in groups of 32 input channels (the GGUF Q4_1 idea) through PyTorch's
-  CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations), an eighth of the bytes.
+  CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations), an eighth of the bytes;
+- ``q8``: no copy: int8 activations in integer dot products with a GGUF model's own stored blocks
+  (``Q8Linear``, ``kernels/linear_q8.cpp``); on other weights the exact op.
 Measured on an Intel Xeon (AVX-512, AMX), 2 threads, SmolLM2-135M's 121 matmuls of one forward
 (``python scripts/draft_weights_bench.py``): fp32 28 / 32 / 74 / 136 ms at 1 / 3 / 16 / 64 rows,
 int8 12 / 13 / 19 / 44, int4 8 / 12 / 45 / 169: int4 wins for one sequence's drafts, int8 for a
@@ -27,7 +29,7 @@ import torch
 
 from vericache.timing import best_seconds
 
-DRAFT_WEIGHTS = ("fp32", "int8", "int4", "auto")
+DRAFT_WEIGHTS = ("fp32", "q8", "int8", "int4", "auto")
 
 
 class Int8Linear:
@@ -42,9 +44,14 @@ class Int8Linear:
             qw = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
         self.in_features, self.out_features = w.shape[1], w.shape[0]
+        # Without VNNI fbgemm sums u8 x s8 pairs into saturating int16 (AVX2's vpmaddubsw): 7-bit
+        # activations keep the pairs in range (error 0.10 -> 0.015 on an AMD EPYC without AVX-512)
+        from vericache.kernels.linear_op import cpu_flags
+
+        self.reduce_range = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, False)
+        return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, self.reduce_range)
 
 
 class Int4Linear:
@@ -71,8 +78,24 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
+class Q8Linear:
+    """Draft rows through the linear op's integer dots on the exact linear's own stored blocks
+    (``LinearOp.draft``: int8 activations per block of 32 against Q4_0/Q4_1/Q8_0 codes, the exact op
+    for other formats). No copy: the drafter reads the same bytes the verifier does."""
+
+    def __init__(self, exact) -> None:   # exact: an ``ExactLinear``
+        self.exact, self.in_features, self.out_features = exact, exact.in_features, exact.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ws, op, bias = self.exact.weights, self.exact.op, self.exact.bias
+        if len(ws) == 1:
+            return op.draft(x, ws[0], bias)
+        biases = [None] * len(ws) if bias is None else bias.split([w.n for w in ws])
+        return torch.cat([op.draft(x, w, b) for w, b in zip(ws, biases)], dim=-1)
+
+
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}
-DraftLinear = Int8Linear | Int4Linear
+DraftLinear = Int8Linear | Int4Linear | Q8Linear
 
 
 def mixed_linear(x: torch.Tensor, n_draft: int, exact: Callable[[torch.Tensor], torch.Tensor],
@@ -124,8 +147,9 @@ class DraftChoice:
                     seconds[kind].append(best_seconds(lambda: [lin(x) for x, lin in zip(xs, lins)], repeats))
         return cls(rows, seconds)
 
-    def kind_for(self, n_rows: int) -> str:
-        return min(self.seconds, key=lambda k: self.seconds_at(k, n_rows))
+    def kind_for(self, n_rows: int, kinds: tuple[str, ...] | None = None) -> str:
+        """The kind measured fastest at ``n_rows`` among ``kinds`` (default: every measured kind)."""
+        return min([k for k in self.seconds if kinds is None or k in kinds], key=lambda k: self.seconds_at(k, n_rows))
 
     def seconds_at(self, kind: str, n_rows: int) -> float:
         """One forward's matmuls on ``kind`` ("auto": the faster kind) at ``n_rows`` rows."""

@@ -253,9 +253,17 @@ class Transformer(nn.Module):
 
     def quantize_drafts(self, kind: str = "int8") -> None:
         """Make the ``n_draft`` rows of a forward read ``kind`` copies of every linear layer (int8 or
-        int4, built once per kind and kept; "fp32": the exact weights); the exact weights stay for
-        every other row. Inference only, CPU."""
-        if check_draft_weights(kind) not in self.draft_sets and kind != "fp32":
+        int4, built once per kind and kept; "q8": integer dots on the stored weights, no copy; "fp32":
+        the exact weights); the exact weights stay for every other row. Inference only, CPU."""
+        if check_draft_weights(kind) == "q8" and kind not in self.draft_sets:
+            if self.head_exact is None:
+                raise ValueError("draft_weights='q8' needs the linear op (a model loaded on the CPU)")
+            from vericache.model.draft_weights import Q8Linear
+
+            q8 = [tuple(Q8Linear(lin) for lin in (l.self_attn.qkv_exact, l.self_attn.o_exact, l.mlp.gate_up_exact,
+                                                  l.mlp.down_exact)) for l in self.model.layers]
+            self.draft_sets[kind] = (q8, Q8Linear(self.head_exact))
+        if kind not in self.draft_sets and kind != "fp32":
             q, ws = QUANTIZERS[kind], weight_matrices(self)   # per layer: qkv, o, gate_up, down; then lm_head
             copies = []
             for i, layer in enumerate(self.model.layers):
