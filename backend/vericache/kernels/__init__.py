@@ -5,9 +5,11 @@
   every sequence of a step and all its parts. Built without ``-ffast-math`` and with
   ``-ffp-contract=off``, so its results are the same bits in every build (``portable=True`` builds
   it for baseline x86-64, the fallback the tests compare against).
+- ``linear_op.linear_op()``: ``linear.cpp`` (+ ``linear_q8.cpp``), the batch-invariant linear over
+  GGUF blocks, plain C built by g++ per ISA (``linear_op.py`` says how).
 
-Each is built with torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>`` (the tag
-covers the CPU flags, torch version, flags and sources: a build is only reused where it fits).
+The first two are built with torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>``
+(the tag covers the CPU flags, torch version, flags and sources: a build is only reused where it fits).
 ``python -m vericache.kernels`` builds them ahead of time.
 """
 

@@ -138,6 +138,41 @@ VC_INLINE float lane_sum(const V16& a) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2: a V16's two halves are independent sums (lanes 0-7 see k % 16 < 8, lanes 8-15 the rest), so
+// each half runs as its own pass over K with one register per output: twice the outputs per tile in
+// AVX2's 16 registers. The halves meet in lane_sum's first step (lane i + lane i+8), as everywhere.
+template <int MT, int NT>
+void tile(const float* const* xs, const float* panel, int64_t kp, const float* bias, int64_t n0,
+          float* const* ys) {
+  __m256 halves[2][MT][NT];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MT][NT];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+    for (int64_t k = 8 * h; k < kp; k += LANES) {
+      __m256 w[NT];
+#pragma GCC unroll 8
+      for (int n = 0; n < NT; ++n) w[n] = _mm256_loadu_ps(panel + n * kp + k);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const __m256 x = _mm256_loadu_ps(xs[m] + k);
+#pragma GCC unroll 8
+        for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(x, w[n], acc[m][n]);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int n = 0; n < NT; ++n) halves[h][m][n] = acc[m][n];
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      const float s = sum8(_mm256_add_ps(halves[0][m][n], halves[1][m][n]));
+      ys[m][n0 + n] = bias ? s + bias[n0 + n] : s;
+    }
+}
+#else
 // MT rows of x times NT dequantized rows of W: acc[m][n] over k in 16-lane steps, in k order.
 template <int MT, int NT>
 void tile(const float* const* xs, const float* panel, int64_t kp, const float* bias, int64_t n0,
@@ -162,6 +197,7 @@ void tile(const float* const* xs, const float* panel, int64_t kp, const float* b
       ys[m][n0 + n] = bias ? s + bias[n0 + n] : s;
     }
 }
+#endif
 
 #ifndef VC_PF
 #define VC_PF 2
@@ -208,7 +244,7 @@ constexpr int MT = VC_MT, NT = VC_NT;
 #elif defined(__AVX512F__)
 constexpr int MT = 4, NT = 4;
 #elif defined(__AVX2__)
-constexpr int MT = 3, NT = 2;
+constexpr int MT = 4, NT = 3;
 #else
 constexpr int MT = 2, NT = 2;
 #endif
