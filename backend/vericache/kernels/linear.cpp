@@ -53,12 +53,15 @@ struct V16 {
 #endif
 
 // Block k0 / 32 of a row (32 elements, Q4_0 / Q4_1 / Q8_0) straight into two V16 registers, the same
-// exact multiply (and add) as dequant_block; other formats go through dequant_block and memory.
+// values as dequant_block; other formats go through dequant_block and memory. mul_add(q, d, m) is
+// d * q + m in one fma where dequant_block rounds twice: the same bits, because d * q is exact (an
+// fp16 scale has 11 significant bits, a 4-bit code 4: the product fits fp32's 24), so the only
+// rounding either way is the one of the sum.
 #if defined(__AVX512F__)
 VC_INLINE V16 cvt16(__m512i q) { return {_mm512_cvtepi32_ps(q)}; }
 VC_INLINE V16 mul_add(V16 q, float d, const float* m) {
-  __m512 r = _mm512_mul_ps(q.v, _mm512_set1_ps(d));
-  return {m ? _mm512_add_ps(r, _mm512_set1_ps(*m)) : r};
+  if (m) return {_mm512_fmadd_ps(q.v, _mm512_set1_ps(d), _mm512_set1_ps(*m))};   // see mul_add's note
+  return {_mm512_mul_ps(q.v, _mm512_set1_ps(d))};
 }
 VC_INLINE void nibbles(const uint8_t* qs, int bias, V16* lo, V16* hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
@@ -70,9 +73,11 @@ VC_INLINE V16 bytes16(const uint8_t* q) { return cvt16(_mm512_cvtepi8_epi32(_mm_
 #elif defined(__AVX2__) && defined(__FMA__)
 VC_INLINE V16 mul_add(V16 q, float d, const float* m) {
   const __m256 dv = _mm256_set1_ps(d);
-  V16 r{_mm256_mul_ps(q.lo, dv), _mm256_mul_ps(q.hi, dv)};
-  if (m) { const __m256 mv = _mm256_set1_ps(*m); r.lo = _mm256_add_ps(r.lo, mv); r.hi = _mm256_add_ps(r.hi, mv); }
-  return r;
+  if (m) {
+    const __m256 mv = _mm256_set1_ps(*m);
+    return {_mm256_fmadd_ps(q.lo, dv, mv), _mm256_fmadd_ps(q.hi, dv, mv)};
+  }
+  return {_mm256_mul_ps(q.lo, dv), _mm256_mul_ps(q.hi, dv)};
 }
 VC_INLINE void nibbles(const uint8_t* qs, int bias, V16* lo, V16* hi) {
   const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qs));
@@ -296,7 +301,7 @@ int vc_linear(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
   const int64_t kp = (K + LANES - 1) / LANES * LANES;
   const int64_t items = (N + NB - 1) / NB;
   if (M <= 2 && (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)) {   // decode: no panel, blocks in registers
-#pragma omp parallel for schedule(static) num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
     for (int64_t it = 0; it < items; ++it) {
       const int64_t n0 = it * NB, nb = N - n0 < NB ? N - n0 : NB;
       const float* xs[2] = {x, x + ldx};
@@ -307,6 +312,8 @@ int vc_linear(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
     }
     return 0;
   }
+  // dynamic: on a shared machine a descheduled thread's items go to the other (bits do not depend on
+  // who computes an output)
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
@@ -314,7 +321,7 @@ int vc_linear(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
       std::vector<float> panel(NB * kp);
       const float* xs[MT];
       float* ys[MT];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < items; ++it) {
         const int64_t n0 = it * NB, nb = N - n0 < NB ? N - n0 : NB;
         for (int64_t n = 0; n < nb; ++n) dequant_row(fmt, w + (n0 + n) * row_bytes, K, kp, panel.data() + n * kp);

@@ -172,7 +172,7 @@ int vc_linear_q8(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, q.data() + m * K, d.data() + m * nblk, ds.data() + m * nblk);
   constexpr int64_t NB = 16;
   const int64_t items = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static) num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
   for (int64_t it = 0; it < items; ++it) {
     const int64_t n0 = it * NB, nb = N - n0 < NB ? N - n0 : NB;
     for (int64_t m = 0; m < M; m += 2) {
