@@ -166,7 +166,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else FULL_GRID)
     rows = run_long_eval(args.model, configs, n=args.n, lo=args.context_min, hi=args.context_max,
-                         checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True))
+                         checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True),
+                         draft_weights=args.draft_weights)
     cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length"]
     table = markdown_table(rows, cols)
     print(json.dumps({"rows": rows}) if args.json else table)
@@ -178,6 +179,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub) -> None:
+    from vericache.model.draft_weights import DRAFT_WEIGHTS
+
     q = sub.add_parser("eval", help="long-context code, needle and tool-call quality: full vs lossy vs vericache")
     q.add_argument("--model", default=DEFAULT_MODEL)
     q.add_argument("--grid", default="full", choices=["full", "quick"],
@@ -187,6 +190,8 @@ def _add_eval(sub) -> None:
     q.add_argument("--context-min", type=int, default=2048)
     q.add_argument("--context-max", type=int, default=6144)
     q.add_argument("--checkpoint", default=None, help="JSON-lines file of finished rows (resumable)")
+    q.add_argument("--draft-weights", default="fp32", choices=DRAFT_WEIGHTS,
+                   help="what VeriCache's drafts read (fp32: exact numerics; q8: integer dots on the stored blocks)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--plot", default=None)
     q.add_argument("--record", default=None)

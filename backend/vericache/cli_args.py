@@ -46,11 +46,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_mode_args(p: argparse.ArgumentParser) -> None:
     """--mode, --compressor, --draft-len, --draft-weights."""
     from vericache.engine.runner import DEFAULT_COMPRESSOR, MODES
+    from vericache.model.draft_weights import DRAFT_WEIGHTS
 
     p.add_argument("--mode", default="full", choices=MODES)
     p.add_argument("--compressor", default=DEFAULT_COMPRESSOR, help="e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4")
     p.add_argument("--draft-len", default="auto", type=draft_len, help="tokens per draft round, or auto")
-    p.add_argument("--draft-weights", default="auto", choices=["fp32", "q8", "int8", "int4", "auto"],
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
                    help="weights the drafts read (CPU): fp32 (exact), q8 (int8 activations x the stored blocks), int8, int4, "
                         "or auto (per step, fp32 or q8, whichever measured "
                         "faster here for its draft rows; the default, fp32 off CPU); verification is exact either way")

@@ -58,7 +58,9 @@ class _Saved:
 
 
 def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, n: int = 20, lo: int = 2048,
-                  hi: int = 6144, batch: int = 20, checkpoint: str | None = None, log=print) -> list[dict]:
+                  hi: int = 6144, batch: int = 20, checkpoint: str | None = None, log=print,
+                  draft_weights: str = "fp32") -> list[dict]:
+    """``draft_weights``: what VeriCache's drafts read (``ModelRunner``); full and lossy rows are exact."""
     llm = LLM(model, device="cpu", dtype="float32")
     tasks = build_tasks(llm.tokenizer, n, lo, hi)
     configs = configs or FULL_GRID
@@ -70,7 +72,8 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
     if checkpoint and Path(checkpoint).exists():
         for line in Path(checkpoint).read_text().splitlines():
             rec = json.loads(line)
-            if rec.get("model") == model and rec.get("n") == n and rec.get("contexts") == [lo, hi]:
+            if (rec.get("model") == model and rec.get("n") == n and rec.get("contexts") == [lo, hi]
+                    and rec.get("draft_weights", "fp32") == draft_weights):
                 done[(rec["batch"], rec["config"])] = rec
     t0 = time.perf_counter()
     for b in range(0, len(tasks), batch):
@@ -84,10 +87,11 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
             f"({sum(p.seconds for p in shared):.0f} s), {len(todo)} configs to run")
         for label in todo:
             mode, _, spec = label.partition(" ")
-            e = ModelRunner(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25")
+            e = ModelRunner(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25",
+                            draft_weights=draft_weights if mode == "vericache" else "fp32")
             t = time.perf_counter()
             res = e.generate(_sequences(e, part), mode, prefills=shared)
-            rec = {"model": model, "n": n, "contexts": [lo, hi], "batch": b, "config": label,
+            rec = {"model": model, "n": n, "contexts": [lo, hi], "draft_weights": draft_weights, "batch": b, "config": label,
                    "seconds": time.perf_counter() - t, "outputs": [_output_record(o) for o in res]}
             done[(b, label)] = rec
             if checkpoint:
