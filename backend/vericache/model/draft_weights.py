@@ -7,7 +7,8 @@ its matmuls may be approximate: the design card's FP8/INT4 draft engine, here on
 - ``int4``: 4-bit min-max codes in groups of 32 input channels (the GGUF Q4_1 idea) through PyTorch's
   CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations), an eighth of the bytes;
 - ``q8``: no copy: int8 activations in integer dot products with a GGUF model's own stored blocks
-  (``Q8Linear``, ``kernels/linear_q8.cpp``); on other weights the exact op.
+  (``Q8Linear``, ``kernels/linear_q8.cpp``); on other weights the exact op. The LM head stays exact
+  (its argmax near-ties are where int8 activations cost acceptance).
 Measured on an Intel Xeon (AVX-512, AMX), 2 threads, SmolLM2-135M's 121 matmuls of one forward
 (``python scripts/draft_weights_bench.py``): fp32 28 / 32 / 74 / 136 ms at 1 / 3 / 16 / 64 rows,
 int8 12 / 13 / 19 / 44, int4 8 / 12 / 45 / 169: int4 wins for one sequence's drafts, int8 for a
