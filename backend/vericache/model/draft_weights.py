@@ -135,7 +135,8 @@ class DraftChoice:
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> "DraftChoice":
         """Time the copies ``model.quantize_drafts`` built (``model.draft_sets``) on random rows."""
         seconds: dict[str, list[float]] = {}
-        kinds = {kind: [lin for layer in copies for lin in layer] + [head] for kind, (copies, head) in model.draft_sets.items()}
+        kinds = {kind: [lin for layer in copies for lin in layer] + [head if head is not None else model.head_exact]
+                 for kind, (copies, head) in model.draft_sets.items()}   # no head copy: drafts use the exact one
         if model.head_exact is not None:   # the exact weights through the linear op are a candidate too
             from vericache.model.exact_linear import exact_linears
 
