@@ -1,5 +1,5 @@
 """The packed attention op: right (against float64 masked attention and the per-part torch path),
-batch-invariant bit for bit, the same bits in the portable build, and bad input refused."""
+batch-invariant bit for bit, the same bits in every build (AVX-512, AVX2, portable), and bad input refused."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kernels import packed_kernels
+from vericache.kernels.linear_op import supported_isas
 from vericache.kv.packed import KeyPart, attend_packed, op_args, torch_part
 from vericache.kv.attention import merge
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
@@ -76,8 +77,9 @@ def test_quantized_part_matches_dequantize_then_attend(name):
     out = attend_packed(q, [3], [[part]], HKV)
     ref = torch_part(q, part)[0][0]                                 # dequantize, then attend in torch
     assert torch.allclose(out.transpose(0, 1), ref, atol=2e-5)
-    ints, tensors = op_args(0, part, q.shape[-1])                   # the portable build: the same bits
-    assert torch.equal(packed_kernels(portable=True).attend_packed(q, HKV, [3], ints, tensors), out)
+    ints, tensors = op_args(0, part, q.shape[-1])
+    for isa in supported_isas():                                    # every build: the same bits
+        assert torch.equal(packed_kernels(isa).attend_packed(q, HKV, [3], ints, tensors), out), isa
 
 
 def _row_alone(k, v, q, pos, part_extra=None):
@@ -88,7 +90,7 @@ def _row_alone(k, v, q, pos, part_extra=None):
 
 def test_batch_invariant_bit_for_bit():
     """A query row's output depends on its own query, keys and position only: alone, inside chunks of
-    1-32 queries, inside steps of 1-16 sequences, with 1 and 2 threads, in the portable build."""
+    1-32 queries, inside steps of 1-16 sequences, with 1 and 2 threads, in every build."""
     n = 1300
     k, v = _kv(n + 40, 7)
     store_k, store_v = _kv(900, 8)
@@ -125,11 +127,14 @@ def test_batch_invariant_bit_for_bit():
                     assert torch.equal(out[row], alone[p]), (n_threads, n_seqs, p)
     finally:
         torch.set_num_threads(threads)
-    portable = packed_kernels(portable=True)
-    for p in probe:
-        q = qall[:, p : p + 1]
-        args = ([0, p + 1, p, 3, 0, 0, 3, 0, 0], [k, None, None, v, None, None, None])
-        assert torch.equal(portable.attend_packed(q, HKV, [1], *args)[0], alone[p]), p
+    for isa in supported_isas():   # the AVX-512, AVX2 and portable builds this CPU runs: the same bits
+        op = packed_kernels(isa)
+        for p in probe:
+            for t in (1, 17):          # a decode row, and a row inside a chunk (the causal diagonal)
+                start = max(0, p - t // 2)
+                args = ([0, start + t, start, 3, 0, 0, 3, 0, 0], [k, None, None, v, None, None, None])
+                assert torch.equal(op.attend_packed(qall[:, start : start + t], HKV, [t], *args)[p - start],
+                                   alone[p]), (isa, p, t)
 
 
 def test_bad_parts_are_refused():

@@ -35,10 +35,10 @@ def _add_compressors(sub) -> None:
 def _cmd_models(args: argparse.Namespace) -> int:
     from vericache.model.registry import list_models
 
-    from vericache.kernels.linear_op import best_isa, cpu_flags
+    from vericache.kernels.linear_op import best_isa
 
     rows = list_models()
-    isa = best_isa() if cpu_flags() else "portable"
+    isa = best_isa()
     if args.json:
         print(json.dumps({"models": rows, "linear_op_isa": isa}))
         return 0

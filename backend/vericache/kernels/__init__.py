@@ -3,8 +3,8 @@
 - ``cpu_kernels()``: ``quant_attention.cpp``, attention over one quantized store (benches, tests).
 - ``packed_kernels()``: ``packed_attention.cpp``, the forward's attention: one call per layer for
   every sequence of a step and all its parts. Built without ``-ffast-math`` and with
-  ``-ffp-contract=off``, so its results are the same bits in every build (``portable=True`` builds
-  it for baseline x86-64, the fallback the tests compare against).
+  ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
+  AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``.
 - ``linear_op.linear_op()``: ``linear.cpp`` (+ ``linear_q8.cpp``), the batch-invariant linear over
   GGUF blocks, plain C built by g++ per ISA (``linear_op.py`` says how).
 
@@ -65,9 +65,19 @@ def cpu_kernels(verbose: bool = False):
     return _load("vericache_quant_attention", QUANT_SOURCES, CFLAGS, verbose)
 
 
+def packed_kernels(isa: str | None = None, verbose: bool = False):
+    """The packed attention op built for ``isa`` ("avx512", "avx2" or "portable": baseline x86-64, no
+    AVX); default ``linear_op.best_isa()``, the widest this CPU runs (``VERICACHE_ISA`` overrides)."""
+    from vericache.kernels.linear_op import ISA_FLAGS, best_isa
+
+    isa = isa or best_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown ISA {isa!r}; choose one of {', '.join(ISA_FLAGS)}")
+    return _packed_build(isa, verbose)
+
+
 @functools.cache
-def packed_kernels(portable: bool = False, verbose: bool = False):
-    """The packed attention op; ``portable`` builds it for baseline x86-64 (no AVX) instead of this CPU."""
-    arch = ["-march=x86-64", "-mtune=generic"] if portable else ["-march=native"]
-    name = "vericache_packed_attention" + ("_portable" if portable else "")
-    return _load(name, PACKED_SOURCES, PACKED_CFLAGS + arch, verbose)
+def _packed_build(isa: str, verbose: bool):
+    from vericache.kernels.linear_op import ISA_FLAGS
+
+    return _load(f"vericache_packed_attention_{isa}", PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[isa], verbose)

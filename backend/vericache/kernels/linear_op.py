@@ -41,12 +41,13 @@ BLOCK = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q4_0": (18, 32), "Q4_1":
          "Q5_1": (24, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     path = Path("/proc/cpuinfo")
     if not path.exists():
-        return set()
+        return frozenset()
     line = next((ln for ln in path.read_text().splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+    return frozenset(line.split(":", 1)[-1].split())
 
 
 def supported_isas() -> list[str]:

@@ -73,6 +73,31 @@ inline __m512 exp_neg_512(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp_neg on 8 lanes (AVX2): the same IEEE operations in the same order, so the same bits.
+inline __m256 exp_neg_256(__m256 x) {
+  const auto c = [](float f) { return _mm256_set1_ps(f); };
+  x = _mm256_max_ps(x, c(-87.0f));
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, c(1.44269504088896341f)), c(12582912.0f)),
+                                 c(12582912.0f));
+  __m256 r = _mm256_fmadd_ps(n, c(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, c(2.12194440e-4f), r);
+  __m256 p = c(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, c(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, c(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, c(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, c(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, c(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), c(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// lanes t < n of the 8 starting at key t0 (an all-ones mask) and zero beyond
+inline __m256 first_lanes(int64_t n, int t0) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(t0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(n, BLK)), idx));
+}
 #endif
 
 // The sum of 64 lanes in a fixed tree (halving), so no build reorders it.
@@ -100,6 +125,18 @@ inline float exp_block(float* x, int64_t n, float m) {
   const __m128 c4 = _mm_add_ps(_mm256_castps256_ps128(c8), _mm256_extractf128_ps(c8, 1));
   const __m128 c2 = _mm_add_ps(c4, _mm_movehl_ps(c4, c4));
   return _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 e[8];
+  for (int c = 0; c < 8; ++c) {
+    e[c] = _mm256_and_ps(first_lanes(n, 8 * c), exp_neg_256(_mm256_sub_ps(_mm256_load_ps(x + 8 * c), _mm256_set1_ps(m))));
+    _mm256_store_ps(x + 8 * c, e[c]);
+  }
+  // lane_sum's tree on 8-lane chunks: chunk c + chunk c+4 (lanes l + l+32), then c + c+2 (+16), then + 8, 4, 2, 1
+  const __m256 c8 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(e[0], e[4]), _mm256_add_ps(e[2], e[6])),
+                                  _mm256_add_ps(_mm256_add_ps(e[1], e[5]), _mm256_add_ps(e[3], e[7])));
+  const __m128 c4 = _mm_add_ps(_mm256_castps256_ps128(c8), _mm256_extractf128_ps(c8, 1));
+  const __m128 c2 = _mm_add_ps(c4, _mm_movehl_ps(c4, c4));
+  return _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
 #else
 #pragma omp simd
   for (int t = 0; t < BLK; ++t) x[t] = t < n ? exp_neg(x[t] - m) : 0.f;
@@ -120,6 +157,13 @@ inline float block_max(const float* x, int64_t n) {
     m = _mm512_mask_max_ps(m, k, m, _mm512_load_ps(x + t));
   }
   return _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 m = _mm256_set1_ps(NEG);
+  for (int t = 0; t < BLK && t < n; t += 8)
+    m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(NEG), _mm256_load_ps(x + t), first_lanes(n, t)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
   float m[8] = {NEG, NEG, NEG, NEG, NEG, NEG, NEG, NEG};
   for (int t = 0; t < BLK; ++t)
@@ -161,6 +205,28 @@ inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK]
     // r[k] now holds column j0 + perm(k): the unpack/shuffle network leaves the columns in this order
     static const int perm[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
     for (int c = 0; c < 16; ++c) _mm512_storeu_ps(&kt[j0 + perm[c]][t0], r[c]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int TILE = 8;
+inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK], int t0) {
+  for (int64_t j0 = 0; j0 < D; j0 += 8) {
+    __m256 r[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + j0);
+    for (int i = 0; i < 8; i += 2) {              // 2x2 blocks of single floats
+      u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {              // 4x4 within 128-bit lanes
+      r[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
+      r[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xee);
+      r[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+      r[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; ++c) {                 // 8x8: 128-bit halves; column c and c + 4
+      _mm256_storeu_ps(&kt[j0 + c][t0], _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+      _mm256_storeu_ps(&kt[j0 + 4 + c][t0], _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+    }
   }
 }
 #else
@@ -250,6 +316,70 @@ inline void tile_values_512(const float (*e)[BLK], const int64_t* vis, const flo
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 (16 registers): the 512-bit versions' operations on half the keys (scores) or half the
+// channels (values) at a time, two rows at a time; each (row, key) and (row, channel) still sees
+// its fma chain in j (t) order, so the same bits.
+inline void tile_scores_256(int nr, const float* const* q, const float (*kt)[BLK], float (*s)[BLK]) {
+  for (int x0 = 0; x0 < nr; x0 += 2) {
+    const bool two = x0 + 1 < nr;
+    for (int h = 0; h < BLK; h += 32) {
+      __m256 a0[4], a1[4];
+      for (int c = 0; c < 4; ++c) a0[c] = a1[c] = _mm256_setzero_ps();
+      for (int j = 0; j < 64; ++j) {
+        const __m256 k0 = _mm256_load_ps(kt[j] + h), k1 = _mm256_load_ps(kt[j] + h + 8),
+                     k2 = _mm256_load_ps(kt[j] + h + 16), k3 = _mm256_load_ps(kt[j] + h + 24);
+        const __m256 q0 = _mm256_set1_ps(q[x0][j]);
+        a0[0] = _mm256_fmadd_ps(q0, k0, a0[0]); a0[1] = _mm256_fmadd_ps(q0, k1, a0[1]);
+        a0[2] = _mm256_fmadd_ps(q0, k2, a0[2]); a0[3] = _mm256_fmadd_ps(q0, k3, a0[3]);
+        if (two) {
+          const __m256 q1 = _mm256_set1_ps(q[x0 + 1][j]);
+          a1[0] = _mm256_fmadd_ps(q1, k0, a1[0]); a1[1] = _mm256_fmadd_ps(q1, k1, a1[1]);
+          a1[2] = _mm256_fmadd_ps(q1, k2, a1[2]); a1[3] = _mm256_fmadd_ps(q1, k3, a1[3]);
+        }
+      }
+      for (int c = 0; c < 4; ++c) {
+        _mm256_store_ps(s[x0] + h + 8 * c, a0[c]);
+        if (two) _mm256_store_ps(s[x0 + 1] + h + 8 * c, a1[c]);
+      }
+    }
+  }
+}
+
+inline void tile_values_256(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow,
+                            const float* alpha, float* const* acc) {
+  for (int x0 = 0; x0 < nr; x0 += 2) {
+    const int x1 = x0 + 1 < nr ? x0 + 1 : x0;    // a lone last row pairs with itself (computed twice, stored once)
+    const int64_t common = std::min(vis[x0], vis[x1]);
+    for (int h = 0; h < 64; h += 32) {
+      __m256 a0[4], a1[4];
+      for (int c = 0; c < 4; ++c) {
+        a0[c] = _mm256_mul_ps(_mm256_loadu_ps(acc[x0] + h + 8 * c), _mm256_set1_ps(alpha[x0]));
+        a1[c] = _mm256_mul_ps(_mm256_loadu_ps(acc[x1] + h + 8 * c), _mm256_set1_ps(alpha[x1]));
+      }
+      for (int64_t t = 0; t < common; ++t) {
+        const float* v = vrow[t] + h;
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                     v3 = _mm256_loadu_ps(v + 24);
+        const __m256 p0 = _mm256_set1_ps(e[x0][t]), p1 = _mm256_set1_ps(e[x1][t]);
+        a0[0] = _mm256_fmadd_ps(p0, v0, a0[0]); a0[1] = _mm256_fmadd_ps(p0, v1, a0[1]);
+        a0[2] = _mm256_fmadd_ps(p0, v2, a0[2]); a0[3] = _mm256_fmadd_ps(p0, v3, a0[3]);
+        a1[0] = _mm256_fmadd_ps(p1, v0, a1[0]); a1[1] = _mm256_fmadd_ps(p1, v1, a1[1]);
+        a1[2] = _mm256_fmadd_ps(p1, v2, a1[2]); a1[3] = _mm256_fmadd_ps(p1, v3, a1[3]);
+      }
+      for (int64_t t = common; t < vis[x0]; ++t)    // the causal diagonal: each row's own keys
+        for (int c = 0; c < 4; ++c) a0[c] = _mm256_fmadd_ps(_mm256_set1_ps(e[x0][t]), _mm256_loadu_ps(vrow[t] + h + 8 * c), a0[c]);
+      for (int64_t t = common; t < vis[x1]; ++t)
+        for (int c = 0; c < 4; ++c) a1[c] = _mm256_fmadd_ps(_mm256_set1_ps(e[x1][t]), _mm256_loadu_ps(vrow[t] + h + 8 * c), a1[c]);
+      for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(acc[x0] + h + 8 * c, a0[c]);
+        if (x1 != x0) _mm256_storeu_ps(acc[x1] + h + 8 * c, a1[c]);
+      }
+    }
+  }
+}
+#endif
+
 inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], int64_t D, float (*s)[BLK]) {
 #if defined(__AVX512F__)
   if (D == 64) {
@@ -260,6 +390,8 @@ inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], i
       default: return tile_scores_512<4>(q, kt, s);
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D == 64) return tile_scores_256(nr, q, kt, s);
 #endif
   for (int x = 0; x < nr; ++x) {
 #pragma omp simd
@@ -283,6 +415,8 @@ inline void tile_values(int nr, const float (*e)[BLK], const int64_t* vis, const
       default: return tile_values_512<4>(e, vis, vrow, alpha, acc);
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D == 64) return tile_values_256(nr, e, vis, vrow, alpha, acc);
 #endif
   for (int x = 0; x < nr; ++x) {
     float* a = acc[x];
