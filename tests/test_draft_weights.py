@@ -20,6 +20,20 @@ def test_quantized_linear_is_close_to_the_exact_linear_but_not_equal(cls, tolera
     assert (y - ref).norm() / ref.norm() < tolerance
 
 
+def test_int8_copies_keep_7_bit_activations_where_fbgemm_would_saturate():
+    """Without VNNI fbgemm's u8 x s8 pair sums saturate int16 (AVX2's vpmaddubsw), so Int8Linear asks
+    for 7-bit activations there; forced on here, whatever this CPU has, the error stays in bounds."""
+    from vericache.kernels.linear_op import cpu_flags
+
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(5, 64, generator=g)
+    lin = Int8Linear(w, b)
+    assert lin.reduce_range == (not ({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags()))
+    lin.reduce_range = True
+    ref = F.linear(x, w, b)
+    assert (lin(x) - ref).norm() / ref.norm() < 0.03
+
+
 def test_int4_linear_computes_its_own_dequantized_weight():
     """The kernel's product is x times the weight the codes describe (min-max per 32 inputs), not another."""
     g = torch.Generator().manual_seed(2)
