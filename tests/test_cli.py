@@ -55,3 +55,6 @@ def test_demo_runs_three_modes_and_vericache_equals_full(capsys):
     assert set(rows) == {"full", "lossy", "vericache"}
     assert "identical to full" in rows["vericache"] and "tokens/round" in rows["vericache"]
     assert "task 2, vericache completion (== full KV)" in out
+    from vericache.kernels.linear_op import best_isa
+
+    assert f"(kernels: {best_isa()} build)" in out.splitlines()[0]   # the header names the build that runs

@@ -216,7 +216,7 @@ def test_models_command_and_missing_package_hint(capsys, monkeypatch):
 
     assert main(["models", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["linear_op_isa"] == supported_isas()[0]
+    assert out["kernels_isa"] == supported_isas()[0]
     rows = {r["name"]: r for r in out["models"]}
     real = rows["smollm2-135m"]
     assert real["installed"] and real["aliases"] == ["default"] and real["context_length"] == 8192

@@ -40,9 +40,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     rows = list_models()
     isa = best_isa()
     if args.json:
-        print(json.dumps({"models": rows, "linear_op_isa": isa}))
+        print(json.dumps({"models": rows, "kernels_isa": isa}))
         return 0
-    print(f"linear op build for this CPU: {isa} (VERICACHE_ISA overrides); weights: resident bytes when loaded")
+    print(f"kernels (linear op, attention) built for this CPU: {isa} (VERICACHE_ISA overrides); weights: resident bytes")
     print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'weights':>9} {'params':>8} "
           f"{'context':>7}")
     for r in rows:

@@ -34,7 +34,10 @@ def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str |
     needle = lt.needle_tasks(tok, 1, context - 64, context, seed=3)[0]
     code = lt.code_tasks(tok, 1, context - 64, context, seed=5, max_tokens=CODE_TOKENS)[0]
     tasks = [needle, code]
-    print(f"model {model} on {llm.loaded.device} (weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}); compressor {compressor}")
+    from vericache.bench.common import cpu_model
+
+    where = cpu_model() if llm.loaded.device.type == "cpu" else str(llm.loaded.device)
+    print(f"model {model} on {where} (weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}); compressor {compressor}")
     print(f"task 1: a value hidden in a {len(needle.prompt_ids)}-token Python file; asked in chat for it "
           f"(right answer: {needle.answer})")
     print(f"task 2: complete `{code.head.splitlines()[0].strip()}` after {len(code.prompt_ids)} tokens of its source file")

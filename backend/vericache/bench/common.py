@@ -44,14 +44,14 @@ def runner_for(llm, label: str, runners: dict):
 
 
 def cpu_model() -> str:
-    """The CPU this bench runs on (``lscpu``'s model name) and the linear op's build it runs (the ISA
+    """The CPU this bench runs on (``lscpu``'s model name) and the kernels' build it runs (the ISA
     variant: ``VERICACHE_ISA`` or the widest this CPU has), named beside every figure."""
     from vericache.kernels.linear_op import best_isa
 
     info = Path("/proc/cpuinfo")
     line = next((ln for ln in info.read_text().splitlines() if ln.startswith("model name")), "") if info.exists() else ""
     name = line.partition(":")[2].strip() or platform.processor() or "unknown CPU"
-    return f"{name} (linear op: {best_isa()} build)"
+    return f"{name} (kernels: {best_isa()} build)"
 
 
 def command_line(argv: list[str] | None = None) -> str:
