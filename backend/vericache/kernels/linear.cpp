@@ -2,7 +2,8 @@
 //
 // W is read in its GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or as F16, BF16, F32
 // rows: row n of W is row_bytes bytes at w + n * row_bytes. Each block is dequantized to exactly the
-// fp32 values the `gguf` package gives (the same IEEE multiply and add, never fused), then
+// fp32 values the `gguf` package gives (its multiply and add; fused only where that rounds the same:
+// see mul_add), then
 //
 //   y[m, n] = lane_sum(acc) (+ bias[n]),  acc[l] = fma(x[m, k], w[n, k], acc[l]) for k = l, l+16, ...
 //
