@@ -190,6 +190,10 @@ def test_metrics_exported(server, client):
                  "vericache_link_bytes_total", "vericache_prompt_tokens_total", "vericache_generation_tokens_total"):
         assert name in text, name
     assert 'tier="host"' in text and 'mode="vericache"' in text
+    from vericache.model.exact_linear import resident_weight_bytes
+
+    weights = [ln for ln in text.splitlines() if ln.startswith("vericache_model_weight_bytes{")]
+    assert len(weights) == 1 and float(weights[0].rsplit(" ", 1)[1]) == resident_weight_bytes(server.service.loop.runner.model)
 
 
 def test_graceful_shutdown_drains_in_flight_requests(llm):

@@ -282,9 +282,6 @@ const char* vc_linear_isa() {
 #endif
 }
 
-int vc_block_elems(int fmt) { return fmt < 0 || fmt > Q6_K ? -1 : block_elems(fmt); }
-int vc_block_bytes(int fmt) { return fmt < 0 || fmt > Q6_K ? -1 : block_bytes(fmt); }
-
 // out[i, :K] = row rows[i] of W dequantized (embedding lookups, tests, draft copies).
 int vc_dequant_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows, int64_t n_rows,
                     float* out) {

@@ -123,10 +123,6 @@ class StoredWeight:
             raise TypeError(f"a dense weight must be a 2-D fp32/fp16/bf16 tensor, got {w.dtype} {tuple(w.shape)}")
         return cls(fmt, w.detach().contiguous(), w.shape[0], w.shape[1])
 
-    def rows(self, start: int, stop: int) -> "StoredWeight":
-        """Rows start..stop-1 (a view)."""
-        return StoredWeight(self.fmt, self.data[start:stop], stop - start, self.k)
-
     @staticmethod
     def cat(parts: list["StoredWeight"]) -> "StoredWeight":
         """Rows of several weights of one format and width, stacked (the fused q/k/v and gate/up)."""

@@ -4,10 +4,11 @@ A GGUF file holds quantized weights, the model's hyperparameters as ``llama.*`` 
 its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, dequantize
 every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights,
 and write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into a cache
-directory keyed by the file's SHA-256. Beside them ``stored.safetensors`` keeps every matrix (the
-linears and the embedding) in its GGUF blocks, rows in Hugging Face order: what the CPU forward
-reads through the batch-invariant linear op (``load_stored``), so the second load is a safetensors mmap (well under a
+directory keyed by the file's SHA-256, so the second load is a safetensors mmap (well under a
 second) and every process (gateway, Triton stub, benches) shares one conversion.
+Beside them ``stored.safetensors`` keeps every matrix (the linears and the embedding) in its GGUF
+blocks, rows in Hugging Face order: what the CPU forward reads through the batch-invariant linear
+op (``load_stored``); the fp32 copy serves CUDA and the transformers comparisons.
 """
 
 from __future__ import annotations
