@@ -157,9 +157,55 @@ inline bool dequant_row64(const Format& f, int64_t h, int64_t t, Affine& a, floa
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX2 build's dequant_row for D = 64: the AVX-512 one's steps on 8 lanes (token groups of >= 8
+// channels); codes8: the 8 codes of channels 8 chunk .. 8 chunk + 7 as floats.
+template <int BITS>
+inline __m256 codes8(const uint8_t* c, int chunk) {
+  constexpr int PER = 8 / BITS, CH = 64 / PER / 8;     // 8-channel chunks per planar pass
+  const int p = chunk / CH, i0 = (chunk % CH) * 8;
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + i0)));
+  if (BITS == 8) return _mm256_cvtepi32_ps(x);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, p * BITS), _mm256_set1_epi32((1 << BITS) - 1)));
+}
+
+template <int BITS>
+inline void dequant64(const Format& f, const uint8_t* c, int64_t h, int64_t t, Affine& a, float* __restrict out) {
+  if (f.kind == 0) {
+    const at::Half* s = f.scale + h * f.sc_h + t * f.sc_t;
+    const at::Half* z = f.zero + h * f.sc_h + t * f.sc_t;
+    const int shift = __builtin_ctz((unsigned)f.group);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const int g = (8 * k) >> shift;
+      const __m256 o = _mm256_mul_ps(codes8<BITS>(c, k), _mm256_set1_ps(half_to_float(s[g])));
+      _mm256_store_ps(out + 8 * k, _mm256_add_ps(o, _mm256_set1_ps(half_to_float(z[g]))));
+    }
+    return;
+  }
+  const int64_t row = group_row(f, h, t);
+  if (h * (int64_t(1) << 40) + row != a.key) load_affine(f, h, row, 64, a);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const __m256 o = _mm256_mul_ps(codes8<BITS>(c, k), _mm256_load_ps(a.s + 8 * k));
+    _mm256_store_ps(out + 8 * k, _mm256_add_ps(o, _mm256_load_ps(a.z + 8 * k)));
+  }
+}
+
+inline bool dequant_row64(const Format& f, int64_t h, int64_t t, Affine& a, float* __restrict out) {
+  if (f.kind == 2 || (f.kind == 0 && f.group < 8)) return false;
+  const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
+  switch (f.bits) {
+    case 2: dequant64<2>(f, c, h, t, a, out); return true;
+    case 4: dequant64<4>(f, c, h, t, a, out); return true;
+    default: dequant64<8>(f, c, h, t, a, out); return true;
+  }
+}
+#endif
+
 inline void dequant_row(const Format& f, const float* fp8_lut, int64_t h, int64_t t, int d, Affine& a,
                         float* __restrict out) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (d == 64 && dequant_row64(f, h, t, a, out)) return;
 #endif
   const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
