@@ -8,7 +8,6 @@ over 30 different layers of a full KV cache (streamed from DRAM).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -16,18 +15,13 @@ from vericache.bench.common import cpu_model
 from vericache.kernels import packed_kernels
 from vericache.kernels.linear_op import supported_isas
 from vericache.kv.packed import KeyPart, op_args
+from vericache.timing import best_seconds
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30   # SmolLM2's attention shape
 
 
 def best_ms(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return best_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:
