@@ -88,11 +88,7 @@ class Q8Linear:
         self.exact, self.in_features, self.out_features = exact, exact.in_features, exact.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ws, op, bias = self.exact.weights, self.exact.op, self.exact.bias
-        if len(ws) == 1:
-            return op.draft(x, ws[0], bias)
-        biases = [None] * len(ws) if bias is None else bias.split([w.n for w in ws])
-        return torch.cat([op.draft(x, w, b) for w, b in zip(ws, biases)], dim=-1)
+        return self.exact.run(self.exact.op.draft, x)
 
 
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}

@@ -45,10 +45,14 @@ class ExactLinear:
         return sum(w.n for w in self.weights)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self.op, x)
+
+    def run(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """``fn(x, weight, bias)`` (the op, or its ``draft``) over each stored weight, outputs side by side."""
         if len(self.weights) == 1:
-            return self.op(x, self.weights[0], self.bias)
+            return fn(x, self.weights[0], self.bias)
         biases = [None] * len(self.weights) if self.bias is None else self.bias.split([w.n for w in self.weights])
-        return torch.cat([self.op(x, w, b) for w, b in zip(self.weights, biases)], dim=-1)
+        return torch.cat([fn(x, w, b) for w, b in zip(self.weights, biases)], dim=-1)
 
     def dense(self) -> torch.Tensor:
         """The weight as fp32 [n, k] (what the draft copies quantize)."""
