@@ -56,8 +56,10 @@ def supported_isas() -> list[str]:
     return [isa for isa in ("avx512", "avx2", "portable") if ISA_CPU_FLAGS[isa] <= flags]
 
 
+@functools.cache
 def best_isa() -> str:
-    """$VERICACHE_ISA when set (``avx2`` times the AVX2 build on an AVX-512 machine), else the widest."""
+    """$VERICACHE_ISA when set (``avx2`` times the AVX2 build on an AVX-512 machine), else the widest;
+    read once per process (every attention call asks)."""
     forced = os.environ.get("VERICACHE_ISA")
     if forced:
         if forced not in supported_isas():
