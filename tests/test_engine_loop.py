@@ -104,7 +104,7 @@ def test_a_failing_request_fails_alone(llm, pool, reference):
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
-    req.draft.parts = broken
+    req.draft.parts = req.draft.layered_parts = broken   # the module's path and the native step's
     outs = []
     while loop.has_unfinished():
         outs += loop.step()

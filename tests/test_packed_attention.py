@@ -148,3 +148,29 @@ def test_bad_parts_are_refused():
         attend_packed(q, [2], [[KeyPart(k, v, n=12, diag=10)]], HKV)   # more keys than the tensors hold
     with pytest.raises(RuntimeError, match="fp32"):
         attend_packed(q, [2], [[KeyPart(k.double(), v.double(), n=2, diag=0)]], HKV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_half_size_parts_are_their_widened_values(dtype, d):
+    """A half-size full KV (fp16/bf16 rows, widened to fp32 inside the op) gives the bits of fp32 parts
+    holding the widened values: in every build, for a causal full part beside a store part; the torch
+    path (CUDA's) agrees to rounding."""
+    g = torch.Generator().manual_seed(11)
+    n, t, s = 1100, 5, 1095
+    k, v = (torch.randn(HKV, n + 3, d, generator=g).to(dtype) for _ in range(2))
+    sk, sv = (torch.randn(HKV, 300, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(HQ, t, d, generator=g)
+    half = [KeyPart(sk, sv, n=290), KeyPart(k, v, n=n, diag=s)]
+    wide = [KeyPart(sk.float(), sv.float(), n=290), KeyPart(k.float(), v.float(), n=n, diag=s)]
+    ref = attend_packed(q, [t], [wide], HKV)
+    ints, tensors = [], []
+    for p in half:
+        i, ts = op_args(0, p, d)
+        ints, tensors = ints + i, tensors + ts
+    for isa in supported_isas():
+        assert torch.equal(packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors), ref), isa
+    torch_out = merge([r for p in half for r in torch_part(q, p)]).transpose(0, 1)
+    torch.testing.assert_close(torch_out, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="alike"):
+        attend_packed(q, [t], [[KeyPart(k, v.float(), n=n, diag=s)]], HKV)

@@ -69,16 +69,16 @@ def test_full_form_round_trip(llm, stored, prefix):
     got = store.get(prefix, "full")
     assert got.reason == "hit" and len(got.blocks) == entry["blocks"] and got.nbytes > 0
     cfg = llm.runner.cfg
-    ref = FullKVCache(cfg, "cpu", torch.float32, capacity=len(prefix))
+    ref = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     llm.runner.prefill(prefix, [ref])
-    full = FullKVCache(cfg, "cpu", torch.float32, capacity=len(prefix))
+    full = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     n = load_full(full, got.blocks)
     assert n == entry["tokens"]
     assert torch.equal(full.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(full.v[:, :, :n], ref.v[:, :, :n])
 
 
 def into_cache(llm, store: PrefixStore, ids: list[int]) -> tuple[str, int]:
-    full = FullKVCache(llm.runner.cfg, "cpu", torch.float32, capacity=len(ids))
+    full = FullKVCache(llm.runner.cfg, "cpu", llm.loaded.kv_dtype, capacity=len(ids))
     got = store.get_full_into(ids, full)
     assert got.count * BT == full.length
     return got.reason, full.length
@@ -92,12 +92,12 @@ def test_bulk_reader_matches_redis_py_and_streams_into_a_cache(llm, stored, pref
     assert store.reader == "bulk" and a.count == b.count == len(a.blocks) == entry["blocks"]
     for x, y in zip(a.blocks, b.blocks):
         assert torch.equal(x["k"], y["k"]) and torch.equal(x["v"], y["v"])
-    full = FullKVCache(llm.runner.cfg, "cpu", torch.float32, capacity=len(prefix))
+    full = FullKVCache(llm.runner.cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     got = store.get(prefix, "full", into=lambda blk: full.append(blk["k"], blk["v"]))
     assert got.blocks == [] and got.count == entry["blocks"] and full.length == entry["tokens"]
     assert torch.equal(full.k[:, :, : full.length], torch.cat([x["k"] for x in a.blocks], dim=2))
     assert store.get(list(reversed(prefix)), "full").reason == "miss"      # a null reply, nothing kept
-    straight = FullKVCache(llm.runner.cfg, "cpu", torch.float32, capacity=len(prefix))
+    straight = FullKVCache(llm.runner.cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     got = store.get_full_into(prefix, straight)                           # received into the cache rows
     assert got.reason == "hit" and straight.length == full.length
     assert torch.equal(straight.k[:, :, : full.length], full.k[:, :, : full.length])
@@ -116,7 +116,7 @@ def test_compressed_form_round_trip(llm, stored, prefix, spec):
     got = store.get(prefix, comp.spec())
     assert got.reason == "hit" and len(got.blocks) == entry["blocks"]
     cfg, n = llm.runner.cfg, entry["tokens"]
-    full = FullKVCache(cfg, "cpu", torch.float32, capacity=n)
+    full = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=n)
     rec = QueryRecorder(cfg.num_hidden_layers, 64)
     llm.runner.prefill(prefix[:n], [TeeCache(full, rec)])
     scores = comp.on_prefill(llm.runner.model, full, prefix[:n], llm.tokenizer)
@@ -125,7 +125,7 @@ def test_compressed_form_round_trip(llm, stored, prefix, spec):
         assert set(block) == set(want)
         for name in want:
             assert torch.equal(block[name].view(torch.uint8), want[name].view(torch.uint8)), name
-    cache = CompressedKVCache(comp, cfg, "cpu", torch.float32, capacity=n + 64)
+    cache = CompressedKVCache(comp, cfg, "cpu", llm.loaded.kv_dtype, capacity=n + 64)
     assert cache.load_stored(got.blocks, BT) == n
     assert cache.committed == cache.res_start == n
     assert cache.nbytes() < 0.6 * n * full.nbytes_per_position()  # really compressed

@@ -55,6 +55,7 @@ def test_steps_are_classed_by_kind_and_prefill_is_left_out():
     (row,) = summarize(steps, roof, "full")
     assert row["step_kind"] == "full" and row["steps"] == 2 and row["roofline_ms"] == pytest.approx(20.0)
     assert row["x_roofline"] == pytest.approx(0.08 / 0.04)
+    assert row["fixed_ms"] == pytest.approx(20.0)   # the median of 10 and 30 ms beyond the 20 ms roofline
 
 
 def test_best_of_two_measurements_keeps_each_faster_figure():

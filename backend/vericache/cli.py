@@ -70,7 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, mode=args.mode, compressor=args.compressor,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mode=args.mode, compressor=args.compressor,
               draft_len=args.draft_len, draft_weights=args.draft_weights)
     out = llm.generate(prompt, params)[0]
     if args.json:
@@ -103,7 +103,7 @@ def _add_generate(sub) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vericache.demo import DEMO_COMPRESSOR, run_demo
 
-    run_demo(args.model, device=args.device, dtype=args.dtype, context=args.context,
+    run_demo(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, context=args.context,
              compressor=args.compressor or DEMO_COMPRESSOR)
     return 0
 
@@ -146,7 +146,7 @@ def _add_train_tiny(sub) -> None:
 def _cmd_eval_model(args: argparse.Namespace) -> int:
     from vericache.eval.run_model_eval import run_model_eval
 
-    result = run_model_eval(args.model, n=args.n, device=args.device, dtype=args.dtype,
+    result = run_model_eval(args.model, n=args.n, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                             log=lambda m: print(m, file=sys.stderr))  # stdout stays one JSON object
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -36,11 +36,18 @@ def progress(args: argparse.Namespace) -> Callable[[str], None]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype."""
+    """--model, --device, --dtype, --kv-dtype."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model name (see `vericache models`), Hugging Face directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+    add_kv_dtype_arg(p)
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-dtype: what the full KV caches hold (attention computes in fp32 on the CPU either way)."""
+    p.add_argument("--kv-dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="the full KV cache's dtype (default: float16 on the CPU, as llama.cpp; the weights' on CUDA)")
 
 
 def add_mode_args(p: argparse.ArgumentParser) -> None:

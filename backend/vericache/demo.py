@@ -28,8 +28,8 @@ def batch_tokens_per_s(outs) -> float:
 
 
 def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
-             context: int = 4096, compressor: str = DEMO_COMPRESSOR) -> dict:
-    llm = LLM(model, device=device, dtype=dtype)
+             context: int = 4096, compressor: str = DEMO_COMPRESSOR, kv_dtype: str | None = None) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     tok = llm.tokenizer
     needle = lt.needle_tasks(tok, 1, context - 64, context, seed=3)[0]
     code = lt.code_tasks(tok, 1, context - 64, context, seed=5, max_tokens=CODE_TOKENS)[0]

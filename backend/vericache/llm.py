@@ -22,14 +22,15 @@ class LLM:
     compressor: a spec string such as "snapkv:ratio=0.25" or "snapkv:ratio=0.25+kivi:bits=4".
     draft_len: tokens drafted per round, or "auto" (adapts per request).
     draft_weights: what drafts read: "fp32" (the exact weights), "int8" or "int4" (CPU; verification exact).
+    kv_dtype: what the full KV holds: "float16" (the CPU's default), "bfloat16" or "float32".
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, mode: str = "full",
                  compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto",
-                 draft_weights: str = "fp32") -> None:
+                 draft_weights: str = "fp32", kv_dtype: str | torch.dtype | None = None) -> None:
         self.runner = None
-        self.loaded = load_model(model, device=device, dtype=dtype)
+        self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
         self.runner = ModelRunner(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len,
                              draft_weights=draft_weights)
         self._next_id = 0

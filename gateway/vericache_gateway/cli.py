@@ -12,7 +12,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from vericache.serving.verifier_role import run_verifier
 
         run_verifier(args.model, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
-                     args.metrics_port, args.device, args.dtype, trace=args.trace)
+                     args.metrics_port, args.device, args.dtype, trace=args.trace, kv_dtype=args.kv_dtype)
         return 0
     if args.role == "drafter" and not args.verifier:
         raise ValueError("--role drafter needs --verifier grpc://host:port")
@@ -22,7 +22,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"the gateway needs the 'serve' extra (pip install 'vericache[serve]'): {exc}") from None
     serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, backend=args.backend,
           triton_url=args.triton_url, mode=args.mode,
-          compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
+          compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
           device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
           prefix_store=args.prefix_store, prefix_link=args.prefix_link,
           verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,

@@ -41,8 +41,8 @@ def _best_ms(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def run_attention(model: str, context: int, compressors: list[str], repeats: int = 10, dtype: str | None = None,
-                  device: str | None = None, log=print) -> dict:
-    llm = LLM(model, device=device, dtype=dtype)
+                  device: str | None = None, log=print, kv_dtype: str | None = None) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     runner, cfg, loaded = llm.runner, llm.loaded.config, llm.loaded
     prompt = code_prompt(llm.tokenizer, context)
     t0 = time.perf_counter()
@@ -52,8 +52,8 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
     bandwidth = roof.read_bytes_per_s / 1e9
     g = torch.Generator().manual_seed(0)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = torch.randn(hq, 1, d, generator=g).to(loaded.kv_dtype)
-    kv = torch.randn(hkv, 1, d, generator=g).to(loaded.kv_dtype)
+    q = torch.randn(hq, 1, d, generator=g).to(loaded.attn_dtype)
+    kv = torch.randn(hkv, 1, d, generator=g).to(loaded.attn_dtype)
     token = torch.tensor([prompt[-1]], device=loaded.device)
     rows = []
     seq = runner.new_sequence(0, prompt, SamplingParams(max_tokens=1))

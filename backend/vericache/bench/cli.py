@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vericache.cli_args import draft_len, ints, progress
+from vericache.cli_args import add_kv_dtype_arg, draft_len, ints, progress
 from vericache.model.registry import DEFAULT_MODEL
 
 
@@ -21,7 +21,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
-                           with_transformers=not args.no_transformers, dtype=args.dtype, log=progress(args),
+                           with_transformers=not args.no_transformers, dtype=args.dtype, kv_dtype=args.kv_dtype, log=progress(args),
                            llamacpp=not args.no_llamacpp)
     runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
@@ -50,7 +50,8 @@ def _add_decode(bsub) -> None:
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
-    b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (KV and attention stay fp32)")
+    b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (attention stays fp32)")
+    add_kv_dtype_arg(b)
     b.add_argument("--json", action="store_true")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
     b.add_argument("--roofline-plot", default=None, help="PNG: every decode step's time against its roofline")
@@ -75,7 +76,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     res = run_throughput(args.model, args.requests, args.context, args.max_tokens, budget,
                          args.link_gbps, args.compressor, device=args.device, modes=modes,
                          resident_layers=args.resident_layers,
-                         dtype=args.dtype, calibration=args.calibration, log=progress(args))
+                         dtype=args.dtype, calibration=args.calibration, log=progress(args), kv_dtype=args.kv_dtype)
     if args.plot:
         plot_timeline(res["timelines"], args.plot, res["link"])
     cols = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "x_naive",
@@ -100,6 +101,7 @@ def _add_throughput(bsub) -> None:
                    help="device KV budget in GB (overrides --device-budget)")
     t.add_argument("--link-gbps", type=float, default=4.0, help="emulated link bandwidth on CPU (Gbit/s)")
     t.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
+    add_kv_dtype_arg(t)
     t.add_argument("--calibration", default=None,
                    help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
     t.add_argument("--compressor", default="snapkv:ratio=0.125")
@@ -170,7 +172,7 @@ def _cmd_attention(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run_attention(args.model, args.context, [c for c in args.compressors.split(",") if c], args.repeats,
-                        args.dtype, args.device, log=progress(args))
+                        args.dtype, args.device, log=progress(args), kv_dtype=args.kv_dtype)
     print(json.dumps(res, indent=None if args.json else 2))
     if args.plot:
         plot_attention(res, args.plot)
@@ -187,6 +189,7 @@ def _add_attention(bsub) -> None:
                     "snapkv:ratio=0.125+kivi:bits=2", help="comma-separated compressor specs")
     at.add_argument("--repeats", type=int, default=10)
     at.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16")
+    add_kv_dtype_arg(at)
     at.add_argument("--device", default=None)
     at.add_argument("--threads", type=int, default=0)
     at.add_argument("--json", action="store_true")
@@ -239,7 +242,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
                     args.draft_len, args.device, log=progress(args), llamacpp=not args.no_llamacpp,
-                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies)
+                    llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies,
+                    kv_dtype=args.kv_dtype)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -262,7 +266,8 @@ def _add_batch(bsub) -> None:
                          "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
     bt.add_argument("--compressor", default="snapkv:ratio=0.125")
     bt.add_argument("--draft-len", default="auto", type=draft_len)
-    bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; KV stays fp32)")
+    bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; attention stays fp32)")
+    add_kv_dtype_arg(bt)
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")

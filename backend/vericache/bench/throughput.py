@@ -26,14 +26,14 @@ MODES = ("full", "lossy", "vericache-naive", "vericache-staggered", "vericache-g
 def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, device_budget: float,
                    link_gbps: float, compressor: str, device: str | None = None, modes=MODES,
                    resident_layers: int = 0, dtype: str | None = None, calibration: str | None = None,
-                   log=print) -> dict:
+                   log=print, kv_dtype: str | None = None) -> dict:
     """The modes side by side on the same requests, decode only (each prompt is prefilled once and
     shared). ``device_budget``: bytes of KV the device may hold (> 1) or a fraction (<= 1) of all
     requests' full KV. ``resident_layers`` > 0 adds vericache-resident (staggered, with that many
     layers of every request's full KV kept on the device)."""
     # Long: one bench run read top to bottom (setup, each mode on the same prefills side by side, the
     # ratios); the modes share the prompts, prefills and reference outputs, which splitting would pass around.
-    llm = LLM(model, device=device, dtype=dtype)
+    llm = LLM(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     prompts = distinct_prompts(llm.tokenizer, n_requests, context)
     per_pos = llm.loaded.config.kv_bytes_per_position(llm.loaded.kv_dtype.itemsize)
     all_full = n_requests * (context + max_tokens + 1) * per_pos

@@ -19,8 +19,8 @@ def heldout_tokens(tokenizer) -> list[int]:
 
 
 def run_model_eval(model: str = DEFAULT_MODEL, n: int = 50, device: str | None = None, dtype: str | None = None,
-                   log=print) -> dict:
-    lm = load_model(model, device=device, dtype=dtype)
+                   log=print, kv_dtype: str | None = None) -> dict:
+    lm = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     held = heldout_tokens(lm.tokenizer)
     t0 = time.time()
     result = {"model": str(lm.path), "heldout_files": "stdlib ~2% (sha1(path) % 50 == 0)",

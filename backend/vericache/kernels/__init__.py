@@ -2,7 +2,8 @@
 
 - ``cpu_kernels()``: ``quant_attention.cpp``, attention over one quantized store (benches, tests).
 - ``packed_kernels()``: ``packed_attention.cpp``, the forward's attention: one call per layer for
-  every sequence of a step and all its parts. Built without ``-ffast-math`` and with
+  every sequence of a step and all its parts; ``step.cpp``: the row ops (``row_ops.h``: RMSNorm,
+  SiLU x up) and every decoder layer of a step in one call (``model/native_step.py``). Built without ``-ffast-math`` and with
   ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
   AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``.
 - ``linear_op.linear_op()``: ``linear.cpp`` (+ ``linear_q8.cpp``), the batch-invariant linear over
@@ -24,7 +25,8 @@ import torch
 
 HERE = Path(__file__).parent
 QUANT_SOURCES = [HERE / "quant_attention.cpp", HERE / "quant_format.h"]
-PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "quant_format.h"]
+PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "quant_format.h", HERE / "exp_neg.h",
+                  HERE / "row_ops.h"]
 # -ffast-math lets glibc vectorize expf; the kernel uses finite sentinels, never infinities
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # exact, reproducible IEEE arithmetic: explicit fma only, no reassociation

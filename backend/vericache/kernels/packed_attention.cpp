@@ -4,8 +4,9 @@
 //
 // q: [Hq, N, D] fp32, any row/head strides, last dim contiguous: the forward's packed rows; sequence
 //    s owns rows row0[s] .. row0[s] + T[s] - 1.
-// A part p belongs to one sequence and holds n keys per KV head, dense fp32 ([Hkv, >= n, D], last
-// dim contiguous) or quantized (quant_format.h). Causal parts (diag >= 0): query i of the chunk sees
+// A part p belongs to one sequence and holds n keys per KV head, dense ([Hkv, >= n, D], last dim
+// contiguous; fp32, fp16 or bf16: half-size rows are widened to fp32 exactly, block by block) or
+// quantized (quant_format.h). Causal parts (diag >= 0): query i of the chunk sees
 // key j iff j <= i + diag (a full cache at start s: n = s + T, diag = s); other parts are seen whole.
 // Returns out [N, Hq, D] fp32 (the forward's packed order: o_proj reads it as [N, Hq*D]).
 //
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "exp_neg.h"
 #include "quant_format.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -30,69 +32,13 @@
 namespace {
 
 using namespace vc_quant;
+using namespace vc_exp;
 constexpr int BLK = 64;          // keys per block (one score vector per query row)
 constexpr int SPLIT = 8 * BLK;   // keys per work item
-constexpr int DENSE = 3;         // part kind: fp32 rows
+constexpr int DENSE = 3;         // part kind: dense rows (fp32, fp16, bf16)
 constexpr float NEG = -1e30f;    // "no key seen yet": finite, so exp(NEG - m) is exactly 0
 
-// exp(x) for x <= 0 in plain IEEE steps (Cephes' expf polynomial, ~1 ulp), the same in every build.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round(x / ln 2)
-  float r = std::fma(n, -0.693359375f, x);
-  r = std::fma(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float y = std::fma(p, r * r, r) + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
-}
-
-#if defined(__AVX512F__)
-// exp_neg on 16 lanes: the same IEEE operations in the same order, so the same bits.
-inline __m512 exp_neg_512(__m512 x) {
-  const auto c = [](float f) { return _mm512_set1_ps(f); };
-  x = _mm512_max_ps(x, c(-87.0f));
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, c(1.44269504088896341f)), c(12582912.0f)),
-                                 c(12582912.0f));
-  __m512 r = _mm512_fmadd_ps(n, c(-0.693359375f), x);
-  r = _mm512_fmadd_ps(n, c(2.12194440e-4f), r);
-  __m512 p = c(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, c(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, c(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, c(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, c(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, c(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), c(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// exp_neg on 8 lanes (AVX2): the same IEEE operations in the same order, so the same bits.
-inline __m256 exp_neg_256(__m256 x) {
-  const auto c = [](float f) { return _mm256_set1_ps(f); };
-  x = _mm256_max_ps(x, c(-87.0f));
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, c(1.44269504088896341f)), c(12582912.0f)),
-                                 c(12582912.0f));
-  __m256 r = _mm256_fmadd_ps(n, c(-0.693359375f), x);
-  r = _mm256_fmadd_ps(n, c(2.12194440e-4f), r);
-  __m256 p = c(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, c(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, c(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, c(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, c(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, c(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), c(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
-
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // lanes t < n of the 8 starting at key t0 (an all-ones mask) and zero beyond
 inline __m256 first_lanes(int64_t n, int t0) {
   const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(t0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -236,12 +182,44 @@ inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK]
 }
 #endif
 
+enum Elt { F32, F16, BF16 };        // a dense part's element type
+
 struct Part {
   int64_t seq, n, diag;
   bool dense;
-  const float* k; const float* v; int64_t k_h, k_t, v_h, v_t;   // dense rows (element strides)
+  Elt elt;
+  const char* k; const char* v; int64_t k_h, k_t, v_h, v_t;    // dense rows (byte strides)
   Format kf, vf;                                                 // quantized
 };
+
+// dst[j] = src[j] as fp32 for j < D (a multiple of 8): exact conversions, so every build's bits agree.
+inline void widen_row(Elt e, const char* src, int64_t D, float* __restrict dst) {
+  const uint16_t* h = (const uint16_t*)src;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (int64_t j = 0; j < D; j += 16) {
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(h + j));
+      _mm512_store_ps(dst + j, e == F16 ? _mm512_cvtph_ps(x) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  for (int64_t j = 0; j < D; j += 8) {
+    const __m128i x = _mm_loadu_si128((const __m128i*)(h + j));
+    _mm256_store_ps(dst + j, e == F16 ? _mm256_cvtph_ps(x) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
+  }
+#else
+  for (int64_t j = 0; j < D; ++j) {
+    if (e == F16) {
+      dst[j] = half_to_float(at::Half(h[j], at::Half::from_bits()));
+    } else {
+      const uint32_t b = (uint32_t)h[j] << 16;
+      std::memcpy(&dst[j], &b, 4);
+    }
+  }
+#endif
+}
 
 struct Work { int64_t part, head, split; };
 
@@ -461,11 +439,11 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
     if (p.diag >= 0) i_first = std::max<int64_t>(0, t0 - p.diag);
     if (i_first >= T) break;
     if (p.dense) {                                // start streaming the next block while this one computes
-      const int64_t n_next = std::min<int64_t>(BLK, hi - t0 - BLK);
+      const int64_t n_next = std::min<int64_t>(BLK, hi - t0 - BLK), row_bytes = p.elt == F32 ? D * 4 : D * 2;
       for (int64_t t = 0; t < n_next; ++t) {
-        const char* kn = (const char*)(p.k + h * p.k_h + (t0 + BLK + t) * p.k_t);
-        const char* vn = (const char*)(p.v + h * p.v_h + (t0 + BLK + t) * p.v_t);
-        for (int64_t b = 0; b < D * 4; b += 64) {
+        const char* kn = p.k + h * p.k_h + (t0 + BLK + t) * p.k_t;
+        const char* vn = p.v + h * p.v_h + (t0 + BLK + t) * p.v_t;
+        for (int64_t b = 0; b < row_bytes; b += 64) {
           __builtin_prefetch(kn + b);
           __builtin_prefetch(vn + b);
         }
@@ -474,9 +452,14 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
     for (int64_t t = 0; t < BLK; ++t) {           // key rows (zeros past the block's end), value rows
       if (t >= bt) {
         krow[t] = zeros;
+      } else if (p.dense && p.elt == F32) {
+        krow[t] = (const float*)(p.k + h * p.k_h + (t0 + t) * p.k_t);
+        vrow[t] = (const float*)(p.v + h * p.v_h + (t0 + t) * p.v_t);
       } else if (p.dense) {
-        krow[t] = p.k + h * p.k_h + (t0 + t) * p.k_t;
-        vrow[t] = p.v + h * p.v_h + (t0 + t) * p.v_t;
+        widen_row(p.elt, p.k + h * p.k_h + (t0 + t) * p.k_t, D, kbuf[t]);
+        widen_row(p.elt, p.v + h * p.v_h + (t0 + t) * p.v_t, D, vbuf[t]);
+        krow[t] = kbuf[t];
+        vrow[t] = vbuf[t];
       } else {
         dequant_row(p.kf, fp8_lut, h, t0 + t, (int)D, ka, kbuf[t]);
         dequant_row(p.vf, fp8_lut, h, t0 + t, (int)D, va, vbuf[t]);
@@ -533,13 +516,17 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
   if (p.dense) {
     const at::Tensor& k = *ts[tat];
     const at::Tensor& v = *ts[tat + 3];
+    const auto st = k.scalar_type();
     for (const at::Tensor* x : {&k, &v}) {
-      TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 3 && x->stride(2) == 1 && x->size(0) == H &&
-                  x->size(1) >= p.n && x->size(2) == D, "dense part: fp32 [", H, ", >= ", p.n, ", ", D,
-                  "] with a contiguous last dim, got ", x->sizes());
+      TORCH_CHECK((st == at::kFloat || st == at::kHalf || st == at::kBFloat16) && x->scalar_type() == st &&
+                  x->dim() == 3 && x->stride(2) == 1 && x->size(0) == H && x->size(1) >= p.n && x->size(2) == D,
+                  "dense part: K and V fp32, fp16 or bf16 alike, [", H, ", >= ", p.n, ", ", D,
+                  "] with a contiguous last dim, got ", x->sizes(), " ", x->scalar_type());
     }
-    p.k = k.data_ptr<float>(); p.v = v.data_ptr<float>();
-    p.k_h = k.stride(0); p.k_t = k.stride(1); p.v_h = v.stride(0); p.v_t = v.stride(1);
+    p.elt = st == at::kFloat ? F32 : st == at::kHalf ? F16 : BF16;
+    const int64_t es = k.element_size();
+    p.k = (const char*)k.data_ptr(); p.v = (const char*)v.data_ptr();
+    p.k_h = k.stride(0) * es; p.k_t = k.stride(1) * es; p.v_h = v.stride(0) * es; p.v_t = v.stride(1) * es;
   } else {
     p.kf = make_format(k_kind, ints[at + 4], ints[at + 5], *ts[tat], *ts[tat + 1], ts[tat + 2], ts[tat + 6]);
     p.vf = make_format(v_kind, ints[at + 7], ints[at + 8], *ts[tat + 3], *ts[tat + 4], ts[tat + 5], ts[tat + 6]);
@@ -638,8 +625,4 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");
 }

@@ -31,7 +31,7 @@ from vericache.compress.base import Compressor, ScoreInputs
 from vericache.config import ModelConfig
 from vericache.kv.blocks import storage_bytes
 from vericache.kv.full import FullKVCache
-from vericache.kv.packed import KeyPart
+from vericache.kv.packed import KeyPart, LayeredParts
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -70,7 +70,9 @@ def planned_bytes(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capaci
     """Bytes a compressed cache of ``capacity`` positions allocates (admission charges this)."""
     spec = store_spec(comp, cfg, dtype, capacity)
     store = sum(math.prod(shape) * dt.itemsize for shape, dt in spec.values())
-    return store + residual_capacity(comp) * cfg.kv_bytes_per_position(dtype.itemsize)
+    # KVzip keeps its prompt scores, fp32 [L * Hkv, prompt] (``set_prefill_scores``)
+    scores = cfg.num_hidden_layers * cfg.num_key_value_heads * capacity * 4 if comp.needs_whole_prompt else 0
+    return store + scores + residual_capacity(comp) * cfg.kv_bytes_per_position(dtype.itemsize)
 
 
 class CompressedKVCache:
@@ -95,20 +97,22 @@ class CompressedKVCache:
         self.prompt_len = 0
         self._start = 0
         self._parts = [self._layer_parts(layer) for layer in range(cfg.num_hidden_layers)]
+        self._all_layers = self._layer_parts(None)
         n_l, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
         per_token = sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items() if ".tok." in n)
         self._token_bytes = n_l * hkv * (per_token + (4 if self.pos is not None else 0))
         self._group_bytes = {p: n_l * hkv * sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items()
                                                 if n.startswith(f"{p}.grp.")) for p in "kv"}
 
-    def _layer_parts(self, layer: int) -> tuple[dict, dict]:
-        """Views of one layer's store, K and V: {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}."""
+    def _layer_parts(self, layer: int | None) -> tuple[dict, dict]:
+        """Views of one layer's store, K and V: {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}
+        (layer None: every layer's, each with a leading layer dim)."""
         def part(p: str) -> dict:
             out: dict = {"tok": {}, "grp": {}}
             for name, x in self.fields.items():
                 prefix, kind, field = name.split(".")
                 if prefix == p:
-                    out[kind][field] = x[layer]
+                    out[kind][field] = x if layer is None else x[layer]
             return out
         return part("k"), part("v")
 
@@ -151,6 +155,22 @@ class CompressedKVCache:
                 pos = None if self.pos is None else self.pos[layer]
                 parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos))
         return parts
+
+    def layered_parts(self, t: int) -> LayeredParts:
+        """``parts`` for every layer at once (the native step, which also keeps the queries: ``observed``)."""
+        s = self._start - self.res_start
+        parts = [KeyPart(self.residual.k, self.residual.v, n=s + t, diag=s)]
+        if self.count:
+            kp, vp = self._all_layers
+            if self.layouts is None:
+                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count))
+            else:
+                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=self.pos))
+        return LayeredParts(self.residual.k, self.residual.v, s, parts, self.queries, observer=self)
+
+    def observed(self, t: int) -> None:
+        """The native step kept the last of t new queries in every layer's window (as ``observe``)."""
+        self.q_seen += t
 
     # ------------------------------------------------------------------ commits and compression
     def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor]) -> None:

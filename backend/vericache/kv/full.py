@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from vericache.config import ModelConfig
-from vericache.kv.packed import KeyPart
+from vericache.kv.packed import KeyPart, LayeredParts
 
 
 class FullKVCache:
@@ -129,7 +129,7 @@ class FullKVCache:
         K then V, so a block can be received from a socket straight into place."""
         if self.k.device.type != "cpu" or start + t > self.length:
             raise ValueError(f"byte views need a CPU cache holding positions {start}..{start + t - 1}")
-        return [memoryview(x[layer, head, start : start + t].numpy()).cast("B")
+        return [memoryview(x[layer, head, start : start + t].view(torch.uint8).numpy()).cast("B")
                 for x in (self.k, self.v) for layer in range(x.shape[0]) for head in range(x.shape[1])]
 
     def truncate(self, length: int) -> None:
@@ -144,3 +144,8 @@ class FullKVCache:
         self.k[layer, :, s : s + t] = k
         self.v[layer, :, s : s + t] = v
         return [KeyPart(self.k[layer], self.v[layer], n=s + t, diag=s)]
+
+    def layered_parts(self, t: int) -> LayeredParts:
+        """``parts`` for every layer at once (the native step): the chunk of t at the forward's start."""
+        s = self._start
+        return LayeredParts(self.k, self.v, s, [KeyPart(self.k, self.v, n=s + t, diag=s)])

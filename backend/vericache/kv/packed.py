@@ -20,14 +20,14 @@ import torch
 from vericache.kernels import packed_kernels
 from vericache.kv.attention import Part, attend_all, attend_causal, merge
 
-DENSE = 3  # the op's kind for fp32 rows (quantized kinds are kv.quantized's 0, 1, 2)
+DENSE = 3  # the op's kind for dense rows (fp32, fp16, bf16) (quantized kinds are kv.quantized's 0, 1, 2)
 
 
 @dataclass
 class KeyPart:
     """n keys per KV head that a sequence's T queries attend.
 
-    Dense: ``k``, ``v`` [Hkv, >= n, D]. Quantized: ``layouts`` (K, V) and the store's per-layer fields
+    Dense: ``k``, ``v`` [Hkv, >= n, D] (fp32, or a half-size full KV's fp16/bf16). Quantized: ``layouts`` (K, V) and the store's per-layer fields
     ``k``, ``v`` = {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}, ``pos`` [Hkv, C] int32.
     ``diag`` >= 0 makes the part causal: query i sees key j iff j <= i + diag (so a full cache written
     at start s has n = s + T, diag = s); None: every query sees every key.
@@ -43,6 +43,20 @@ class KeyPart:
     def __post_init__(self) -> None:
         if self.n < 0 or (self.diag is not None and self.diag < 0):
             raise ValueError(f"a part needs n >= 0 and diag >= 0 or None, got n={self.n}, diag={self.diag}")
+
+
+@dataclass
+class LayeredParts:
+    """One sequence's cache for a whole step, every layer at once: the chunk's K/V go to ``k``, ``v``
+    [L, Hkv, cap, D] at positions ``slot``..; its queries attend ``parts`` (``KeyPart``s whose tensors
+    carry a leading layer dim); ``queries`` [L, Hq, W, D] (or None) keeps the last W queries of each
+    layer, and ``observer`` is told how many it got (``observed``)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    slot: int
+    parts: list[KeyPart]
+    queries: torch.Tensor | None = None
+    observer: object | None = None
 
 
 def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -90,6 +104,8 @@ def torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
         from vericache.kv.quantized import attend_quantized
 
         return [attend_quantized(q, p.layouts, p.k, p.v, p.n, p.pos, use_kernel=False)] if p.n else []
+    if p.k.dtype != q.dtype:   # a half-size full KV: widened here (the CPU op widens block by block)
+        p = KeyPart(p.k[:, : p.n].to(q.dtype), p.v[:, : p.n].to(q.dtype), p.n, p.diag)
     if p.diag is None:
         return [attend_all(q, p.k[:, : p.n], p.v[:, : p.n])] if p.n else []
     t, s = q.shape[1], p.diag

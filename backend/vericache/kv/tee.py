@@ -8,7 +8,7 @@ import torch
 
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
-from vericache.kv.packed import KeyPart
+from vericache.kv.packed import KeyPart, LayeredParts
 
 
 class TeeCache:
@@ -24,6 +24,15 @@ class TeeCache:
     def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         self.draft.observe(layer, q)
         return self.full.parts(layer, q, k, v)
+
+    def layered_parts(self, t: int) -> LayeredParts | None:
+        """The full cache's, keeping the queries in the compressed cache's window (a ``QueryRecorder``
+        keeps lists, not one tensor: None, and the module runs the step)."""
+        if not isinstance(self.draft, CompressedKVCache):
+            return None
+        lp = self.full.layered_parts(t)
+        lp.queries, lp.observer = self.draft.queries, self.draft
+        return lp
 
 
 class QueryRecorder:

@@ -25,6 +25,7 @@ from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear, weight_matrices
 from vericache.model.exact_linear import ExactLinear
+from vericache.model.native_step import NATIVE_DRAFT_WEIGHTS
 
 
 class AttentionCache(Protocol):
@@ -49,10 +50,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.row_op = None   # the CPU's batch-invariant row op (``native_step.install``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_op is not None and _row_ops_apply(x):
+            return self.row_op(x.reshape(-1, x.shape[-1]), self.weight.detach(), self.eps).view(x.shape)
         # Normalise in fp32 as the reference implementations do, then cast back (one fused kernel).
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+def _row_ops_apply(x: torch.Tensor) -> bool:
+    """Inference on fp32 CPU rows: where the native row ops (``kernels/row_ops.h``) replace torch's."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -189,6 +198,7 @@ class MLP(nn.Module):
         self.down_draft: DraftLinear | None = None
         self.gate_up_exact: ExactLinear | None = None   # the batch-invariant op
         self.down_exact: ExactLinear | None = None
+        self.act_op = None   # SiLU(gate) x up as the CPU's row op (``native_step.install``)
 
     def fuse(self) -> None:
         """One matmul for gate and up (inference); the two projections become views of it."""
@@ -201,8 +211,13 @@ class MLP(nn.Module):
         self.gate_up = w
 
     def forward(self, x: torch.Tensor, n_draft: int = 0) -> torch.Tensor:
-        gate, up = mixed_linear(x, n_draft, self._gate_up_exact, self.gate_up_draft).chunk(2, dim=-1)
-        return mixed_linear(F.silu(gate) * up, n_draft, self.down_exact or self.down_proj, self.down_draft)
+        gate_up = mixed_linear(x, n_draft, self._gate_up_exact, self.gate_up_draft)
+        if self.act_op is not None and _row_ops_apply(gate_up):
+            act = self.act_op(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return mixed_linear(act, n_draft, self.down_exact or self.down_proj, self.down_draft)
 
     def _gate_up_exact(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_exact is not None:
@@ -244,6 +259,7 @@ class Transformer(nn.Module):
         self.lm_head_draft: DraftLinear | None = None
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
         self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)
+        self.native = None                              # every layer in one native call (``native_step``)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
@@ -305,9 +321,16 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         adt = self.attn_dtype or x.dtype
         cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
-        for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
-            x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
+        plans = None
+        if self.native is not None and caches is not None and _row_ops_apply(x) and adt == torch.float32 and \
+                (not n_draft or self.draft_weights in NATIVE_DRAFT_WEIGHTS):
+            plans = self.native.plan(caches, seq_lens)
+        if plans is not None:   # the same operations in one native call (model/native_step.py)
+            x = self.native.run(x, cos, sin, seq_lens, plans, n_draft if self.draft_weights == "q8" else 0)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
+                x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
         if logits_index is not None:
             n_draft = int((logits_index < n_draft).sum()) if n_draft else 0   # indices ascend
             x = x[logits_index]

@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from vericache.config import ModelConfig, ModelConfigError
 from vericache.kernels.linear_op import linear_op
-from vericache.model import exact_linear
+from vericache.model import exact_linear, native_step
 from vericache.model.checkpoint_files import weight_files
 from vericache.model.gguf_file import load_stored
 from vericache.model.llama import Transformer, rope_inv_freq
@@ -37,8 +37,21 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
 
 
 def kv_dtype_for(weights: torch.dtype, device: torch.device) -> torch.dtype:
-    """Attention and KV dtype: the weights' on accelerators; fp32 on CPU, where fp32 attention is the fast one."""
+    """Attention dtype: the weights' on accelerators; fp32 on CPU, where fp32 attention is the fast one."""
     return torch.float32 if device.type == "cpu" else weights
+
+
+def parse_kv_dtype(kv_dtype: str | torch.dtype | None, weights: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the full KV caches hold. Default: fp16 on the CPU, as llama.cpp keeps its cache (half the
+    bytes every full step and verification reads; attention still computes in fp32); the weights'
+    dtype on accelerators."""
+    if kv_dtype is None:
+        return torch.float16 if device.type == "cpu" else weights
+    if isinstance(kv_dtype, str) and kv_dtype not in DTYPES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(DTYPES)}")
+    if not isinstance(kv_dtype, (str, torch.dtype)) or DTYPES.get(kv_dtype, kv_dtype) not in DTYPES.values():
+        raise ValueError(f"KV dtype must be one of {', '.join(DTYPES)}, got {kv_dtype!r}")
+    return DTYPES.get(kv_dtype, kv_dtype)
 
 
 def load_state_dict(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
@@ -77,21 +90,23 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype          # the weights'
     name: str = ""  # what the user asked for: a model name, a directory or a .gguf file
+    kv_dtype: torch.dtype = torch.float32   # what the KV caches hold, full and compressed (``parse_kv_dtype``)
 
     @property
-    def kv_dtype(self) -> torch.dtype:
-        """What the KV caches hold and attention computes in (``kv_dtype_for``)."""
+    def attn_dtype(self) -> torch.dtype:
+        """What attention computes in (``kv_dtype_for``); the caches hold ``kv_dtype``."""
         return self.model.attn_dtype or self.dtype
 
 
 def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """On the CPU every linear runs the batch-invariant op (``model/exact_linear.py``); a GGUF model's
+               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """``kv_dtype``: the full KV caches' (``parse_kv_dtype``). On the CPU every linear runs the batch-invariant op (``model/exact_linear.py``); a GGUF model's
     matrices stay in their blocks (fp32 only: its dequantized values are fp32), its ``nn.Linear``
     modules and embedding hold no data."""
     path = resolve_model(name_or_path)
     dev = torch.device(device) if device is not None else default_device()
     dt = parse_dtype(dtype, dev)
+    kv_dt = parse_kv_dtype(kv_dtype, dt, dev)
     cfg = ModelConfig.from_file(path / "config.json")
     stored = load_stored(path) if dev.type == "cpu" and dt == torch.float32 else {}
     with torch.device("meta"):
@@ -117,5 +132,6 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     model.fuse_projections()
     if dev.type == "cpu":
         exact_linear.install(model, linear_op(), stored)
+        native_step.install(model, linear_op())
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path))
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt)

@@ -6,13 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
+from vericache.cli_args import add_model_args
+
 
 def _store(args):
     from vericache.model.loader import load_model
     from vericache.remote.prefixes import model_id
     from vericache.remote.store import PrefixStore
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype)
     return loaded, PrefixStore(args.redis, model_id(loaded), args.block_tokens)
 
 
@@ -46,9 +48,7 @@ def _add_prefix(sub) -> None:
     p = sub.add_parser("prefix", help="the prefix KV store: put, get (what a prompt hits), ls, rm")
     p.add_argument("action", choices=["put", "get", "ls", "rm"])
     p.add_argument("--redis", default="redis://127.0.0.1:6379", help="redis://host:port of the store")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    add_model_args(p)
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--compressor", action="append", default=None,

@@ -72,7 +72,7 @@ class TritonAdapter:
         service = build_service(model=get("model", DEFAULT_MODEL), mode=get("mode", "vericache"),
                                 compressor=get("compressor", "snapkv:ratio=0.125"),
                                 draft_len=draft if draft == "auto" else int(draft),
-                                device=get("device", None), dtype=get("dtype", None),
+                                device=get("device", None), dtype=get("dtype", None), kv_dtype=get("kv_dtype", None),
                                 device_budget=int(float(get("device_budget_gb", 4)) * (1 << 30)),
                                 max_queue=int(get("max_queue", 64)))
         return cls(service)

@@ -20,11 +20,11 @@ log = logging.getLogger("vericache.verifier")
 
 def run_verifier(model: str, host: str, port: int, prefix_store: str | None = None, store_prefixes: bool = False,
                  metrics_port: int = 0, device: str | None = None, dtype: str | None = None,
-                 ready: threading.Event | None = None, trace: str | None = None) -> None:
+                 ready: threading.Event | None = None, trace: str | None = None, kv_dtype: str | None = None) -> None:
     """``trace``: also write the verifier's events (fetches, prefills, verifications) to this
     JSON-lines file (``serving.trace``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    loaded = load_model(model, device=device, dtype=dtype)
+    loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     mid = model_id(loaded)
     store = PrefixStore(prefix_store, mid) if prefix_store else None
     core = VerifierCore(ModelRunner(loaded, mode="full"), store, store_prefixes)

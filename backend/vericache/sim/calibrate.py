@@ -100,7 +100,7 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     kv = [(torch.randn(hkv, context, d, dtype=kv_dt), torch.randn(hkv, context, d, dtype=kv_dt)) for _ in range(n_seqs)]
 
     def attn(queries: int) -> float:
-        q = torch.randn(hq, n_seqs * queries, d, dtype=kv_dt)
+        q = torch.randn(hq, n_seqs * queries, d, dtype=llm.loaded.attn_dtype)
         parts = [[KeyPart(k, v, n=context)] for k, v in kv]   # the forward's op: all sequences in one call
         return _time(lambda: attend_packed(q, [queries] * n_seqs, parts, hkv)) * cfg.num_hidden_layers
     one, chunk = attn(1), attn(16)

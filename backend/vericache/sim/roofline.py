@@ -108,12 +108,13 @@ def weights_seconds(model, rows: int, repeats: int = 3) -> float:
 
 @torch.inference_mode()
 def attention_flop_rate(cfg, dtype: torch.dtype, queries: int = 256, keys: int = 4096) -> float:
-    """The packed op's flops/s where it is compute-bound: one sequence, ``queries`` over ``keys``."""
+    """The packed op's flops/s where it is compute-bound: one sequence, ``queries`` (fp32) over
+    ``keys`` held in ``dtype`` (the full KV's)."""
     from vericache.kv.packed import KeyPart, attend_packed
 
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     k, v = torch.randn(hkv, keys, d, dtype=dtype), torch.randn(hkv, keys, d, dtype=dtype)
-    q = torch.randn(hq, queries, d, dtype=dtype)
+    q = torch.randn(hq, queries, d)
     s = best_seconds(lambda: attend_packed(q, [queries], [[KeyPart(k, v, n=keys)]], hkv), 5)
     return 4 * d * hq * queries * keys / s
 
@@ -144,7 +145,9 @@ def step_kind(kinds: str, mode: str) -> str | None:
 def summarize(steps, roofline: Roofline, mode: str, label: str | None = None) -> list[dict]:
     """Per step kind of one mode's run (shown as ``label``, default the mode): steps, median step_ms
     (the forward) and roofline_ms, their ratio (total measured time over total roofline time), the
-    median postprocess (commits, compression moves) and the slowest step, forward + postprocess."""
+    median of step minus roofline (``fixed_ms``: what a step costs beyond its matmuls at their measured
+    speed and its KV at the read rate), the median postprocess (commits, compression moves) and the
+    slowest step, forward + postprocess."""
     groups: dict[str, list[tuple[float, float, float]]] = {}
     for s in steps:
         kind = step_kind(s.kinds, mode)
@@ -158,6 +161,7 @@ def summarize(steps, roofline: Roofline, mode: str, label: str | None = None) ->
                     "step_ms": round(statistics.median(measured) * 1e3, 2),
                     "roofline_ms": round(statistics.median(roof) * 1e3, 2),
                     "x_roofline": round(sum(measured) / sum(roof), 2),
+                    "fixed_ms": round(statistics.median(m - r for m, r in zip(measured, roof)) * 1e3, 2),
                     "post_ms": round(statistics.median(post) * 1e3, 2),
                     "slowest_ms": round(max(m + p for m, _, p in rows) * 1e3, 2)})
     return out
@@ -175,7 +179,8 @@ def stall(steps, mode: str) -> dict | None:
             "slowest_draft_ms": round(max(drafts) * 1e3, 1), "x_median_draft": round(max(decode) / median, 2)}
 
 
-ROOFLINE_COLUMNS = ["mode", "step_kind", "steps", "step_ms", "roofline_ms", "x_roofline", "post_ms", "slowest_ms"]
+ROOFLINE_COLUMNS = ["mode", "step_kind", "steps", "step_ms", "roofline_ms", "x_roofline", "fixed_ms", "post_ms",
+                    "slowest_ms"]
 
 
 def plot_roofline(runs: dict[str, tuple[str, list]], roofline: Roofline, path: str, title: str) -> None:

@@ -1,0 +1,289 @@
+// The decoder layers of one forward step in one native call: the CPU's exact path with no Python per
+// layer (a decode step's fixed cost was ~30 layers x a dozen small torch calls).
+//
+// Per layer, for the step's N packed rows: RMSNorm -> fused q/k/v (the linear op) -> RoPE -> each
+// sequence's chunk K/V into its cache (and its queries into a compressed cache's observation window)
+// -> attention over every sequence's parts (attend_packed) -> o -> residual -> RMSNorm -> gate/up ->
+// SiLU x up -> down -> residual. These are the PyTorch module's CPU operations in its order: the same
+// linear op and row ops (row_ops.h), RoPE as x*cos + rot(x)*sin (three IEEE roundings, no
+// contraction), the cache writes as ATen copies. So a row's bits are the module's whichever path a
+// step takes (tests/test_native_step.py), and batch-invariant as every op is.
+//
+// Shapes: N rows, H hidden, F intermediate, Hq / Hkv heads, D head dim, L layers.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <tuple>
+#include <vector>
+
+#include "row_ops.h"
+
+at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
+                         const std::vector<int64_t>& part_ints,
+                         const std::vector<c10::optional<at::Tensor>>& part_tensors);
+
+namespace {
+
+// linear.cpp's C ABI: y[M, N] (row stride ldy) = x[M, K] W^T + bias; 0 on success, -2: no integer path
+using LinearFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
+                         int64_t ldx, int64_t m, const float* bias, float* y, int64_t ldy, int n_threads);
+constexpr int64_t GRAIN = 16;   // rows per task of the row ops (fewer: one thread, no fork)
+
+struct Linear {                 // an ExactLinear: its stored weights' outputs side by side
+  std::vector<int> fmt;
+  std::vector<const uint8_t*> data;
+  std::vector<int64_t> row_bytes, n;
+  int64_t k = 0, n_total = 0;
+  const float* bias = nullptr;
+  std::vector<at::Tensor> keep; // the tensors behind the pointers
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+// fmts, data tensors, row bytes, output rows, K, bias: one ``ExactLinear`` (native_step.py builds it)
+using LinearSpec = std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>,
+                              std::vector<int64_t>, int64_t, c10::optional<at::Tensor>>;
+
+Linear make_linear(const LinearSpec& spec) {
+  Linear L;
+  const auto& [fmts, data, row_bytes, ns, k, bias] = spec;
+  TORCH_CHECK(!fmts.empty() && fmts.size() == data.size() && data.size() == row_bytes.size() &&
+              data.size() == ns.size(), "a linear needs one format, tensor, row size and row count per weight");
+  TORCH_CHECK(k % 16 == 0, "the native step needs linear widths divisible by 16, got ", k);
+  L.k = k;
+  for (size_t i = 0; i < fmts.size(); ++i) {
+    TORCH_CHECK(data[i].is_contiguous() && data[i].nbytes() == (size_t)(ns[i] * row_bytes[i]),
+                "stored weight ", i, ": ", ns[i], " contiguous rows of ", row_bytes[i], " bytes expected");
+    L.fmt.push_back((int)fmts[i]);
+    L.data.push_back((const uint8_t*)data[i].data_ptr());
+    L.row_bytes.push_back(row_bytes[i]);
+    L.n.push_back(ns[i]);
+    L.n_total += ns[i];
+    L.keep.push_back(data[i]);
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == L.n_total,
+                "bias: fp32 [", L.n_total, "]");
+    L.bias = bias->data_ptr<float>();
+    L.keep.push_back(*bias);
+  }
+  return L;
+}
+
+}  // namespace
+
+// Every layer's weights for the native step, built once per model (``model/native_step.py``).
+struct StepWeights {
+  LinearFn exact, draft;
+  float eps;
+  int64_t hq, hkv, d, hidden = 0, inter = 0;
+  std::vector<Layer> layers;
+
+  StepWeights(int64_t exact_fn, int64_t draft_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
+      : exact((LinearFn)exact_fn), draft((LinearFn)draft_fn), eps((float)eps_), hq(hq_), hkv(hkv_), d(d_) {
+    TORCH_CHECK(exact_fn && draft_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0, "bad step weights");
+  }
+
+  void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears) {
+    TORCH_CHECK(linears.size() == 4, "a layer has 4 linears (qkv, o, gate_up, down), got ", linears.size());
+    Layer y{in_norm.contiguous(), post_norm.contiguous(), make_linear(linears[0]), make_linear(linears[1]),
+            make_linear(linears[2]), make_linear(linears[3])};
+    const int64_t H = y.qkv.k, F = y.down.k;
+    TORCH_CHECK(y.qkv.n_total == (hq + 2 * hkv) * d && y.o.k == hq * d && y.o.n_total == H && y.gate_up.k == H &&
+                y.gate_up.n_total == 2 * F && y.down.n_total == H, "layer ", layers.size(), ": shapes do not chain");
+    for (const at::Tensor* w : {&y.in_norm, &y.post_norm})
+      TORCH_CHECK(w->scalar_type() == at::kFloat && w->numel() == H, "norm weights: fp32 [", H, "]");
+    TORCH_CHECK(layers.empty() || (H == hidden && F == inter), "every layer must have the same widths");
+    hidden = H;
+    inter = F;
+    layers.push_back(std::move(y));
+  }
+};
+
+namespace {
+
+// y rows [0, n_draft) through the draft function (integer dots), the rest exact
+void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t ldx, int64_t M, float* y,
+                int64_t n_draft, int threads) {
+  auto call = [&](LinearFn fn, int64_t r0, int64_t m) {
+    int64_t col = 0;
+    for (size_t i = 0; i < L.fmt.size(); ++i) {
+      const float* b = L.bias ? L.bias + col : nullptr;
+      const float* xr = x + r0 * ldx;
+      float* yr = y + r0 * L.n_total + col;
+      int rc = fn(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
+      if (rc == -2 && fn == W.draft)   // no integer path for this format: drafts run the exact op
+        rc = W.exact(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
+      TORCH_CHECK(rc == 0, "the linear op refused format ", L.fmt[i], " [", L.n[i], ", ", L.k, "]");
+      col += L.n[i];
+    }
+  };
+  if (n_draft > 0) call(W.draft, 0, n_draft);
+  if (M > n_draft) call(W.exact, n_draft, M - n_draft);
+}
+
+// y[j] = x[j] cos[j] + rot(x)[j] sin[j], rot(x) = (-x[D/2:], x[:D/2]): the module's apply_rope
+inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* y) {
+  const int64_t h = D / 2;
+  for (int64_t j = 0; j < h; ++j) y[j] = x[j] * c[j] + (-x[j + h]) * s[j];
+  for (int64_t j = 0; j < h; ++j) y[h + j] = x[h + j] * c[h + j] + x[j] * s[h + j];
+}
+
+// the last W queries of a layer: buf [Hq, W, D], q [Hq, T, D] (CompressedKVCache.observe)
+void observe(at::Tensor buf, const at::Tensor& q) {
+  const int64_t w = buf.size(1), t = q.size(1);
+  if (t >= w) {
+    buf.copy_(q.narrow(1, t - w, w));
+  } else {
+    buf.narrow(1, 0, w - t).copy_(buf.narrow(1, t, w - t).clone());
+    buf.narrow(1, w - t, t).copy_(q);
+  }
+}
+
+struct SeqCache {               // one sequence's cache in the step (tensors with a leading layer dim)
+  int64_t slot, n_parts, ints_at, tensors_at;
+  at::Tensor k, v;              // where the chunk's K/V go: [L, Hkv, cap, D] at slot
+  c10::optional<at::Tensor> queries;   // [L, Hq, W, D]: the observation window, or none
+};
+
+}  // namespace
+
+// x: [N, H] fp32 (the embeddings; updated in place and returned); cos, sin: [N, D] fp32;
+// per sequence: cache_ints (slot, number of parts, then 9 ints per part as kv.packed.op_args) and
+// cache_tensors (k, v, queries, then 7 per part, each with a leading layer dim).
+at::Tensor forward_layers(const StepWeights& W, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                          const std::vector<int64_t>& seq_lens, int64_t n_draft,
+                          const std::vector<int64_t>& cache_ints,
+                          const std::vector<c10::optional<at::Tensor>>& cache_tensors) {
+  const int64_t N = x.size(0), H = W.hidden, F = W.inter, D = W.d, Hq = W.hq, Hkv = W.hkv, S = (int64_t)seq_lens.size();
+  const int64_t QD = Hq * D, KD = Hkv * D, L = (int64_t)W.layers.size();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == H,
+              "x: contiguous fp32 [N, ", H, "]");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == D,
+                "cos, sin: contiguous fp32 [", N, ", ", D, "]");
+  TORCH_CHECK(n_draft >= 0 && n_draft <= N, "n_draft ", n_draft, " out of [0, ", N, "]");
+  std::vector<int64_t> row0(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + seq_lens[s];
+  TORCH_CHECK(row0[S] == N, "seq_lens sum to ", row0[S], " but x has ", N, " rows");
+  std::vector<SeqCache> caches;
+  size_t at = 0, tat = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(at + 2 <= cache_ints.size() && tat + 3 <= cache_tensors.size(), "cache descriptions end early");
+    SeqCache c{cache_ints[at], cache_ints[at + 1], (int64_t)at + 2, (int64_t)tat + 3,
+               *cache_tensors[tat], *cache_tensors[tat + 1], cache_tensors[tat + 2]};
+    TORCH_CHECK(c.k.dim() == 4 && c.k.size(0) == L && c.k.size(1) == Hkv && c.k.size(3) == D &&
+                c.slot + seq_lens[s] <= c.k.size(2) && c.v.sizes() == c.k.sizes(),
+                "sequence ", s, ": cache K/V [", L, ", ", Hkv, ", >= ", c.slot + seq_lens[s], ", ", D, "] expected");
+    at += 2 + 9 * c.n_parts;
+    tat += 3 + 7 * c.n_parts;
+    caches.push_back(c);
+  }
+  TORCH_CHECK(at == cache_ints.size() && tat == cache_tensors.size(), "cache descriptions do not match the sequences");
+
+  const auto f32 = x.options();
+  at::Tensor h = at::empty({N, H}, f32), qkv = at::empty({N, QD + 2 * KD}, f32), qr = at::empty({N, Hq, D}, f32),
+             kr = at::empty({N, Hkv, D}, f32), o = at::empty({N, H}, f32), gu = at::empty({N, 2 * F}, f32),
+             act = at::empty({N, F}, f32);
+  const at::Tensor q_view = qr.transpose(0, 1), k_view = kr.transpose(0, 1);                 // [Hq|Hkv, N, D]
+  const at::Tensor v_view = qkv.narrow(1, QD + KD, KD).view({N, Hkv, D}).transpose(0, 1);    // [Hkv, N, D]
+  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  float *qp = qr.data_ptr<float>(), *kp = kr.data_ptr<float>(), *op = o.data_ptr<float>();
+  float *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> ints;
+  std::vector<c10::optional<at::Tensor>> tensors;
+
+  for (int64_t l = 0; l < L; ++l) {
+    const Layer& y = W.layers[l];
+    const float *in_w = y.in_norm.data_ptr<float>(), *post_w = y.post_norm.data_ptr<float>();
+    at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) vc_rows::rms_norm_row(xp + i * H, in_w, H, W.eps, hp + i * H);
+    });
+    run_linear(W, y.qkv, hp, H, N, qkvp, n_draft, threads);
+    at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const float* row = qkvp + i * (QD + 2 * KD);
+        for (int64_t hd = 0; hd < Hq; ++hd) rope_row(row + hd * D, cp + i * D, sp + i * D, D, qp + (i * Hq + hd) * D);
+        for (int64_t hd = 0; hd < Hkv; ++hd) rope_row(row + QD + hd * D, cp + i * D, sp + i * D, D, kp + (i * Hkv + hd) * D);
+      }
+    });
+    ints.clear();
+    tensors.clear();
+    for (int64_t s = 0; s < S; ++s) {
+      const SeqCache& c = caches[s];
+      const int64_t r0 = row0[s], t = seq_lens[s];
+      c.k.select(0, l).narrow(1, c.slot, t).copy_(k_view.narrow(1, r0, t));
+      c.v.select(0, l).narrow(1, c.slot, t).copy_(v_view.narrow(1, r0, t));
+      if (c.queries.has_value()) observe(c.queries->select(0, l), q_view.narrow(1, r0, t));
+      for (int64_t p = 0; p < c.n_parts; ++p) {
+        const size_t i0 = c.ints_at + 9 * p, t0 = c.tensors_at + 7 * p;
+        ints.push_back(s);
+        ints.insert(ints.end(), cache_ints.begin() + i0 + 1, cache_ints.begin() + i0 + 9);
+        for (size_t j = t0; j < t0 + 7; ++j)
+          tensors.push_back(cache_tensors[j].has_value() ? c10::optional<at::Tensor>(cache_tensors[j]->select(0, l))
+                                                         : c10::nullopt);
+      }
+    }
+    const at::Tensor attn = attend_packed(q_view, Hkv, seq_lens, ints, tensors);   // [N, Hq, D]
+    run_linear(W, y.o, attn.data_ptr<float>(), QD, N, op, n_draft, threads);
+    at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        for (int64_t j = 0; j < H; ++j) xp[i * H + j] = xp[i * H + j] + op[i * H + j];
+        vc_rows::rms_norm_row(xp + i * H, post_w, H, W.eps, hp + i * H);
+      }
+    });
+    run_linear(W, y.gate_up, hp, H, N, gup, n_draft, threads);
+    at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) vc_rows::silu_mul_row(gup + i * 2 * F, F, actp + i * F);
+    });
+    run_linear(W, y.down, actp, F, N, op, n_draft, threads);
+    at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        for (int64_t j = 0; j < H; ++j) xp[i * H + j] = xp[i * H + j] + op[i * H + j];
+    });
+  }
+  return x;
+}
+
+// The row ops for the PyTorch module's CPU path: x [M, K] fp32 -> [M, K]; gu [M, 2F] -> [M, F].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+              w.numel() == x.size(1), "rms_norm: fp32 x [M, K] and weight [K], got ", x.sizes(), " ", w.sizes());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, GRAIN, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) vc_rows::rms_norm_row(xp + i * K, wp, K, (float)eps, yp + i * K);
+  });
+  return y;
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.size(1) % 2 == 0,
+              "silu_mul: fp32 [M, 2F], got ", gu.sizes());
+  const at::Tensor g = gu.contiguous();
+  const int64_t M = g.size(0), F = g.size(1) / 2;
+  at::Tensor y = at::empty({M, F}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, GRAIN, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) vc_rows::silu_mul_row(gp + i * 2 * F, F, yp + i * F);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
+  pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
+      .def(pybind11::init<int64_t, int64_t, double, int64_t, int64_t, int64_t>())
+      .def("add_layer", &StepWeights::add_layer);
+  m.def("forward_layers", &forward_layers, "every decoder layer of a step in one call");
+}

@@ -1,0 +1,101 @@
+"""Every decoder layer of a CPU forward step in one native call (``kernels/step.cpp``).
+
+The PyTorch module runs a layer as a dozen small torch calls; over 30 layers that Python was most of
+a short-context decode step. ``NativeStep`` hands the whole stack to C++ instead: the model's stored
+weights described once (``StepWeights``), and per step each sequence's cache as plain data
+(``LayeredParts``: where its chunk's K/V go and the parts its queries attend, tensors with a leading
+layer dim). The native loop runs the module's CPU operations in the module's order (the linear op,
+the row ops the module's CPU path also calls, ATen copies into the caches), so a row's bits are the
+same whichever path its step takes; the module stays the reference and the path for everything the
+native step does not take (training, CUDA, caches that compute their own attention, int8/int4 draft
+copies).
+
+Shapes: N packed rows, H hidden, D head dim, L layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+
+from vericache.kernels import packed_kernels
+from vericache.kernels.linear_op import FORMATS, LinearOp
+from vericache.kv.packed import LayeredParts, op_args
+
+NATIVE_DRAFT_WEIGHTS = ("fp32", "q8")   # what draft rows may read in the native step
+
+
+def _linear_spec(lin) -> tuple:
+    """An ``ExactLinear`` as step.cpp's LinearSpec: formats, stored tensors, row bytes, rows, K, bias."""
+    ws = lin.weights
+    bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+    return ([FORMATS[w.fmt] for w in ws], [w.data for w in ws], [w.row_bytes for w in ws], [w.n for w in ws],
+            lin.in_features, bias)
+
+
+class NativeStep:
+    """The decoder stack of ``model`` (installed exact linears) as one native call per step."""
+
+    def __init__(self, model, op: LinearOp) -> None:
+        cfg = model.config
+        self.kernels = packed_kernels(op.isa)
+        self.head_dim = cfg.head_dim
+        exact = ctypes.cast(op.lib.vc_linear, ctypes.c_void_p).value
+        draft = ctypes.cast(op.lib.vc_linear_q8, ctypes.c_void_p).value
+        self.weights = self.kernels.StepWeights(exact, draft, cfg.rms_norm_eps, cfg.num_attention_heads,
+                                                cfg.num_key_value_heads, cfg.head_dim)
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
+                                                                       mlp.down_exact)])
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether ``model``'s layers can run natively: every linear on the op, widths divisible by 16."""
+        layers = model.model.layers
+        return all(l.self_attn.qkv_exact is not None and l.self_attn.o_exact is not None and
+                   l.mlp.gate_up_exact is not None and l.mlp.down_exact is not None for l in layers) and \
+            model.config.hidden_size % 16 == 0 and model.config.intermediate_size % 16 == 0 and \
+            (model.config.num_attention_heads * model.config.head_dim) % 16 == 0
+
+    def plan(self, caches: Sequence, seq_lens: Sequence[int]) -> list[LayeredParts] | None:
+        """Each cache's ``LayeredParts``, or None when one cannot describe itself so (the module runs)."""
+        plans = []
+        for cache, t in zip(caches, seq_lens):
+            lp = cache.layered_parts(t) if hasattr(cache, "layered_parts") else None
+            if lp is None:
+                return None
+            plans.append(lp)
+        return plans
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int],
+            plans: list[LayeredParts], n_draft: int) -> torch.Tensor:
+        """x: [N, H] embeddings -> [N, H] after every layer; rows :n_draft read the q8 draft path."""
+        ints: list[int] = []
+        tensors: list[torch.Tensor | None] = []
+        for seq, lp in enumerate(plans):
+            ints += [lp.slot, len(lp.parts)]
+            tensors += [lp.k, lp.v, lp.queries]
+            for p in lp.parts:
+                i, ts = op_args(seq, p, self.head_dim)
+                ints += i
+                tensors += ts
+        out = self.kernels.forward_layers(self.weights, x.contiguous(), cos.contiguous(), sin.contiguous(),
+                                          list(seq_lens), n_draft, ints, tensors)
+        for lp, t in zip(plans, seq_lens):
+            if lp.observer is not None:
+                lp.observer.observed(t)
+        return out
+
+
+def install(model, op: LinearOp) -> None:
+    """Give a CPU model (its exact linears installed) the row ops and, where it fits, the native step."""
+    kernels = packed_kernels(op.isa)
+    for layer in model.model.layers:
+        layer.input_layernorm.row_op = layer.post_attention_layernorm.row_op = kernels.rms_norm
+        layer.mlp.act_op = kernels.silu_mul
+    model.model.norm.row_op = kernels.rms_norm
+    model.native = NativeStep(model, op) if NativeStep.supports(model) else None
