@@ -1,5 +1,5 @@
-"""Quantized KV read as stored: the C++ kernel against dequantize-then-attend (fp32, 1e-5), and
-caches whose resident bytes are what admission and accounting charge."""
+"""Quantized KV read as stored: the packed op's quantized parts against dequantize-then-attend (fp32,
+1e-5), and caches whose resident bytes are what admission and accounting charge."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from vericache.engine.request import State
 from vericache.engine.runner import ModelRunner
 from vericache.engine.memory import KVMemory
 from vericache.engine.options import RequestOptions
-from vericache.kernels import cpu_kernels
 from vericache.kv.attention import attend_all
+from vericache.kv.packed import KeyPart, attend_packed
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout, attend_quantized
 
 LAYOUTS = {
@@ -27,11 +27,6 @@ LAYOUTS = {
 }
 
 
-def test_the_kernel_builds_here():
-    """CPU attention over quantized KV never silently falls back: the extension must load."""
-    assert hasattr(cpu_kernels(), "attend_quantized")
-
-
 def _encoded(layouts, k, v):
     (kt, kg), (vt, vg) = layouts[0].encode(k), layouts[1].encode(v)
     return {"tok": kt, "grp": kg}, {"tok": vt, "grp": vg}
@@ -39,7 +34,7 @@ def _encoded(layouts, k, v):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("n, t", [(1, 1), (31, 1), (32, 3), (33, 1), (65, 2), (200, 1), (1031, 4)])
-def test_kernel_matches_dequantize_then_attend(name, n, t):
+def test_packed_op_matches_dequantize_then_attend(name, n, t):
     layouts = LAYOUTS[name]
     g = torch.Generator().manual_seed(n * 7 + t)
     hkv, groups, d, stored = 3, 3, 64, -(-n // 32) * 32 + 32   # capacity past n: the kernel reads only n
@@ -47,17 +42,17 @@ def test_kernel_matches_dequantize_then_attend(name, n, t):
     k[:, :, 5] += 8.0                                                 # an outlier channel, as real keys have
     q = torch.randn(hkv * groups, t, d, generator=g)
     kp, vp = _encoded(layouts, k, v)
-    out, lse = attend_quantized(q, layouts, kp, vp, n)
+    out = attend_packed(q, [t], [[KeyPart(kp, vp, n=n, layouts=layouts)]], hkv).transpose(0, 1)
     kd = layouts[0].decode({f: x[:, :n] for f, x in kp["tok"].items()}, kp["grp"], d)
     vd = layouts[1].decode({f: x[:, :n] for f, x in vp["tok"].items()}, vp["grp"], d)
-    ref_out, ref_lse = attend_all(q, kd, vd)
+    ref_out, _ = attend_all(q, kd, vd)
     assert (out - ref_out).abs().max().item() < 1e-5
-    assert (lse - ref_lse).abs().max().item() < 1e-5
+    assert (attend_quantized(q, layouts, kp, vp, n)[0] - ref_out).abs().max().item() < 1e-5   # the torch path
     assert (kd - k[:, :n]).abs().max() > 0                            # really quantized
 
 
 @pytest.mark.parametrize("name", ["kivi2", "int4", "fp8"])
-def test_kernel_reads_evicted_token_sets(name):
+def test_packed_op_reads_evicted_token_sets(name):
     """Under eviction each head keeps its own positions; KIVI keys find their group by position."""
     layouts = LAYOUTS[name]
     g = torch.Generator().manual_seed(3)
@@ -70,9 +65,9 @@ def test_kernel_reads_evicted_token_sets(name):
                         "grp": part["grp"]}
     kp_kept, vp_kept = sub(kp), sub(vp)
     q = torch.randn(hkv * 3, 1, d, generator=g)
-    out, lse = attend_quantized(q, layouts, kp_kept, vp_kept, kept, pos)
-    ref = attend_quantized(q, layouts, kp_kept, vp_kept, kept, pos, use_kernel=False)
-    assert (out - ref[0]).abs().max().item() < 1e-5 and (lse - ref[1]).abs().max().item() < 1e-5
+    out = attend_packed(q, [1], [[KeyPart(kp_kept, vp_kept, n=kept, layouts=layouts, pos=pos)]], hkv).transpose(0, 1)
+    ref, _ = attend_quantized(q, layouts, kp_kept, vp_kept, kept, pos)
+    assert (out - ref).abs().max().item() < 1e-5
 
 
 # every registered method (evictions keeping 20%, quantizers at their defaults: KIVI 2-bit), KIVI

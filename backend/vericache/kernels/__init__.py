@@ -1,16 +1,16 @@
 """Native kernels, compiled on first use (and by ``make install``) with the machine's g++.
 
-- ``cpu_kernels()``: ``quant_attention.cpp``, attention over one quantized store (benches, tests).
 - ``packed_kernels()``: ``packed_attention.cpp``, the forward's attention: one call per layer for
-  every sequence of a step and all its parts; ``step.cpp``: the row ops (``row_ops.h``: RMSNorm,
-  SiLU x up) and every decoder layer of a step in one call (``model/native_step.py``). Built without ``-ffast-math`` and with
-  ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
-  AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``.
+  every sequence of a step and all its parts, reading dense (fp32/fp16/bf16) and quantized parts as
+  stored (``quant_format.h``); ``step.cpp``: the row ops (``row_ops.h``: RMSNorm, SiLU x up) and every
+  decoder layer of a step in one call (``model/native_step.py``). Built without ``-ffast-math`` and
+  with ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
+  AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``. Built with
+  torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>`` (the tag covers the CPU
+  flags, torch version, flags and sources: a build is only reused where it fits).
 - ``linear_op.linear_op()``: ``linear.cpp`` (+ ``linear_q8.cpp``), the batch-invariant linear over
   GGUF blocks, plain C built by g++ per ISA (``linear_op.py`` says how).
 
-The first two are built with torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>``
-(the tag covers the CPU flags, torch version, flags and sources: a build is only reused where it fits).
 ``python -m vericache.kernels`` builds them ahead of time.
 """
 
@@ -24,11 +24,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-QUANT_SOURCES = [HERE / "quant_attention.cpp", HERE / "quant_format.h"]
 PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "quant_format.h", HERE / "exp_neg.h",
                   HERE / "row_ops.h"]
-# -ffast-math lets glibc vectorize expf; the kernel uses finite sentinels, never infinities
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # exact, reproducible IEEE arithmetic: explicit fma only, no reassociation
 PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
@@ -59,12 +56,6 @@ def _load(name: str, sources: list[Path], cflags: list[str], verbose: bool):
     cpp = [str(s) for s in sources if s.suffix == ".cpp"]
     return load(name=name, sources=cpp, build_directory=str(_build_dir(cflags, sources)),
                 extra_cflags=cflags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)], verbose=verbose)
-
-
-@functools.cache
-def cpu_kernels(verbose: bool = False):
-    """The quantized-store kernel module (built once per machine, then loaded from the cache)."""
-    return _load("vericache_quant_attention", QUANT_SOURCES, CFLAGS, verbose)
 
 
 def packed_kernels(isa: str | None = None, verbose: bool = False):

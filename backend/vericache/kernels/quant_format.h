@@ -1,5 +1,5 @@
 // Quantized K/V as stored (kv/quantized.py's layouts): the formats and a row dequantizer, shared by
-// quant_attention.cpp and packed_attention.cpp.
+// packed_attention.cpp.
 //   0 TOKEN_GROUPS   codes [H, C, D*bits/8] u8, scale/zero [H, C, D/group] fp16 (per token, channel groups)
 //   1 CHANNEL_GROUPS codes [H, C, D*bits/8] u8, scale/zero [H, NG, D] fp16; token t uses the row of
 //                    group pos[h, t] / group (KIVI keys: per channel over groups of tokens)

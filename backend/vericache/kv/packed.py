@@ -103,7 +103,7 @@ def torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
     if p.layouts is not None:
         from vericache.kv.quantized import attend_quantized
 
-        return [attend_quantized(q, p.layouts, p.k, p.v, p.n, p.pos, use_kernel=False)] if p.n else []
+        return [attend_quantized(q, p.layouts, p.k, p.v, p.n, p.pos)] if p.n else []
     if p.k.dtype != q.dtype:   # a half-size full KV: widened here (the CPU op widens block by block)
         p = KeyPart(p.k[:, : p.n].to(q.dtype), p.v[:, : p.n].to(q.dtype), p.n, p.diag)
     if p.diag is None:

@@ -9,9 +9,9 @@ A ``Layout`` describes one of K or V: its codes (bit-packed, low bits first) and
   fp16, found from the token's position (so eviction may drop tokens of a group).
 - ``FP8``: e4m3 codes [D] with one fp16 scale per token row.
 
-``encode`` and ``decode`` are the reference (torch) implementations over any leading dims; the
-attention kernel (``vericache/kernels/quant_attention.cpp`` on CPU) dequantizes block by block
-as it reads. On other devices attention falls back to decode-then-attend.
+``encode`` and ``decode`` are the reference (torch) implementations over any leading dims. On the CPU
+the packed attention op reads the codes as stored (``kernels/quant_format.h``: dequantized block by
+block in L1); ``attend_quantized`` is the decode-then-attend path for other devices and the reference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.kernels import cpu_kernels
 from vericache.kv.attention import Part, attend_all
 
 TOKEN_GROUPS, CHANNEL_GROUPS, FP8 = 0, 1, 2
@@ -127,23 +126,14 @@ class Layout:
 
 
 def attend_quantized(q: torch.Tensor, layouts: tuple[Layout, Layout], k: dict, v: dict, n: int,
-                     pos: torch.Tensor | None = None, use_kernel: bool = True) -> Part:
-    """Every query over the first ``n`` stored tokens of one layer, read in stored form.
+                     pos: torch.Tensor | None = None) -> Part:
+    """Every query over the first ``n`` stored tokens of one layer, dequantized then attended (CUDA;
+    the CPU's packed op reads the codes in place and is tested against this).
 
     q: [Hq, T, D]; k, v: {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}} for K and V;
     pos: [Hkv, C] int32 positions (needed by CHANNEL_GROUPS under eviction) -> (out [Hq, T, D], lse [Hq, T]).
     """
-    hq, t, d = q.shape
-    hkv = next(iter(k["tok"].values())).shape[0]
-    if use_kernel and q.device.type == "cpu":
-        qf = q.reshape(hkv, (hq // hkv) * t, d).float().contiguous()              # [Hkv, G*T, D]
-        args = []
-        for layout, part in zip(layouts, (k, v)):
-            fields = part["grp"] if layout.kind == CHANNEL_GROUPS else part["tok"]
-            args += [layout.kind, layout.bits, layout.group_size(d), part["tok"]["codes"], fields["scale"], fields.get("zero")]
-        out, lse = cpu_kernels().attend_quantized(qf, n, *args, pos)
-        return out.reshape(hq, t, d).to(q.dtype), lse.reshape(hq, t)
-    # elsewhere (CUDA; a Triton kernel is the plan): dequantize the n tokens, then attend
+    d = q.shape[2]
     sub_pos = None if pos is None else pos[:, :n]
     kd, vd = (layout.decode({f: x[:, :n] for f, x in part["tok"].items()}, part["grp"], d, sub_pos)
               for layout, part in zip(layouts, (k, v)))
