@@ -1,5 +1,5 @@
-"""The native step (every decoder layer of a CPU step in one call, ``model/native_step.py``) gives the
-PyTorch module's bits: for full caches (fp16 and fp32 KV), compressed ones (kept tokens and quantized
+"""The native step (a CPU forward step in one call: embedding, every layer, the head;
+``model/native_step.py``) gives the PyTorch module's bits: for full caches (fp16 and fp32 KV), compressed ones (kept tokens and quantized
 codes), a tee'd prefill, draft rows on the q8 path, in every ISA build; its row ops are the same bits in
 every build and close to torch's; bad descriptions are refused."""
 
@@ -156,10 +156,13 @@ def test_bad_descriptions_are_refused(llm):
     cache = FullKVCache(cfg, "cpu", loaded.kv_dtype, capacity=4)
     cache.begin(0, 2)
     plan = native.plan([cache], [2])
-    x, cs = torch.zeros(2, cfg.hidden_size), torch.zeros(2, cfg.head_dim)
+    toks, cs = torch.zeros(2, dtype=torch.long), torch.zeros(2, cfg.head_dim)
     with pytest.raises(RuntimeError, match="seq_lens sum to 3"):
-        native.run(x, cs, cs, [3], plan, 0)
-    with pytest.raises(RuntimeError, match="x: contiguous fp32"):
-        native.run(x.double(), cs, cs, [2], plan, 0)
+        native.run(toks, cs, cs, [3], plan, 0)
+    with pytest.raises(RuntimeError, match=f"token {cfg.vocab_size} out of"):
+        native.run(torch.tensor([0, cfg.vocab_size]), cs, cs, [2], plan, 0)
+    with pytest.raises(RuntimeError, match="logits_rows must ascend"):
+        native.run(toks, cs, cs, [2], plan, 0, torch.tensor([1, 0]))
     with pytest.raises(RuntimeError, match="rms_norm: fp32"):
-        k.rms_norm(x, torch.ones(3), 1e-5)
+        k.rms_norm(cs, torch.ones(3), 1e-5)
+    assert cache.length == 2 and not cache.k.any()   # refused before anything was written

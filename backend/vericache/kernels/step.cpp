@@ -1,10 +1,12 @@
-// The decoder layers of one forward step in one native call: the CPU's exact path with no Python per
-// layer (a decode step's fixed cost was ~30 layers x a dozen small torch calls).
+// One forward step in one native call: the CPU's exact path with no Python per layer (a decode step's
+// fixed cost was ~30 layers x a dozen small torch calls).
 //
-// Per layer, for the step's N packed rows: RMSNorm -> fused q/k/v (the linear op) -> RoPE -> each
+// The tokens' embedding rows (dequantized from the stored weight), then per layer, for the step's N
+// packed rows: RMSNorm -> fused q/k/v (the linear op) -> RoPE -> each
 // sequence's chunk K/V into its cache (and its queries into a compressed cache's observation window)
 // -> attention over every sequence's parts (attend_packed) -> o -> residual -> RMSNorm -> gate/up ->
-// SiLU x up -> down -> residual. These are the PyTorch module's CPU operations in its order: the same
+// SiLU x up -> down -> residual; then the final RMSNorm and the LM head over the rows whose logits are
+// wanted. These are the PyTorch module's CPU operations in its order: the same
 // linear op and row ops (row_ops.h), RoPE as x*cos + rot(x)*sin (three IEEE roundings, no
 // contraction), the cache writes as ATen copies. So a row's bits are the module's whichever path a
 // step takes (tests/test_native_step.py), and batch-invariant as every op is.
@@ -26,6 +28,9 @@ namespace {
 // linear.cpp's C ABI: y[M, N] (row stride ldy) = x[M, K] W^T + bias; 0 on success, -2: no integer path
 using LinearFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
                          int64_t ldx, int64_t m, const float* bias, float* y, int64_t ldy, int n_threads);
+// linear.cpp's out[i, :K] = row rows[i] of W, dequantized (embedding lookups)
+using DequantFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* rows, int64_t n,
+                          float* out);
 constexpr int64_t GRAIN = 16;   // rows per task of the row ops (fewer: one thread, no fork)
 
 struct Linear {                 // an ExactLinear: its stored weights' outputs side by side
@@ -77,13 +82,27 @@ Linear make_linear(const LinearSpec& spec) {
 // Every layer's weights for the native step, built once per model (``model/native_step.py``).
 struct StepWeights {
   LinearFn exact, draft;
+  DequantFn dequant;
   float eps;
   int64_t hq, hkv, d, hidden = 0, inter = 0;
   std::vector<Layer> layers;
+  Linear embed, head;          // the embedding's stored rows (one weight [V, H]) and the LM head
+  at::Tensor final_norm;
 
-  StepWeights(int64_t exact_fn, int64_t draft_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
-      : exact((LinearFn)exact_fn), draft((LinearFn)draft_fn), eps((float)eps_), hq(hq_), hkv(hkv_), d(d_) {
-    TORCH_CHECK(exact_fn && draft_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0, "bad step weights");
+  StepWeights(int64_t exact_fn, int64_t draft_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
+      : exact((LinearFn)exact_fn), draft((LinearFn)draft_fn), dequant((DequantFn)dequant_fn), eps((float)eps_),
+        hq(hq_), hkv(hkv_), d(d_) {
+    TORCH_CHECK(exact_fn && draft_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
+                "bad step weights");
+  }
+
+  void set_ends(const LinearSpec& embed_, const at::Tensor& norm, const LinearSpec& head_) {
+    embed = make_linear(embed_);
+    head = make_linear(head_);
+    TORCH_CHECK(embed.fmt.size() == 1 && !embed.bias && embed.k == hidden && head.k == hidden &&
+                norm.scalar_type() == at::kFloat && norm.numel() == hidden,
+                "the embedding (one stored weight [V, ", hidden, "]), final norm and head do not fit the layers");
+    final_norm = norm.contiguous();
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears) {
@@ -150,17 +169,26 @@ struct SeqCache {               // one sequence's cache in the step (tensors wit
 
 }  // namespace
 
-// x: [N, H] fp32 (the embeddings; updated in place and returned); cos, sin: [N, D] fp32;
+// tokens: [N] int64; cos, sin: [N, D] fp32; logits_rows: [M] int64 indices into N, ascending;
 // per sequence: cache_ints (slot, number of parts, then 9 ints per part as kv.packed.op_args) and
-// cache_tensors (k, v, queries, then 7 per part, each with a leading layer dim).
-at::Tensor forward_layers(const StepWeights& W, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                          const std::vector<int64_t>& seq_lens, int64_t n_draft,
-                          const std::vector<int64_t>& cache_ints,
-                          const std::vector<c10::optional<at::Tensor>>& cache_tensors) {
-  const int64_t N = x.size(0), H = W.hidden, F = W.inter, D = W.d, Hq = W.hq, Hkv = W.hkv, S = (int64_t)seq_lens.size();
-  const int64_t QD = Hq * D, KD = Hkv * D, L = (int64_t)W.layers.size();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == H,
-              "x: contiguous fp32 [N, ", H, "]");
+// cache_tensors (k, v, queries, then 7 per part, each with a leading layer dim). Returns logits [M, V].
+at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::vector<int64_t>& seq_lens, int64_t n_draft, const at::Tensor& logits_rows,
+                        const std::vector<int64_t>& cache_ints,
+                        const std::vector<c10::optional<at::Tensor>>& cache_tensors) {
+  const int64_t N = tokens.numel(), H = W.hidden, F = W.inter, D = W.d, Hq = W.hq, Hkv = W.hkv;
+  const int64_t S = (int64_t)seq_lens.size(), QD = Hq * D, KD = Hkv * D, L = (int64_t)W.layers.size();
+  TORCH_CHECK(!W.head.fmt.empty(), "the step weights have no embedding and head (set_ends)");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(), "tokens: int64 [N]");
+  TORCH_CHECK(logits_rows.dim() == 1 && logits_rows.scalar_type() == at::kLong && logits_rows.is_contiguous(),
+              "logits_rows: int64 [M]");
+  const int64_t V = W.embed.n_total, M = logits_rows.numel();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* rows_out = logits_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "token ", tok[i], " out of [0, ", V, ")");
+  for (int64_t i = 0; i < M; ++i)
+    TORCH_CHECK(rows_out[i] >= 0 && rows_out[i] < N && (i == 0 || rows_out[i] > rows_out[i - 1]),
+                "logits_rows must ascend within [0, ", N, ")");
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == D,
                 "cos, sin: contiguous fp32 [", N, ", ", D, "]");
@@ -183,7 +211,10 @@ at::Tensor forward_layers(const StepWeights& W, at::Tensor x, const at::Tensor& 
   }
   TORCH_CHECK(at == cache_ints.size() && tat == cache_tensors.size(), "cache descriptions do not match the sequences");
 
-  const auto f32 = x.options();
+  const auto f32 = cos.options();
+  at::Tensor x = at::empty({N, H}, f32);
+  TORCH_CHECK(W.dequant(W.embed.fmt[0], W.embed.data[0], W.embed.row_bytes[0], H, tok, N, x.data_ptr<float>()) == 0,
+              "cannot read embedding rows of format ", W.embed.fmt[0]);
   at::Tensor h = at::empty({N, H}, f32), qkv = at::empty({N, QD + 2 * KD}, f32), qr = at::empty({N, Hq, D}, f32),
              kr = at::empty({N, Hkv, D}, f32), o = at::empty({N, H}, f32), gu = at::empty({N, 2 * F}, f32),
              act = at::empty({N, F}, f32);
@@ -246,7 +277,13 @@ at::Tensor forward_layers(const StepWeights& W, at::Tensor x, const at::Tensor& 
         for (int64_t j = 0; j < H; ++j) xp[i * H + j] = xp[i * H + j] + op[i * H + j];
     });
   }
-  return x;
+  // the rows whose logits are wanted: final RMSNorm, then the head (exact for draft rows too, as the
+  // module runs it with q8 or exact drafts)
+  const float* norm_w = W.final_norm.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) vc_rows::rms_norm_row(xp + rows_out[i] * H, norm_w, H, W.eps, hp + i * H);
+  at::Tensor logits = at::empty({M, W.head.n_total}, f32);
+  run_linear(W, W.head, hp, H, M, logits.data_ptr<float>(), 0, threads);
+  return logits;
 }
 
 // The row ops for the PyTorch module's CPU path: x [M, K] fp32 -> [M, K]; gu [M, 2F] -> [M, F].
@@ -283,7 +320,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
   pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
-      .def(pybind11::init<int64_t, int64_t, double, int64_t, int64_t, int64_t>())
-      .def("add_layer", &StepWeights::add_layer);
-  m.def("forward_layers", &forward_layers, "every decoder layer of a step in one call");
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
+      .def("add_layer", &StepWeights::add_layer)
+      .def("set_ends", &StepWeights::set_ends);
+  m.def("forward_step", &forward_step, "a forward step in one call: embedding, every layer, the head");
 }

@@ -297,6 +297,17 @@ class Transformer(nn.Module):
         self.lm_head_draft = head
         self.draft_weights = kind
 
+    def _native_plans(self, tokens: torch.Tensor, caches, seq_lens: Sequence[int], n_draft: int,
+                      adt: torch.dtype) -> list | None:
+        """Each cache's description for the native step, or None where the module runs the step: no
+        native step (CUDA, training), fp32 not throughout, int8/int4 draft copies, a cache that cannot
+        describe itself for all layers at once."""
+        if self.native is None or caches is None or tokens.device.type != "cpu" or torch.is_grad_enabled() or \
+                adt != torch.float32 or self.model.norm.weight.dtype != torch.float32 or \
+                (n_draft and self.draft_weights not in NATIVE_DRAFT_WEIGHTS):
+            return None
+        return self.native.plan(caches, seq_lens)
+
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
                 caches: Sequence[AttentionCache] | None = None,
                 logits_index: torch.Tensor | None = None, n_draft: int = 0) -> torch.Tensor:
@@ -313,24 +324,21 @@ class Transformer(nn.Module):
             for cache, s, t in zip(caches, starts, seq_lens):
                 cache.begin(s, t)
         positions = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, seq_lens)]).to(tokens.device)
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        adt = self.attn_dtype or self.model.norm.weight.dtype
+        cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
+        plans = self._native_plans(tokens, caches, seq_lens, n_draft, adt)
+        if plans is not None:   # the same operations in one native call (model/native_step.py)
+            return self.native.run(tokens, cos, sin, seq_lens, plans, n_draft if self.draft_weights == "q8" else 0,
+                                   logits_index)
         if self.embed_exact is not None:                                   # [N, hidden]
             x = self.embed_exact.op.dequantize(self.embed_exact.weight, tokens)
         else:
             x = self.model.embed_tokens(tokens)
-        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        adt = self.attn_dtype or x.dtype
-        cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
-        plans = None
-        if self.native is not None and caches is not None and _row_ops_apply(x) and adt == torch.float32 and \
-                (not n_draft or self.draft_weights in NATIVE_DRAFT_WEIGHTS):
-            plans = self.native.plan(caches, seq_lens)
-        if plans is not None:   # the same operations in one native call (model/native_step.py)
-            x = self.native.run(x, cos, sin, seq_lens, plans, n_draft if self.draft_weights == "q8" else 0)
-        else:
-            for i, layer in enumerate(self.model.layers):
-                x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
-                x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
+            x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
         if logits_index is not None:
             n_draft = int((logits_index < n_draft).sum()) if n_draft else 0   # indices ascend
             x = x[logits_index]

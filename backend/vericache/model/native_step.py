@@ -1,7 +1,7 @@
-"""Every decoder layer of a CPU forward step in one native call (``kernels/step.cpp``).
+"""A CPU forward step in one native call (``kernels/step.cpp``): embedding, every layer, the head.
 
 The PyTorch module runs a layer as a dozen small torch calls; over 30 layers that Python was most of
-a short-context decode step. ``NativeStep`` hands the whole stack to C++ instead: the model's stored
+a short-context decode step. ``NativeStep`` hands the whole step to C++ instead: the model's stored
 weights described once (``StepWeights``), and per step each sequence's cache as plain data
 (``LayeredParts``: where its chunk's K/V go and the parts its queries attend, tensors with a leading
 layer dim). The native loop runs the module's CPU operations in the module's order (the linear op,
@@ -21,8 +21,9 @@ from typing import Sequence
 import torch
 
 from vericache.kernels import packed_kernels
-from vericache.kernels.linear_op import FORMATS, LinearOp
+from vericache.kernels.linear_op import FORMATS, LinearOp, StoredWeight
 from vericache.kv.packed import LayeredParts, op_args
+from vericache.model.exact_linear import ExactLinear
 
 NATIVE_DRAFT_WEIGHTS = ("fp32", "q8")   # what draft rows may read in the native step
 
@@ -42,15 +43,19 @@ class NativeStep:
         cfg = model.config
         self.kernels = packed_kernels(op.isa)
         self.head_dim = cfg.head_dim
-        exact = ctypes.cast(op.lib.vc_linear, ctypes.c_void_p).value
-        draft = ctypes.cast(op.lib.vc_linear_q8, ctypes.c_void_p).value
-        self.weights = self.kernels.StepWeights(exact, draft, cfg.rms_norm_eps, cfg.num_attention_heads,
+        exact, draft, dequant = (ctypes.cast(f, ctypes.c_void_p).value
+                                 for f in (op.lib.vc_linear, op.lib.vc_linear_q8, op.lib.vc_dequant_rows))
+        self.weights = self.kernels.StepWeights(exact, draft, dequant, cfg.rms_norm_eps, cfg.num_attention_heads,
                                                 cfg.num_key_value_heads, cfg.head_dim)
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
                                                                        mlp.down_exact)])
+        # the embedding as stored (a GGUF model's blocks; else the fp32 table as it is) and the head
+        embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op)
+        self.weights.set_ends(_linear_spec(embed), model.model.norm.weight.detach().float().contiguous(),
+                              _linear_spec(model.head_exact))
 
     @staticmethod
     def supports(model) -> bool:
@@ -58,6 +63,7 @@ class NativeStep:
         layers = model.model.layers
         return all(l.self_attn.qkv_exact is not None and l.self_attn.o_exact is not None and
                    l.mlp.gate_up_exact is not None and l.mlp.down_exact is not None for l in layers) and \
+            model.head_exact is not None and (model.embed_exact is None or len(model.embed_exact.weights) == 1) and \
             model.config.hidden_size % 16 == 0 and model.config.intermediate_size % 16 == 0 and \
             (model.config.num_attention_heads * model.config.head_dim) % 16 == 0
 
@@ -71,9 +77,11 @@ class NativeStep:
             plans.append(lp)
         return plans
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int],
-            plans: list[LayeredParts], n_draft: int) -> torch.Tensor:
-        """x: [N, H] embeddings -> [N, H] after every layer; rows :n_draft read the q8 draft path."""
+    def run(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int],
+            plans: list[LayeredParts], n_draft: int, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [N] -> logits [M, V] of the rows ``logits_index`` (all when None); rows :n_draft
+        read the q8 draft path (the head is exact for every row, as in the module)."""
+        rows = torch.arange(tokens.shape[0]) if logits_index is None else logits_index.to(torch.int64)
         ints: list[int] = []
         tensors: list[torch.Tensor | None] = []
         for seq, lp in enumerate(plans):
@@ -83,8 +91,8 @@ class NativeStep:
                 i, ts = op_args(seq, p, self.head_dim)
                 ints += i
                 tensors += ts
-        out = self.kernels.forward_layers(self.weights, x.contiguous(), cos.contiguous(), sin.contiguous(),
-                                          list(seq_lens), n_draft, ints, tensors)
+        out = self.kernels.forward_step(self.weights, tokens.to(torch.int64).contiguous(), cos.contiguous(),
+                                        sin.contiguous(), list(seq_lens), n_draft, rows.contiguous(), ints, tensors)
         for lp, t in zip(plans, seq_lens):
             if lp.observer is not None:
                 lp.observer.observed(t)
