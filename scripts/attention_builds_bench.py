@@ -1,6 +1,7 @@
 """The packed attention op in each build this CPU runs, side by side: one decode query and a
 512-query prefill chunk over one dense fp32 part (30 calls, the model's layer count), and one query
-over 30 different layers of a full KV cache (streamed from DRAM).
+over 30 different layers of a full KV cache (streamed from DRAM); then the same 512-query chunk through
+PyTorch's fused CPU flash kernel (the per-part path, ``kv.packed.torch_part``), in the same run.
 
     python scripts/attention_builds_bench.py --context 8000
 """
@@ -14,7 +15,8 @@ import torch
 from vericache.bench.common import cpu_model
 from vericache.kernels import packed_kernels
 from vericache.kernels.linear_op import supported_isas
-from vericache.kv.packed import KeyPart, op_args
+from vericache.kv.attention import merge
+from vericache.kv.packed import KeyPart, op_args, torch_part
 from vericache.timing import best_seconds
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30   # SmolLM2's attention shape
@@ -52,6 +54,10 @@ def main() -> None:
         gbps = 2 * LAYERS * HKV * n * D * 4 / dram / 1e6
         print(f"{isa:>9}: 1 query x 30 (one part) {row[1]:.1f} ms; 512 queries x 30 {row[512]:.0f} ms; "
               f"1 query over 30 layers from DRAM {dram:.1f} ms ({gbps:.1f} GB/s)")
+    q = torch.randn(HQ, 512, D, generator=g)
+    part = KeyPart(k, v, n=n, diag=n - 512)
+    flash = best_ms(lambda: [merge(torch_part(q, part)) for _ in range(2)]) * LAYERS / 2
+    print(f"  PyTorch flash (fp32, prefix + causal chunk merged): 512 queries x 30 {flash:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ class Transformer(nn.Module):
         self.lm_head_draft: DraftLinear | None = None
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
         self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)
-        self.native = None                              # every layer in one native call (``native_step``)
+        self.native = None                              # the whole CPU step in one native call (``native_step``)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
