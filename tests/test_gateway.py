@@ -143,6 +143,24 @@ def test_oversized_body_is_413(server):
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
 
 
+def test_oversized_chunked_body_is_413_and_small_chunked_bodies_pass(server):
+    """Without a Content-Length (chunked transfer) the limit holds too, and a body under it still works."""
+    def chunks(total: int):   # JSON with ``total`` bytes of whitespace between its fields
+        yield b'{"model": "tiny", "prompt": "def f(x):",'
+        for _ in range(total // 65536):
+            yield b" " * 65536
+        yield b'"max_tokens": 2}'
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(4 << 20),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413 and "without a length" in r.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/completions", content=chunks(65536 * 2),
+                    headers={"content-type": "application/json"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_api_key(llm):
     s = Server(llm, api_key="s3cret")
     try:

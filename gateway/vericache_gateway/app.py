@@ -58,6 +58,7 @@ def create_app(backend: BackgroundService | EmbeddedBackend | TritonBackend, mod
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.middleware("http")(guard)
+    app.add_middleware(BodyLimit, gateway=app.state.gateway)   # outermost: runs before the guard
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
@@ -93,13 +94,54 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
                 "invalid_request_error" if exc.status_code < 500 else "server_error")
 
 
+class BodyLimit:
+    """Request bodies over ``max_body_bytes`` get a 413, whether or not they say their length: a declared
+    length over it is refused unread; otherwise the body is read (never more than the limit plus one
+    chunk) before any route runs, and handed on as one message. An ASGI middleware, so a chunked upload
+    cannot reach the JSON parser whole."""
+
+    def __init__(self, app, gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.gw.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return await self._refuse(f"request body of {int(declared)} bytes exceeds the limit of {limit}",
+                                      scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":        # the client left before its body was in
+                return await self.app(scope, _replay(message, receive), send)
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await self._refuse(f"request body exceeds the limit of {limit} bytes (sent without a "
+                                          f"length, cut off at {size})", scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay({"type": "http.request", "body": b"".join(chunks), "more_body": False}, receive),
+                       send)
+
+    async def _refuse(self, message: str, scope, receive, send) -> None:
+        await fail(self.gw, 413, message, "invalid_request_error")(scope, receive, send)
+
+
+def _replay(first: dict, receive):
+    """An ASGI receive that gives ``first`` once, then whatever ``receive`` gives (a disconnect)."""
+    pending = [first]
+
+    async def receive_again() -> dict:
+        return pending.pop() if pending else await receive()
+    return receive_again
+
+
 async def guard(request: Request, call_next):
-    """Body size limit and the bearer key, before any route runs."""
+    """The bearer key, before any route runs (``BodyLimit`` has checked the body's size)."""
     gw = gateway_of(request)
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > gw.max_body_bytes:
-        return fail(gw, 413, f"request body of {size} bytes exceeds the limit of {gw.max_body_bytes}",
-                    "invalid_request_error")
     if gw.api_key and request.url.path.startswith("/v1/"):
         given = request.headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
