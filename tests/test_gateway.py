@@ -27,10 +27,10 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30, model_name="tiny"):
+    def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30, model_name="tiny", max_per_key=0):
         runner = ModelRunner(llm.loaded, mode="vericache", compressor=SPEC)
         self.service = BackgroundService(StepLoop(runner, device_budget=budget), max_queue=max_queue)
-        self.app = create_app(self.service, model_name=model_name, api_key=api_key)
+        self.app = create_app(self.service, model_name=model_name, api_key=api_key, max_per_key=max_per_key)
         self.port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -159,6 +159,38 @@ def test_oversized_chunked_body_is_413_and_small_chunked_bodies_pass(server):
                     headers={"content-type": "application/json"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_per_key_concurrency_limit_is_429_with_retry_after(llm):
+    """With at most one generation per key, a key's second concurrent request gets 429 + Retry-After while
+    another key is served; once the first ends the key is served again."""
+    s = Server(llm, max_per_key=1)
+    try:
+        # greedy "class Parser:\n" runs the whole 2000 tokens on tiny (~20 s on 2 cores): still going below
+        body = {"model": "tiny", "prompt": "class Parser:\n", "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", s.url + "/v1/completions", json=body, headers={"authorization": "Bearer a"}) as first:
+                lines = first.iter_lines()    # kept: a dropped iterator closes the stream
+                assert first.status_code == 200 and next(lines).startswith("data: ")   # key "a" is generating
+                again = c.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                               headers={"authorization": "Bearer a"})
+                assert again.status_code == 429 and again.headers["retry-after"] == "1"
+                assert again.json()["error"]["type"] == "rate_limit_error"
+                other = c.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                               headers={"authorization": "Bearer b"})
+                assert other.status_code == 200
+            deadline = time.time() + 20          # the server notices the hang-up and frees the slot
+            while s.app.state.gateway.in_flight and time.time() < deadline:
+                time.sleep(0.05)
+            assert s.app.state.gateway.in_flight == {}
+            later = c.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                           headers={"authorization": "Bearer a"})
+            assert later.status_code == 200
+        assert s.app.state.gateway.in_flight == {}
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="max_per_key"):
+        create_app(s.service, max_per_key=-1)
 
 
 def test_api_key(llm):

@@ -9,7 +9,7 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,18 +42,30 @@ class Gateway:
     model_name: str
     api_key: str | None
     max_body_bytes: int
+    max_per_key: int = 0                               # concurrent generations per API key; 0: no limit
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+
+def _key_of(request: Request) -> str:
+    """Whose request this is: its bearer key ("" without one)."""
+    given = request.headers.get("authorization", "")
+    return given[7:] if given.lower().startswith("bearer ") else ""
 
 
 def create_app(backend: BackgroundService | EmbeddedBackend | TritonBackend, model_name: str = DEFAULT_MODEL,
-               api_key: str | None = None, max_body_bytes: int = 1 << 20, trace: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = 1 << 20, trace: str | None = None,
+               max_per_key: int = 0) -> FastAPI:
     """The routes below on one app; ``trace``: also write the engine's events to this JSON-lines file
-    (``serving.trace``)."""
+    (``serving.trace``); ``max_per_key``: generations one API key may have running at once (more get a
+    429 with Retry-After; 0: no limit)."""
+    if not isinstance(max_per_key, int) or max_per_key < 0:
+        raise ValueError(f"max_per_key must be an integer >= 0, got {max_per_key!r}")
     if isinstance(backend, BackgroundService):
         backend = EmbeddedBackend(backend)
     metrics = Metrics(model_name, backend.mode, backend.compressor)
     backend.set_metrics_sink(tee(metrics_sink(metrics), TraceFile(trace) if trace else None))
     app = FastAPI(title="VeriCache", version="0.1.0")
-    app.state.gateway = Gateway(backend, metrics, model_name, api_key, max_body_bytes)
+    app.state.gateway = Gateway(backend, metrics, model_name, api_key, max_body_bytes, max_per_key)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -143,9 +155,7 @@ async def guard(request: Request, call_next):
     """The bearer key, before any route runs (``BodyLimit`` has checked the body's size)."""
     gw = gateway_of(request)
     if gw.api_key and request.url.path.startswith("/v1/"):
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), gw.api_key.encode()):  # constant-time comparison
+        if not hmac.compare_digest(_key_of(request).encode(), gw.api_key.encode()):  # constant-time comparison
             return fail(gw, 401, "missing or invalid API key", "authentication_error")
     return await call_next(request)
 
@@ -204,7 +214,7 @@ async def serve_request(gw: Gateway, request: Request, body, prompt: str, max_to
         raise APIError(400, str(exc)) from None
     if not await backend.ready():
         raise APIError(503, "backend is not ready", "server_error")
-    deltas = _deltas(gw.metrics, backend.generate(ids, params, options, request.is_disconnected), labels)
+    deltas = _deltas(gw, _key_of(request), backend.generate(ids, params, options, request.is_disconnected), labels)
     try:
         first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
     except StopAsyncIteration:
@@ -224,10 +234,16 @@ async def serve_request(gw: Gateway, request: Request, body, prompt: str, max_to
     return _response(gw.model_name, rid, chat, text, reason, {"completion_tokens": n_out, **stats}, len(ids))
 
 
-async def _deltas(metrics: Metrics, source, labels: dict):
+async def _deltas(gw: Gateway, key: str, source, labels: dict):
     """Deltas with latency metrics (labelled with the request's mode and compressor); backend
-    errors become HTTP errors."""
-    t0, last = time.perf_counter(), None
+    errors become HTTP errors. The request counts against its key's running generations from its
+    first delta asked for until this generator ends (finished, failed, or closed by a disconnect)."""
+    metrics, t0, last = gw.metrics, time.perf_counter(), None
+    if gw.max_per_key and gw.in_flight.get(key, 0) >= gw.max_per_key:
+        await source.aclose()
+        raise APIError(429, f"this API key already has {gw.max_per_key} generations running (the limit)",
+                       "rate_limit_error", headers={"Retry-After": "1"})
+    gw.in_flight[key] = gw.in_flight.get(key, 0) + 1
     try:
         async for delta in source:
             now = time.perf_counter()
@@ -249,6 +265,9 @@ async def _deltas(metrics: Metrics, source, labels: dict):
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     finally:
+        gw.in_flight[key] -= 1
+        if not gw.in_flight[key]:
+            del gw.in_flight[key]
         await source.aclose()  # leaving early aborts the request in the backend
 
 

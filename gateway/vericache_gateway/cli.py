@@ -26,7 +26,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
           prefix_store=args.prefix_store, prefix_link=args.prefix_link,
           verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
-          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights, trace=args.trace)
+          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights, trace=args.trace,
+          max_per_key=args.max_concurrent_per_key)
     return 0
 
 
@@ -44,6 +45,8 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
     sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
     sv.add_argument("--max-queue", type=int, default=64)
+    sv.add_argument("--max-concurrent-per-key", type=int, default=0,
+                    help="generations one API key may have running at once; more get 429 + Retry-After (0: no limit)")
     sv.add_argument("--role", default="single", choices=["single", "drafter", "verifier"],
                     help="single: one engine; drafter: vericache requests verified by --verifier; "
                          "verifier: a gRPC verifier next to the prefix store (on --grpc-port)")

@@ -10,7 +10,7 @@ from vericache.serving.build import build_service
 
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL, api_key: str | None = None,
           backend: str = "embedded", triton_url: str = "127.0.0.1:8001", trace: str | None = None,
-          **engine_kwargs) -> None:
+          max_per_key: int = 0, **engine_kwargs) -> None:
     import logging
 
     import uvicorn
@@ -26,6 +26,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL,
                            draft_len=engine_kwargs.get("draft_len", "auto"))
     else:
         be = EmbeddedBackend(build_service(model, **engine_kwargs))
-    app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"), trace=trace)
+    app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"), trace=trace,
+                     max_per_key=max_per_key)
     app.router.on_shutdown.append(be.close)  # drains in-flight requests before the process exits
     uvicorn.run(app, host=host, port=port, log_level="info")
