@@ -170,6 +170,28 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
         netlab.down()
 
 
+def _client_command(work: Path, max_tokens: int) -> list[str]:
+    """``prefix_client`` in the drafter's namespace, its timeout scaled to the work: a reply may wait for
+    every prompt's prefill on one shared core, so allow ~20 prompt tokens/s (~4 characters a token) for all."""
+    prompts = json.loads((work / "prompts.json").read_text())
+    timeout_s = 120 + sum(len(p) for p in prompts) / 4 / 20
+    return netlab.exec_in("draft", sys.executable, "-m", "vericache.bench.prefix_client", "http://127.0.0.1:8000",
+                          str(work / "prompts.json"), str(max_tokens), str(round(timeout_s)))
+
+
+def _client_results(r: subprocess.CompletedProcess, mode: str) -> tuple[list[dict], float]:
+    """The client's rows and send time; a failed client or request fails the mode saying what happened."""
+    if r.returncode:
+        raise RuntimeError(f"client failed in mode {mode}: {r.stderr[-2000:]}")
+    out = json.loads(r.stdout)
+    res = out["requests"]
+    bad = [x for x in res if x["status"] != 200 or "error" in x["stats"]]
+    if bad:
+        raise RuntimeError(f"mode {mode}: {len(bad)} of {len(res)} requests failed (statuses "
+                           f"{sorted({str(x['status']) for x in bad})}): {bad[0]['stats'].get('error', bad[0]['stats'])}")
+    return res, out["sent_at"]
+
+
 def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, threads, work, max_tokens, kv_id,
               draft_dtype, fast_gbps) -> dict:
     traces = {"drafter": work / f"trace-{mode}-drafter.jsonl", "verifier": work / f"trace-{mode}-verifier.jsonl"}
@@ -190,18 +212,10 @@ def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, threads,
         serve += ["--mode", "lossy" if mode == "lossy-remote" else "full", "--prefix-store", far, "--prefix-link", "slow"]
     procs.start("draft", f"drafter-{mode}", serve, threads)
     before, sampler = netlab.link_bytes(), LinkSampler().start()
-    r = subprocess.run(netlab.exec_in("draft", sys.executable, "-m", "vericache.bench.prefix_client",
-                                      "http://127.0.0.1:8000", str(work / "prompts.json"), str(max_tokens)),
-                       capture_output=True, text=True)
+    r = subprocess.run(_client_command(work, max_tokens), capture_output=True, text=True)
     samples, after = sampler.stop(), netlab.link_bytes()
     procs.stop()
-    if r.returncode:
-        raise RuntimeError(f"client failed in mode {mode}: {r.stderr[-2000:]}")
-    out = json.loads(r.stdout)
-    res, sent_at = out["requests"], out["sent_at"]
-    bad = [x for x in res if x["status"] != 200 or "error" in x["stats"]]
-    if bad:
-        raise RuntimeError(f"mode {mode}: {len(bad)} requests failed: {bad[0]['stats']}")
+    res, sent_at = _client_results(r, mode)
     moved = {k: after[k] - before[k] for k in after}
     n_tokens = sum(x["stats"].get("completion_tokens", 0) for x in res)
     makespan = max(x["e2e_s"] for x in res)

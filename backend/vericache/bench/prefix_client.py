@@ -1,7 +1,9 @@
 """The client side of ``bench prefix``, run inside the drafter's namespace: waits for the server,
 sends every prompt at once as a streaming completion, and prints one JSON object: the wall-clock
 time they were sent and per request the first-token and end times, token arrival times (seconds
-since then), text and the response's stats."""
+since then), text and the response's stats. A request that fails still gets its row: ``status`` is the
+HTTP status, or "timeout" (no byte for ``timeout_s``, which the bench scales to the work) or
+"client error", and ``stats["error"]`` says what happened."""
 
 from __future__ import annotations
 
@@ -25,10 +27,22 @@ def _wait_ready(url: str, timeout_s: float = 300) -> None:
     raise SystemExit(f"server {url} not ready after {timeout_s} s")
 
 
-def _one(url: str, model: str, prompt: str, max_tokens: int, t0: float, out: dict) -> None:
+def _one(url: str, model: str, prompt: str, max_tokens: int, t0: float, out: dict, timeout_s: float) -> None:
+    times: list[float] = []
+    out.update({"status": "client error", "ttft_s": None, "e2e_s": None, "chunk_times": times, "text": "", "stats": {}})
+    try:
+        _stream(url, model, prompt, max_tokens, t0, out, timeout_s)
+    except httpx.TimeoutException as exc:
+        out.update({"status": "timeout", "stats": {"error": f"no reply for {timeout_s:.0f} s ({type(exc).__name__})"}})
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the row says so and the bench fails on it
+        out.update({"status": "client error", "stats": {"error": f"{type(exc).__name__}: {exc}"[:500]}})
+    out["e2e_s"] = time.perf_counter() - t0
+
+
+def _stream(url: str, model: str, prompt: str, max_tokens: int, t0: float, out: dict, timeout_s: float) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    times, text, stats, status = [], "", {}, 200
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    times, text, stats, status = out["chunk_times"], "", {}, 200
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as r:
         status = r.status_code
         if status != 200:
             r.read()
@@ -45,18 +59,17 @@ def _one(url: str, model: str, prompt: str, max_tokens: int, t0: float, out: dic
                     times.append(time.perf_counter() - t0)
                     text += c["text"]
             stats = chunk.get("vericache", stats)
-    end = time.perf_counter() - t0
-    out.update({"status": status, "ttft_s": times[0] if times else None, "e2e_s": end, "chunk_times": times,
-                "text": text, "stats": stats})
+    out.update({"status": status, "ttft_s": times[0] if times else None, "text": text, "stats": stats})
 
 
-def main(url: str, prompts_file: str, max_tokens: int) -> None:
+def main(url: str, prompts_file: str, max_tokens: int, timeout_s: float = 600) -> None:
     prompts = json.load(open(prompts_file))
     _wait_ready(url)
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     t0, t0_wall = time.perf_counter(), time.time()
     results = [dict() for _ in prompts]
-    threads = [threading.Thread(target=_one, args=(url, model, p, max_tokens, t0, results[i])) for i, p in enumerate(prompts)]
+    threads = [threading.Thread(target=_one, args=(url, model, p, max_tokens, t0, results[i], timeout_s))
+               for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
@@ -65,4 +78,4 @@ def main(url: str, prompts_file: str, max_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 600)
