@@ -325,3 +325,39 @@ def test_an_engine_fault_is_a_500_and_the_server_goes_on(llm, server, client, mo
     ok = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
     assert ok.choices[0].text == llm.generate(prompt, SamplingParams(max_tokens=6))[0].text
     assert server.service.num_running() == 0
+
+
+def test_a_thousand_cancelled_streams_leave_nothing_behind(server):
+    """1,000 streaming requests at concurrency 32, each cut at a random point (before the first chunk
+    up to a few chunks in): afterwards no request runs, no KV block is held, and the gauges read zero."""
+    import asyncio
+    import random
+
+    rng = random.Random(7)
+    cuts = [rng.randint(0, 6) for _ in range(1000)]
+
+    async def one(client: httpx.AsyncClient, cut: int, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            body = {"model": "tiny", "prompt": f"def f{cut}(x):\n", "max_tokens": 64, "stream": True}
+            async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        seen += 1
+                    if seen >= cut:
+                        break   # hang up here
+
+    async def run_all() -> None:
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as client:
+            await asyncio.gather(*(one(client, cut, gate) for cut in cuts))
+
+    asyncio.run(run_all())
+    deadline, loop = time.time() + 30, server.service.loop
+    while time.time() < deadline and (server.service.num_running() or loop.device.used_blocks or loop.host.used_blocks):
+        time.sleep(0.05)
+    assert server.service.num_running() == 0 and loop.device.used_blocks == 0 and loop.host.used_blocks == 0
+    gauges = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in httpx.get(server.url + "/metrics").text.splitlines()
+              if ln.startswith(("vericache_num_requests_running", "vericache_kv_cache_bytes"))}
+    assert gauges and all(v == 0 for v in gauges.values()), gauges
