@@ -27,8 +27,9 @@ DENSE = 3  # the op's kind for dense rows (fp32, fp16, bf16) (quantized kinds ar
 class KeyPart:
     """n keys per KV head that a sequence's T queries attend.
 
-    Dense: ``k``, ``v`` [Hkv, >= n, D] (fp32, or a half-size full KV's fp16/bf16). Quantized: ``layouts`` (K, V) and the store's per-layer fields
-    ``k``, ``v`` = {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}, ``pos`` [Hkv, C] int32.
+    Dense: ``k``, ``v`` [Hkv, >= n, D] (fp32, or a half-size KV's fp16/bf16). Quantized: ``layouts``
+    (K, V) and the store's per-layer fields ``k``, ``v`` = {"tok": {field: [Hkv, C, w]}, "grp": {field:
+    [Hkv, NG, D]}}, ``pos`` [Hkv, C] int32.
     ``diag`` >= 0 makes the part causal: query i sees key j iff j <= i + diag (so a full cache written
     at start s has n = s + T, diag = s); None: every query sees every key.
     """

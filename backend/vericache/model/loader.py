@@ -47,11 +47,10 @@ def parse_kv_dtype(kv_dtype: str | torch.dtype | None, weights: torch.dtype, dev
     dtype on accelerators."""
     if kv_dtype is None:
         return torch.float16 if device.type == "cpu" else weights
-    if isinstance(kv_dtype, str) and kv_dtype not in DTYPES:
-        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(DTYPES)}")
-    if not isinstance(kv_dtype, (str, torch.dtype)) or DTYPES.get(kv_dtype, kv_dtype) not in DTYPES.values():
+    dt = parse_dtype(kv_dtype, device)   # names as --dtype takes them; a torch.dtype as it is
+    if dt not in DTYPES.values():
         raise ValueError(f"KV dtype must be one of {', '.join(DTYPES)}, got {kv_dtype!r}")
-    return DTYPES.get(kv_dtype, kv_dtype)
+    return dt
 
 
 def load_state_dict(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
