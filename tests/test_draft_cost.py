@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vericache.drafting.adaptive import DraftLengthPolicy
-from vericache.drafting.cost import DraftCost, StepCostFit, best_draft_len, expected_tokens
-from vericache.engine.instruments import StepRecord
+from vericache.drafting.round import DraftLengthPolicy
+from vericache.drafting.cost import CostsAt, DraftCost, StepCosts, best_draft_len, expected_tokens, predict_offloaded
+from vericache.engine.requests import StepRecord
 
 
 def test_expected_tokens_counts_the_bonus_token():
@@ -39,17 +39,17 @@ def _steps(t0, t_row, t_byte, t_pair):
 
 def test_the_fit_recovers_the_step_costs_and_waits_for_enough_steps():
     true = (0.02, 0.002, 5e-11, 4e-9)
-    fit = StepCostFit.fit(_steps(*true))
+    fit = StepCosts.fit(_steps(*true))
     assert fit is not None
-    for got, want in zip(fit.coef, true):
+    for got, want in zip((fit.c0, fit.t_row, fit.t_byte, fit.t_pair), true):
         assert got == pytest.approx(want, rel=1e-3)
     degenerate = [StepRecord(0, 0.5, "draft", 16, 16, 8e8, 16000)] * 10 + [
         StepRecord(0, 0.9 + 0.1 * r, "draft+verify", 16, 16 * r, 6e9, 16 * r * 8000) for r in range(1, 6)]
-    rough = StepCostFit.fit(degenerate)          # fewer distinct steps than unknowns: it still predicts them
+    rough = StepCosts.fit(degenerate)          # fewer distinct steps than unknowns: it still predicts them
     assert all(rough.seconds(s.rows, s.kv_bytes, s.pairs) == pytest.approx(s.end - s.start, rel=0.05)
                for s in degenerate)
-    assert StepCostFit.fit(_steps(*true)[:5]) is None                       # too few
-    assert StepCostFit.fit([s for s in _steps(*true) if "verify" not in s.kinds]) is None
+    assert StepCosts.fit(_steps(*true)[:5]) is None                       # too few
+    assert StepCosts.fit([s for s in _steps(*true) if "verify" not in s.kinds]) is None
 
 
 def test_draft_cost_chooses_nothing_until_fitted_then_a_k_within_bounds():
@@ -57,7 +57,7 @@ def test_draft_cost_chooses_nothing_until_fitted_then_a_k_within_bounds():
     assert cost.choose(0.9, 16, (1e6, 1000), lambda k: (4e8, (k + 1) * 8000), 48) is None
     steps = _steps(0.02, 0.002, 5e-11, 4e-9)
     for i in range(len(steps)):
-        cost.tick(steps[: i + 1])
+        cost.refit(steps[: i + 1], i + 1)
     k = cost.choose(0.9, 16, (1e6, 1000), lambda k: (4e8, (k + 1) * 8000), 48)
     assert k is not None and 1 <= k <= 48
 
@@ -71,3 +71,23 @@ def test_acceptance_estimate_follows_the_rounds():
     high = st.acceptance()
     policy.update(st, 8, 2)
     assert high > 0.95 and st.acceptance() < high and st.rejections == 1
+
+
+def test_one_model_prices_every_row_kind_and_the_offloaded_modes():
+    """``CostsAt``: the same terms price a full row, a draft row and a verification chunk (read once,
+    r x the pairs); ``predict_offloaded``: the budget limits full, drafts beat full, and P1 (max) beats
+    naive (sum) when the link is slow."""
+    c = StepCosts(c0=0.01, t_row=0.001, t_seq=0.0005, t_byte=1e-10, t_pair=1e-8)
+    at = CostsAt(c, full_row=(1e8, 4000), draft_row=(1.25e7, 500))
+    assert at.full == pytest.approx(0.0005 + 0.01 + 4e-5)
+    assert at.draft < at.full < at.verify(4) < at.verify(8)
+    assert at.verify(1) == pytest.approx(at.full)
+    assert c.seconds(3, 2e8, 8000, seqs=2) == pytest.approx(0.01 + 0.003 + 0.001 + 0.02 + 8e-5)
+    args = dict(n=8, context=4000, kv_bytes_per_position=25000, link_bytes_per_s=1e9, kept=0.125, window=32,
+                acceptance=6.0, draft_len=8.0)
+    assert predict_offloaded(c, "full", budget_bytes=2e8, **args) < predict_offloaded(c, "full", budget_bytes=1e12, **args)
+    assert predict_offloaded(c, "lossy", budget_bytes=2e8, **args) > predict_offloaded(c, "full", budget_bytes=2e8, **args)
+    slow = {**args, "link_bytes_per_s": 1e8}
+    assert predict_offloaded(c, "vericache-staggered", budget_bytes=2e8, **slow) > predict_offloaded(
+        c, "vericache-naive", budget_bytes=2e8, **slow)
+    assert StepCosts(**c.to_dict()) == c

@@ -9,7 +9,7 @@ import pytest
 import torch
 from vericache import SamplingParams
 from vericache.engine.step_loop import StepLoop
-from vericache.engine.request import DONE, State
+from vericache.engine.requests import DONE, State
 from vericache.engine.runner import ModelRunner
 from vericache.engine.options import RequestOptions
 from vericache.kv.full import FullKVCache

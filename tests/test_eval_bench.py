@@ -92,7 +92,8 @@ def test_bench_throughput_command(tmp_path, capsys):
     cal = tmp_path / "cal.json"
     assert main(["sim", "--calibrate", "--calib-model", "tiny", "--calib-out", str(cal), "--json"]) == 0
     stored = json.loads(capsys.readouterr().out)
-    assert stored["step_row"] > 0 and stored["step_seq"] >= 0 and stored["attn_bytes_per_s"] > 0
+    costs = stored["costs"]   # the cost model's terms (drafting.cost.StepCosts)
+    assert costs["t_row"] > 0 and costs["t_seq"] >= 0 and costs["t_byte"] > 0 and costs["t_pair"] >= 0 and costs["c0"] >= 0
     assert 0.5 < stored["link_efficiency"] <= 1.2
     roof = stored["roofline"]  # measured in the same process: bandwidth, weights by rows, the op's peak
     assert roof["read_bytes_per_s"] > 1e9 and roof["attn_flops_per_s"] > 1e9 and roof["weight_rows"][0] == 1

@@ -10,9 +10,8 @@ from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
 from vericache.compress.registry import METHODS, parse_compressor
 from vericache.engine.step_loop import StepLoop
-from vericache.engine.request import State
+from vericache.engine.requests import State
 from vericache.engine.runner import ModelRunner
-from vericache.engine.memory import KVMemory
 from vericache.engine.options import RequestOptions
 from vericache.kv.attention import attend_all
 from vericache.kv.packed import KeyPart, attend_packed
@@ -91,7 +90,7 @@ def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
     req = loop.requests[rid]
     while req.state in (State.WAITING, State.PREFILL):
         loop.step()
-    resident = KVMemory.resident_bytes(req)
+    resident = req.resident_bytes()
     assert resident == pytest.approx(loop.memory.device_bytes(req), rel=0.05)
     assert resident == pytest.approx(loop.memory.needed(req), rel=0.05)
     full = len(prompt_4k) * loop.memory.per_pos

@@ -15,7 +15,7 @@ import openai
 import pytest
 import uvicorn
 from vericache.engine.runner import ModelRunner
-from vericache.engine.request import State
+from vericache.engine.requests import State
 from vericache.engine.step_loop import StepLoop
 from vericache.remote.client import VerifierClient, VerifierUnavailable
 from vericache.remote.fetch import PrefixFetcher

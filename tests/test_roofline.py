@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vericache.compress.registry import parse_compressor
-from vericache.engine.instruments import StepRecord
+from vericache.engine.requests import StepRecord
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import TeeCache

@@ -8,9 +8,9 @@ import torch
 
 from vericache import SamplingParams
 from vericache.engine.step_loop import StepLoop
-from vericache.engine.request import ALLOWED, State
+from vericache.engine.requests import ALLOWED, State
 from vericache.engine.runner import ModelRunner
-from vericache.kv.blocks import BlockPool, OutOfBlocks
+from vericache.engine.memory import BlockPool, OutOfBlocks
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
 
@@ -185,9 +185,7 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
     link = EmulatedLink(gbps=1)
     loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
                           device_budget=1 << 30, link=link)
-    from vericache.engine.schedules import Staggered
-
-    assert Staggered.draft_to_cover_link(loop) == 0  # nothing measured yet
+    assert loop.offload.draft_to_cover_link() == 0  # nothing measured yet
     link.stats.add(1_000_000, 0.0, 0.01)     # measured: 100 MB/s
     loop.instruments.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
     rid = loop.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
@@ -203,7 +201,7 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
 
     req.transfer = Pending()
     backlog_s = loop.memory.verify_buffer_bytes(req) / 100e6
-    assert Staggered.draft_to_cover_link(loop) == int(backlog_s / 0.002)
+    assert loop.offload.draft_to_cover_link() == int(backlog_s / 0.002)
     link.close()
 
 
@@ -256,7 +254,7 @@ def test_bad_request_options_are_refused_and_change_nothing(llm, options, field,
 
 
 def test_group_count_follows_measured_rates():
-    from vericache.engine.stagger import group_count
+    from vericache.engine.offload import group_count
 
     assert group_count(1, 1.0, 0.01, 8) == 1
     assert group_count(12, 0.0, 0.0, 8) == 2                 # nothing measured yet: ping-pong
@@ -280,7 +278,7 @@ def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_
         assert len(flying) <= 1, flying
         groups_seen |= {r.group for r in loop.requests if r.state == State.TRANSFERRING}
     assert [loop.requests[i].seq.output_ids for i in ids] == serving_reference
-    assert len(groups_seen) >= 2 and loop.schedule.mean_groups > 1
+    assert len(groups_seen) >= 2 and loop.offload.mean_groups > 1
 
 
 @pytest.mark.parametrize("resident", [3, 6])

@@ -93,32 +93,37 @@ def test_cuda_link_copies_layer_by_layer():
 
 
 def test_step_cost_model_composes_measured_step_costs(llm):
-    """sim.step_costs: measured on real caches (tiny model, short context), no cost negative (each is
+    """drafting.cost: measured on real caches (tiny model, short context), no cost negative (each is
     a difference of timings, small for the tiny model: noise can take one to zero, never below) and
     something measured, and the predictions follow from them: drafts over a compressed cache beat
     full, cheaper draft matmuls raise VeriCache, and one sequence's round is k drafts then a verification."""
     from vericache.compress.registry import parse_compressor
-    from vericache.sim.step_costs import StepCosts, measure_step_costs, predict_tokens_per_s
+    from vericache.drafting.cost import measure_step_costs, predict_tokens_per_s
 
     weights = lambda rows: 0.002 + 0.0001 * rows  # noqa: E731
     c = measure_step_costs(llm, parse_compressor("snapkv:ratio=0.125"), 600, weights, repeats=2)
-    assert min(c.full, c.draft, c.verify0, c.verify_row, c.c0) >= 0
+    assert min(c.full, c.draft, c.verify(1), c.c0) >= 0 and min(c.costs.to_dict().values()) >= 0
     assert c.full + c.draft + c.verify(4) > 0 and c.verify(8) >= c.verify(4)
-    fake = StepCosts(0.01, 0.02, 0.004, 0.02, 0.002, weights)
+    assert c.draft_row[0] < c.full_row[0]          # the geometry: a draft row reads fewer bytes
+    fake = _at(weights=weights)
     assert predict_tokens_per_s(fake, "lossy", 8) > predict_tokens_per_s(fake, "full", 8)
     base = predict_tokens_per_s(fake, "vericache", 8, 3.0, 2.0)
     assert predict_tokens_per_s(fake, "vericache", 8, 3.0, 2.0, draft_weights=lambda r: 0.5 * weights(r)) > base
     assert predict_tokens_per_s(fake, "vericache", 8, 3.0, 2.0, move_s=0.01) < base
     one = predict_tokens_per_s(fake, "vericache", 1, 3.0, 2.0)
-    round_s = 2 * (0.01 + weights(1) + 0.004) + 0.01 + weights(3) + fake.verify(3)
+    round_s = 2 * (0.01 + weights(1) + fake.draft) + 0.01 + weights(3) + fake.verify(3)
     assert abs(one - 3.0 / round_s) < 1e-9
+
+
+def _at(c0=0.01, t_seq=0.004, t_byte=1e-9, t_pair=1e-6, weights=lambda rows: 0.03 + 0.001 * rows):
+    """Costs at a geometry: a full row reads 16 MB and 2000 pairs, a draft row 2 MB and 250."""
+    from vericache.drafting.cost import CostsAt, StepCosts
+    return CostsAt(StepCosts(c0=c0, t_seq=t_seq, t_byte=t_byte, t_pair=t_pair, matmuls=weights), (16e6, 2000), (2e6, 250))
 
 
 def _costs(**kw):
     from vericache.sim.remote_prefix import costs_from_steps
-    from vericache.sim.step_costs import StepCosts
-    base = dict(c0=0.01, full=0.02, draft=0.004, verify0=0.02, verify_row=0.002, weights=lambda rows: 0.03 + 0.001 * rows)
-    return costs_from_steps(StepCosts(**{**base, **kw}), n=4, tail=120, k=8.0)
+    return costs_from_steps(_at(**kw), n=4, tail=120, k=8.0)
 
 
 def _setting(**kw):
@@ -137,7 +142,7 @@ def test_remote_prefix_model_charges_each_link_where_it_is_crossed():
     assert p["lossy-remote"]["ttft_s"] < p["full-remote"]["ttft_s"]
     longer = predict_remote(_setting(tokens_per_round=12.0), _costs())
     assert longer["vericache"]["e2e_s"] < p["vericache"]["e2e_s"]
-    slow_verifier = predict_remote(_setting(), _costs(), verifier=_costs(verify_row=0.02))
+    slow_verifier = predict_remote(_setting(), _costs(), verifier=_costs(t_pair=1e-5))
     assert slow_verifier["vericache"]["e2e_s"] > p["vericache"]["e2e_s"]
     assert slow_verifier["full-remote"] == p["full-remote"]
     # verifications out of step (one session per forward) read the weights once each: rounds get longer

@@ -11,8 +11,8 @@ import torch
 
 from vericache import SamplingParams
 from vericache.engine.runner import ModelRunner
-from vericache.engine.sequence import Sequence
-from vericache.drafting.adaptive import DraftLengthPolicy
+from vericache.sampling import Sequence
+from vericache.drafting.round import DraftLengthPolicy
 
 SPEC = "snapkv:ratio=0.1"
 

@@ -68,3 +68,9 @@ def test_design_lists_exactly_the_modules_each_step_kind_runs(step_modules):
     assert all(int(n) == len(step_modules[k]) for k, n in counts if k in step_modules)
     # the forward's share: on the CPU every layer runs in one native call, none of the module's per-layer code
     assert all("model.native_step" in m for m in step_modules.values())
+
+
+def test_issue_31_module_targets_hold(step_modules):
+    """At most 10 modules in a full decode step, 12 in a draft step, 13 in a verification."""
+    limits = {"full decode": 10, "vericache draft": 12, "vericache verification": 13}
+    assert {k: len(step_modules[k]) for k in limits} == {k: min(len(step_modules[k]), n) for k, n in limits.items()}

@@ -206,3 +206,32 @@ def test_design_lists_a_decode_step_through_at_most_ten_real_files():
     missing = [f for f in files if not (PACKAGES["vericache"] / f).exists()]
     assert missing == []
     assert "engine/step_loop.py" in files
+
+
+def loop_reaches(source: str, name: str = "") -> list[str]:
+    """Where source takes or keeps the step loop: a parameter or attribute named ``loop``, or an import
+    of ``engine.step_loop``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "loop":
+            found.append(f"{name}:{node.lineno} takes `loop`")
+        elif isinstance(node, ast.Attribute) and node.attr == "loop":
+            found.append(f"{name}:{node.lineno} uses .loop")
+        elif isinstance(node, ast.ImportFrom) and node.module == "vericache.engine.step_loop":
+            found.append(f"{name}:{node.lineno} imports the step loop")
+    return found
+
+
+def test_no_stage_holds_or_receives_the_step_loop():
+    """The engine's stages (scheduler, runner, offload policy, remote half, request table, memory) are
+    joined by plain data and the objects they need, never the loop (issue 31)."""
+    engine = PACKAGES["vericache"] / "engine"
+    stages = [p for p in sorted(engine.glob("*.py")) if p.name not in ("step_loop.py", "runner.py", "__init__.py")]
+    assert len(stages) >= 6
+    assert [f for p in stages for f in loop_reaches(p.read_text(), p.name)] == []
+    # the runner builds a loop in ``generate`` (the library's front) but its ``execute`` never sees one
+    runner = ast.parse((engine / "runner.py").read_text())
+    execute = next(n for n in ast.walk(runner) if isinstance(n, ast.FunctionDef) and n.name == "execute")
+    assert [a.arg for a in execute.args.args] == ["self", "plan"]
+    # the check finds what it looks for
+    assert len(loop_reaches("from vericache.engine.step_loop import StepLoop\ndef plan(loop): return self.loop")) == 3

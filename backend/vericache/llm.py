@@ -6,11 +6,10 @@ import torch
 
 from vericache.compress.base import Compressor
 from vericache.engine.runner import DEFAULT_COMPRESSOR, ModelRunner
-from vericache.engine.sequence import RequestOutput
 from vericache.model.loader import load_model
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.model.tokenizer import Tokenizer
-from vericache.sampling import SamplingParams
+from vericache.sampling import RequestOutput, SamplingParams
 
 
 class LLM:

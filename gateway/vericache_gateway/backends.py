@@ -85,7 +85,7 @@ class TritonBackend:
 
         from vericache.compress.registry import parse_compressor
         from vericache.model.loader import load_model
-        from vericache.drafting.adaptive import DraftLengthPolicy
+        from vericache.drafting.round import DraftLengthPolicy
 
         self._grpc = grpcclient
         self.url = url

@@ -21,7 +21,6 @@ from vericache.bench.common import (
     markdown_table,
     shared_prefills,
 )
-from vericache.engine.memory import KVMemory
 from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
@@ -55,7 +54,7 @@ def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first
     while loop.has_unfinished():
         loop.step()
         steps += 1
-        peak = max(peak, sum(KVMemory.resident_bytes(r) for r in loop.requests if not r.done))
+        peak = max(peak, sum(r.resident_bytes() for r in loop.requests if not r.done))
         if time.perf_counter() - last > 15:
             done = sum(len(s.output_ids) for s in seqs)
             log(f"  {label}: {done} tokens after {time.perf_counter() - t0:.0f} s")

@@ -77,7 +77,7 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 class RowPredictor:
-    """The cost model's tokens/s for each bench row (``sim.step_costs``): the step costs measured
+    """The cost model's tokens/s for each bench row (``drafting.cost``): its terms measured
     here, at the bench's context, on the engine's real caches, once per compressor; the draft
     weights' own matmul times (measured on the model's copies); one compression move per
     ``window`` tokens (measured per compressor); the run's own acceptance and draft lengths."""
@@ -87,20 +87,20 @@ class RowPredictor:
         self.costs, self.moves = {}, {}
 
     def _measured(self, comp):
-        from vericache.sim.step_costs import measure_step_costs, move_seconds
+        from vericache.drafting.cost import measure_step_costs, move_seconds
 
         key = comp.spec()
         if key not in self.costs:
             self.costs[key] = c = measure_step_costs(self.llm, comp, self.context, self.weights_s)
             self.moves[key] = move_seconds(comp, self.llm.loaded.config, self.llm.loaded.kv_dtype, self.context)
             self.log(f"step costs at {self.context} ({key}): fixed {c.c0 * 1e3:.1f} ms, per sequence full "
-                     f"{c.full * 1e3:.1f} / draft {c.draft * 1e3:.1f} / verify {c.verify0 * 1e3:.1f} + "
-                     f"{c.verify_row * 1e3:.2f} per row; one compression move {self.moves[key] * 1e3:.1f} ms")
+                     f"{c.full * 1e3:.1f} / draft {c.draft * 1e3:.1f} / verify of 8 rows {c.verify(8) * 1e3:.1f}; "
+                     f"one compression move {self.moves[key] * 1e3:.1f} ms")
         return self.costs[key], self.moves[key]
 
     def __call__(self, runner, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
         from vericache.model.draft_weights import measured_choice
-        from vericache.sim.step_costs import predict_tokens_per_s
+        from vericache.drafting.cost import predict_tokens_per_s
 
         comp, matmuls = runner.compressor, None
         if mode == "vericache" and runner.draft_weights != "fp32":

@@ -18,7 +18,8 @@ from vericache.engine.step_loop import StepLoop
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
-from vericache.sim.calibrate import default_path, load, predict
+from vericache.drafting.cost import predict_offloaded
+from vericache.sim.calibrate import default_path, load
 
 MODES = ("full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped")
 
@@ -76,8 +77,9 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
             comp = runner.compressor
             kept = comp.nominal_ratio(llm.loaded.kv_dtype.itemsize) if comp.evicts else 1.0
             rounds, drafted = row["rounds"], sum(s.stats.get("drafted_tokens", 0) for s in seqs)
-            row["predicted_tokens_per_s"] = round(predict(
-                cal, mode, n_requests, context + max_tokens // 2, budget, link_gbps * 1e9 / 8, kept, comp.window,
+            row["predicted_tokens_per_s"] = round(predict_offloaded(
+                cal.step_costs, mode, n_requests, context + max_tokens // 2, cal.kv_bytes_per_position, budget,
+                link_gbps * 1e9 / 8 * cal.link_efficiency, kept, comp.window,
                 row["mean_acceptance_length"] or 1.0, drafted / rounds if rounds else 0.0), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
@@ -115,7 +117,7 @@ def mode_row(mode: str, res: dict, seqs: list, loop: StepLoop, link, identical: 
             "compute_utilization": round(loop.instruments.busy_s() / wall, 3),
             "link_bytes": link.stats.bytes_moved if link is not None else 0,
             "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-            "mean_groups": round(loop.schedule.mean_groups, 2) if mode.endswith("-grouped") else None,
+            "mean_groups": round(loop.offload.mean_groups, 2) if mode.endswith("-grouped") else None,
             "early_verifies": loop.instruments.early_verifies if vericache else None,
             "preemptions": loop.instruments.preemptions, "rounds": rounds,
             "kv_resident_bytes": res["kv_resident_bytes"]}

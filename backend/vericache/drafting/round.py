@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from vericache.engine.sequence import Sequence
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.sampling import (
+    Sequence,
     choose_token,
     probs_from_logits,
     sample_token,
@@ -106,21 +106,48 @@ def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q
     return len(draft)
 
 
-def finish_round(seq: Sequence, rs: RoundState, target_logits: torch.Tensor, start: int,
-                 full: FullKVCache, draft: CompressedKVCache,
-                 write_back: Callable[[int, int], None] | None = None, targets: list[int] | None = None) -> int:
-    """Accept against the verifier's logits [k+1, V] for the chunk at ``start``, then commit both
-    caches to the accepted positions. ``write_back(start, keep)``, when given, first copies the
-    verified positions from the buffer the verification wrote (a device buffer) into ``full``
-    (their home tier). Returns m, the accepted count."""
-    m = accept_draft(seq, target_logits, rs.drafts, rs.qs, targets)
+def finish_round(seq: Sequence, rs: RoundState, start: int, draft: CompressedKVCache, *,
+                 logits: torch.Tensor | None = None, targets: list[int] | None = None,
+                 full: FullKVCache | None = None, write_back: Callable[[int, int], None] | None = None,
+                 exact_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+    """Accept, commit both caches, record: the one end of every round (local, offloaded, remote).
+
+    Accepts against the verifier's logits [k+1, V] (or their greedy choices ``targets``) for the
+    chunk at ``start``, then keeps positions up to ``start + 1 + m``:
+    - a local verification (``full``): ``write_back(start, keep)``, when given, first copies the
+      verified positions from the buffer it wrote (a device buffer) into ``full`` (their home tier);
+      the full cache rolls back past them and the draft cache takes their exact K/V from it;
+    - a remote one (``exact_kv``: K, V [L, Hkv, m+1, D] of start .. keep-1, sent by the verifier): the
+      draft cache takes those instead of its own. Returns m, the accepted count."""
+    m = accept_draft(seq, logits, rs.drafts, rs.qs, targets)
     keep = start + 1 + m
     if write_back is not None:
         write_back(start, keep)
-    full.truncate(keep)
-    draft.commit(keep, source=full)
+    if full is not None:
+        full.truncate(keep)
+    if exact_kv is not None:
+        draft.commit_exact(start, *exact_kv, keep)
+    else:
+        draft.commit(keep, source=full)
     record_round(rs, len(rs.drafts), m)
     return m
+
+
+def verify_for_drafter(full: FullKVCache, start: int, drafts: list[int],
+                       targets: list[int]) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The verifier's side of a remote round (greedy): ``targets`` are its choices at [x, d1 .. dk];
+    keeps the accepted positions in ``full`` and returns (m, its token, K, V [L, Hkv, m+1, D] of
+    start .. start+m) for ``finish_round(exact_kv=...)`` on the drafter."""
+    m = greedy_accepted(targets, drafts)
+    keep = start + 1 + m
+    full.truncate(keep)
+    return (m, targets[m], *full.copy_out(start, keep))
+
+
+def end_round(rs: RoundState, policy: "DraftLengthPolicy", state: "DraftState", m: int) -> None:
+    """After ``finish_round``: the draft-length policy learns the round, and a fresh round begins."""
+    policy.update(state, len(rs.drafts), m)
+    rs.reset()
 
 
 def record_round(rs: RoundState, k: int, m: int) -> None:
@@ -130,3 +157,76 @@ def record_round(rs: RoundState, k: int, m: int) -> None:
         rs.accepted_per_pos.append(0)
     for i in range(m):
         rs.accepted_per_pos[i] += 1
+
+
+# ---------------------------------------------------------------------- the draft length (P2)
+# Per-request draft length (the paper's P2: long verification periods).
+#
+# ``draft_len=int`` fixes it. ``draft_len="auto"`` follows each request's observed
+# acceptance: a run that is fully accepted doubles the next draft (up to
+# ``max_len``); otherwise the next draft is a little longer than the smoothed
+# accepted length. When acceptance collapses (nothing accepted for ``patience``
+# rounds) the request falls back to plain full-KV decoding for ``cooldown``
+# tokens, then tries drafting again from a short draft.
+
+
+@dataclass
+class DraftState:
+    k: int
+    ema_accepted: float = 0.0
+    failed_rounds: int = 0
+    cooldown: int = 0
+    fallbacks: int = 0
+    accepted_total: int = 0       # drafted tokens accepted, all rounds
+    rejections: int = 0           # rounds that ended at a mismatch
+
+    def acceptance(self) -> float:
+        """Per-token acceptance, a geometric model's estimate (Laplace-smoothed)."""
+        return (self.accepted_total + 1) / (self.accepted_total + self.rejections + 2)
+
+
+@dataclass
+class DraftLengthPolicy:
+    fixed: int | None = None
+    start: int = 8
+    min_len: int = 2
+    max_len: int = 48
+    patience: int = 3
+    cooldown: int = 16
+
+    @classmethod
+    def from_arg(cls, draft_len: int | str) -> "DraftLengthPolicy":
+        if draft_len == "auto":
+            return cls()
+        if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+            raise ValueError(f"draft_len must be an integer >= 1 or 'auto', got {draft_len!r}")
+        return cls(fixed=draft_len)
+
+    def new_state(self) -> DraftState:
+        return DraftState(k=self.fixed if self.fixed is not None else self.start)
+
+    def next_len(self, st: DraftState, remaining: int) -> int:
+        """Draft tokens for the next round; 0 means a plain full-KV step. A round emits at most k+1."""
+        if st.cooldown > 0:
+            return 0
+        return max(min(st.k, remaining - 1), 0)
+
+    def update(self, st: DraftState, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            st.cooldown = max(st.cooldown - 1, 0)
+            if st.cooldown == 0 and self.fixed is None:
+                st.k = max(self.min_len, 4)
+            return
+        st.accepted_total += accepted
+        st.rejections += accepted < drafted
+        if self.fixed is not None:
+            return
+        st.ema_accepted = 0.6 * st.ema_accepted + 0.4 * accepted
+        if accepted == drafted:
+            st.k = min(max(st.k, 2 * drafted), self.max_len)
+        else:
+            st.k = min(max(int(1.5 * st.ema_accepted) + 2, self.min_len), self.max_len)
+        st.failed_rounds = st.failed_rounds + 1 if accepted == 0 else 0
+        if st.failed_rounds >= self.patience:
+            st.cooldown, st.failed_rounds = self.cooldown, 0
+            st.fallbacks += 1

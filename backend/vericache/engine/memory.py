@@ -1,6 +1,7 @@
 """Memory and admission: what each request's caches hold, in which tier, charged to which budget.
 
-Tiers (``kv.blocks``): the *device* tier holds what the accelerator must hold: compressed KV
+Tiers (``BlockPool``: byte budgets in fixed-size blocks, each owner holding blocks for the bytes it
+really holds, re-sized as it grows; exact accounting, every block back when its owner is freed): the *device* tier holds what the accelerator must hold: compressed KV
 (vericache, lossy) or full KV (full mode), plus a transient buffer while a request's full KV is
 brought in for verification. With ``offload`` the *host* tier holds every vericache request's full
 KV (the paper's long-context scenario); without it (``ModelRunner.generate``, ``bench batch``) the full
@@ -9,15 +10,79 @@ KV stays on the device too and verification reads it in place.
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 from vericache.config import ModelConfig
-from vericache.engine.request import Request
-from vericache.kv.blocks import BlockPool, storage_bytes
+from vericache.engine.requests import Request
 from vericache.kv.compressed import CompressedKVCache, planned_bytes
 from vericache.kv.full import FullKVCache
 
 UNLIMITED = 1 << 62
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot hold what was asked; the caller waits, preempts or refuses."""
+
+
+class BlockPool:
+    def __init__(self, name: str, capacity_bytes: int, block_bytes: int = 64 * 1024) -> None:
+        if capacity_bytes < block_bytes:
+            raise ValueError(f"{name} tier: capacity {capacity_bytes} B is smaller than one block ({block_bytes} B)")
+        self.name = name
+        self.block_bytes = block_bytes
+        self.total_blocks = capacity_bytes // block_bytes
+        self._owned: dict[object, int] = {}
+        self._lock = threading.Lock()  # the link thread and the step loop both touch it
+
+    def blocks_for(self, nbytes: int) -> int:
+        return math.ceil(max(nbytes, 0) / self.block_bytes)
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(self._owned.values())
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.total_blocks * self.block_bytes
+
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+    def can_fit(self, nbytes: int, owner: object | None = None) -> bool:
+        have = self._owned.get(owner, 0) if owner is not None else 0
+        return self.blocks_for(nbytes) - have <= self.free_blocks
+
+    def resize(self, owner: object, nbytes: int) -> None:
+        """Make ``owner`` hold exactly enough blocks for ``nbytes``; raises OutOfBlocks if they are not free."""
+        with self._lock:
+            need = self.blocks_for(nbytes)
+            have = self._owned.get(owner, 0)
+            if need - have > self.total_blocks - sum(self._owned.values()):
+                raise OutOfBlocks(f"{self.name} tier: {owner} needs {need} blocks, "
+                                  f"{self.total_blocks - sum(self._owned.values()) + have} available")
+            if need:
+                self._owned[owner] = need
+            else:
+                self._owned.pop(owner, None)
+
+    def free(self, owner: object) -> None:
+        with self._lock:
+            self._owned.pop(owner, None)
+
+    def owners(self) -> list[object]:
+        return list(self._owned)
+
 
 
 class KVMemory:
@@ -105,12 +170,6 @@ class KVMemory:
                 total += cache.nbytes()
         return total
 
-    @staticmethod
-    def resident_bytes(req: Request) -> int:
-        """Bytes of every storage the request's caches hold (allocated capacity, not only valid
-        positions), each storage counted once."""
-        return storage_bytes(_tensors(req.full, req.draft, req.resident, req.prefill_buf))
-
     def fits(self, req: Request) -> bool:
         return self.device.can_fit(self.device_bytes(req), ("kv", req.id))
 
@@ -126,12 +185,3 @@ class KVMemory:
             pool.free(key)
         req.full = req.draft = req.resident = req.prefill_buf = None
 
-
-def _tensors(*caches) -> list[torch.Tensor]:
-    out = []
-    for c in caches:
-        if isinstance(c, FullKVCache):
-            out += [c.k, c.v]
-        elif isinstance(c, CompressedKVCache):
-            out += c.tensors()
-    return out

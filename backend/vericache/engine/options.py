@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from vericache.compress.base import Compressor
 from vericache.compress.registry import parse_compressor
-from vericache.drafting.adaptive import DraftLengthPolicy
+from vericache.drafting.round import DraftLengthPolicy
 
 MODES = ("full", "lossy", "vericache")
 

@@ -1,27 +1,231 @@
-"""The request table: every request of one step loop, and its lifecycle in one place.
+"""The requests of one step loop: each request's data and states, the table that moves them, and
+what the engine measures about its steps and requests.
 
-A request's state moves only through ``set_state`` (along ``request.ALLOWED``); it ends only through
-``release`` (finished, aborted) or ``fail``, which free everything it holds at once. The step loop,
-its scheduler, its remote half, the link schedules and the background service all go through these
+States (``State``) and their transitions (``ALLOWED``), each exercised by the tests:
+  waiting -> prefill -> decoding (full, lossy) | drafting (vericache)
+  drafting -> transferring -> drafting          (a round whose full KV crosses the link to this device)
+  drafting -> awaiting_verifier -> drafting     (a round out at the remote verifier, ``--role drafter``)
+  prefill -> serving                            (a verifier session, ``--role verifier``: it verifies the
+                                                 drafts a remote drafter sends until the drafter closes it)
+  any running state -> waiting                  (preempted: KV freed, recomputed on re-admission)
+  any state -> finished | aborted | failed      (KV freed at once; failed: a step raised for it)
+A request's state moves only through ``RequestTable.set_state`` (along ``ALLOWED``); it ends only
+through ``release`` (finished, aborted) or ``fail``, which free everything it holds at once. The
+scheduler, the offload policy, the remote half and the background service all go through these
 calls; none of them writes a state or frees KV by itself.
+
+``Instruments``: the rates feed the offload policy (how long a transfer takes, how long a draft step
+takes) and the draft-length cost fit; the intervals feed timelines and utilisation;
+``request_stats`` is what every caller reports (``LLM.generate`` outputs, the server's final chunk,
+the benches).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable, Iterator
 
-from vericache.engine.instruments import Instruments, request_stats
-from vericache.engine.memory import KVMemory
-from vericache.engine.request import ALLOWED, DONE, Request, State, StepOutput
+from vericache.drafting.round import RoundState, end_round
+from vericache.engine.options import ResolvedOptions
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache, storage_bytes
+from vericache.kv.link import Transfer
+from vericache.sampling import Sequence
 
-MakeRoom = Callable[[int, tuple, Request], None]   # (bytes, device key, for whom): preempts to fit
+class State(StrEnum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    DRAFTING = "drafting"
+    TRANSFERRING = "transferring"            # the round's full KV on the link to this device
+    AWAITING_VERIFIER = "awaiting_verifier"  # the round out at the remote verifier
+    SERVING = "serving"                      # a verifier session: verifying a remote drafter's rounds
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+DONE = frozenset({State.FINISHED, State.ABORTED, State.FAILED})
+ALLOWED = {
+    State.WAITING: {State.PREFILL} | DONE,
+    State.PREFILL: {State.DECODING, State.DRAFTING, State.SERVING, State.WAITING} | DONE,
+    State.DECODING: {State.WAITING} | DONE,
+    State.DRAFTING: {State.TRANSFERRING, State.AWAITING_VERIFIER, State.WAITING} | DONE,
+    State.TRANSFERRING: {State.DRAFTING, State.WAITING} | DONE,
+    State.AWAITING_VERIFIER: {State.DRAFTING, State.WAITING} | DONE,
+    State.SERVING: set(DONE),
+}
+
+
+Reply = Callable[[tuple], None]
+
+
+@dataclass
+class Served:
+    """A verifier session's side of a request (``remote.verifier``): its rounds come over the network.
+    The scheduler plans the first queued verification (one per step), and on its result calls the
+    verification's reply with ``drafting.round.verify_for_drafter``'s (m, token, K, V)."""
+    opened: Callable[[int], None]       # called with the first token once the prompt is in (exact, greedy)
+    chunk: int = 64                     # prompt tokens per forward: opens that land later join within a chunk
+    recorder: object = None             # a ``kv.tee.QueryRecorder``: the prompt's last queries, for the store
+    inbox: deque = field(default_factory=deque)   # (start, [x, d1 .. dk], reply) verifications queued
+
+
+@dataclass
+class Request:
+    id: int
+    seq: Sequence
+    opts: ResolvedOptions
+    policy_state: object = None
+    prefill: object = None                     # a SharedPrefill to load instead of prefilling
+    state: State = State.WAITING
+    full: FullKVCache | None = None            # device tier (full mode, or vericache without tiers) or host
+    draft: CompressedKVCache | None = None     # device tier
+    resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
+    prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
+    done_ids: int = 0                          # tokens already in the caches (prefill progress)
+    round: RoundState = field(default_factory=RoundState)
+    group: int = 0                             # grouped schedule: the phase group of the current round
+    transfer: Transfer | None = None
+    fetch: object = None                       # a Future of the prefix fetch (engine.remote)
+    session: object = None                     # the remote verifier session (drafter role)
+    served: Served | None = None               # the verifier role's session: rounds from a remote drafter
+    prefilled: bool = False                    # remote: prefill done, the verifier's first token awaited
+    prefix_tokens: int = 0                     # prompt positions loaded from the prefix store
+    verifier_hit_tokens: int = 0
+    fetch_bytes: int = 0
+    fetch_s: float = 0.0
+    emitted: int = 0          # output tokens already returned by step()
+    reported: bool = False    # the final StepOutput has been returned
+    error: str | None = None  # why the request failed
+    error_status: int = 500   # the HTTP status that failure maps to (503: a remote part is gone)
+    draft_bytes_read: int = 0
+    verify_bytes_read: int = 0
+    added_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def mode(self) -> str:
+        return self.opts.mode
+
+    @property
+    def position(self) -> int:
+        """Position of the last token (the one no cache holds yet)."""
+        return len(self.seq.prompt_ids) + len(self.seq.output_ids) - 1
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill puts in the caches: the prompt, and a re-admitted request's output but its last."""
+        return self.seq.prompt_ids + self.seq.output_ids[:-1]
+
+    @property
+    def last_token(self) -> int:
+        return self.seq.output_ids[-1] if self.seq.output_ids else self.seq.prompt_ids[-1]
+
+    @property
+    def done(self) -> bool:
+        return self.state in DONE
+
+    def resident_bytes(self) -> int:
+        """Bytes of every storage the request's caches hold (allocated capacity, not only valid
+        positions), each storage counted once."""
+        tensors = []
+        for c in (self.full, self.draft, self.resident, self.prefill_buf):
+            if isinstance(c, FullKVCache):
+                tensors += [c.k, c.v]
+            elif isinstance(c, CompressedKVCache):
+                tensors += c.tensors()
+        return storage_bytes(tensors)
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None   # "stop", "length", "abort" or "error"
+    error: str | None = None
+
+
+@dataclass
+class StepRecord:
+    """One forward: when, what kinds of rows, and the work the roofline charges for it."""
+    start: float
+    end: float
+    kinds: str
+    seqs: int
+    rows: int
+    kv_bytes: int     # K/V bytes its attention reads (all layers)
+    pairs: int        # query-key pairs per query head and layer
+    by_kind: dict = field(default_factory=dict)   # row kind -> (rows, tokens)
+    post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
+
+
+def _bounded() -> deque:
+    return deque(maxlen=65536)   # a long-running server keeps a bounded history
+
+
+@dataclass
+class Instruments:
+    """What the engine measured. ``intervals`` and ``steps`` are histories (bounded); the server
+    takes what happened since its last look as events (``take_events``), leaving the histories
+    for the rates that read them (``draft_step_s``)."""
+    intervals: deque = field(default_factory=_bounded)      # (start, end, kinds) per forward or load
+    round_log: deque = field(default_factory=_bounded)      # (request, drafted, accepted) not yet taken
+    remote_rtts: deque = field(default_factory=_bounded)    # verifier round trips not yet taken
+    new_intervals: deque = field(default_factory=_bounded)  # intervals not yet taken
+    verify_layer_s: float = 0.0   # forward seconds per layer of a verification (EMA)
+    early_verifies: int = 0       # verifications started while their last layers were in flight
+    preemptions: int = 0          # requests sent back to waiting (their KV recomputed on re-admission)
+    failures: int = 0             # requests failed by an exception in a step
+    steps: deque = field(default_factory=lambda: deque(maxlen=4096))   # StepRecord per forward, the latest
+
+    n_steps: int = 0              # forwards recorded, ever (``steps`` keeps the latest)
+
+    def record_step(self, rec: StepRecord, n_layers: int) -> None:
+        """A forward ran: its interval, its record, and (a verification alone) the per-layer rate."""
+        self.note_interval(rec.start, rec.end, rec.kinds)
+        self.steps.append(rec)
+        self.n_steps += 1
+        if rec.kinds == "verify":  # a clean measurement of the verification
+            self.note_verify(rec.end - rec.start, n_layers)
+
+    def note_interval(self, start: float, end: float, kinds: str) -> None:
+        self.intervals.append((start, end, kinds))
+        self.new_intervals.append((start, end, kinds))
+
+    def take_events(self) -> tuple[list, list, list]:
+        """(intervals, rounds, verifier round trips) since the last call, for metrics; the
+        histories the engine's own rates read stay."""
+        out = list(self.new_intervals), list(self.round_log), list(self.remote_rtts)
+        self.new_intervals.clear()
+        self.round_log.clear()
+        self.remote_rtts.clear()
+        return out
+
+    def busy_s(self) -> float:
+        return sum(e - s for s, e, _ in self.intervals)
+
+    def draft_step_s(self) -> float | None:
+        """Mean seconds of a recent step that drafted (None before one ran)."""
+        recent = [self.intervals[-i] for i in range(1, min(32, len(self.intervals)) + 1)]
+        spans = [e - s for s, e, k in recent if "draft" in k]
+        return sum(spans) / len(spans) if spans else None
+
+    def note_verify(self, seconds: float, n_layers: int) -> None:
+        per_layer = seconds / n_layers
+        self.verify_layer_s = per_layer if self.verify_layer_s <= 0 else 0.7 * self.verify_layer_s + 0.3 * per_layer
 
 
 class RequestTable:
-    def __init__(self, memory: KVMemory, instruments: Instruments, make_room: MakeRoom) -> None:
-        self.memory, self.instruments, self.make_room = memory, instruments, make_room
+    def __init__(self, free_kv: Callable[[Request], None], instruments: Instruments) -> None:
+        """``free_kv``: gives back every block the request's caches hold (``KVMemory.free``)."""
+        self.free_kv, self.instruments = free_kv, instruments
         self._by_id: dict[int, Request] = {}
         self._ids = itertools.count()
 
@@ -97,7 +301,7 @@ class RequestTable:
                     self.fail(req, error)
                 except Exception:  # noqa: BLE001 - its state is broken too: end it regardless
                     req.state, req.error = State.FAILED, error
-                    self.memory.free(req)
+                    self.free_kv(req)
 
     def drop_kv(self, req: Request) -> None:
         """Let go of everything the request holds: its verifier session, fetch, transfer and KV."""
@@ -111,21 +315,13 @@ class RequestTable:
         if req.transfer is not None:
             req.transfer.cancel()  # the copier skips what it has not started; the buffer dies with it
             req.transfer = None
-        self.memory.free(req)
-
-    def charge(self, req: Request) -> None:
-        """Charge the tiers for what the request holds now; preempt newer requests if the device is full."""
-        self.make_room(self.memory.device_bytes(req), ("kv", req.id), req)
-        if req.state not in (State.WAITING, *DONE) and self.memory.fits(req):
-            self.memory.charge(req)
+        self.free_kv(req)
 
     def round_done(self, req: Request, m: int) -> None:
-        """A verified round with ``m`` of its drafts accepted (already appended and committed):
-        the round log (metrics), the draft-length policy, and a fresh round."""
-        rs = req.round
-        self.instruments.round_log.append((req.id, len(rs.drafts), m))
-        req.opts.policy.update(req.policy_state, len(rs.drafts), m)
-        rs.reset()
+        """A verified round with ``m`` of its drafts accepted (``finish_round`` done): the round log
+        (metrics), then ``end_round`` (the draft-length policy learns it; a fresh round)."""
+        self.instruments.round_log.append((req.id, len(req.round.drafts), m))
+        end_round(req.round, req.opts.policy, req.policy_state, m)
 
     # ------------------------------------------------------------------ outputs
     def collect_outputs(self) -> list[StepOutput]:
@@ -141,3 +337,38 @@ class RequestTable:
                 outs.append(StepOutput(req.id, list(new), req.done, reason, req.error))
                 req.emitted, req.reported = len(req.seq.output_ids), req.done
         return outs
+
+
+def request_stats(req: Request) -> dict:
+    """A request's timing, memory and (vericache) acceptance figures."""
+    seq, rs = req.seq, req.round
+    n_out = len(seq.output_ids)
+    decoded = max(n_out - 1, 0)  # the first token comes from prefill
+    end = req.finished_at or time.perf_counter()
+    prefill_s = (req.first_token_at - req.added_at) if req.first_token_at else 0.0
+    decode_s = end - req.first_token_at if req.first_token_at else 0.0
+    st = {"mode": req.mode, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": n_out,
+          "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6),
+          "decode_tokens_per_s": round(decoded / decode_s, 3) if decode_s > 0 else 0.0,
+          "kv_resident_bytes": req.resident_bytes()}  # every storage its caches hold, once
+    if req.draft is not None:
+        full_bytes = req.draft.full_nbytes()
+        st.update({
+            "compressor": req.opts.compressor.spec(),
+            "compression_ratio": round(req.draft.nbytes() / full_bytes, 4) if full_bytes else 1.0,
+            "kv_bytes_read_per_token": {"draft": round(req.draft_bytes_read / max(decoded, 1), 1),
+                                        "verify": round(req.verify_bytes_read / max(decoded, 1), 1)}})
+    if req.mode == "vericache":
+        st.update({
+            "rounds": rs.rounds, "drafted_tokens": rs.drafted, "accepted_tokens": rs.accepted,
+            "acceptance_rate": round(rs.accepted / rs.drafted, 4) if rs.drafted else 0.0,
+            # tokens emitted per verification round, bonus/correction included
+            "mean_acceptance_length": round(decoded / rs.rounds, 3) if rs.rounds else 0.0,
+            "accepted_per_position": list(rs.accepted_per_pos),
+            "fallbacks": getattr(req.policy_state, "fallbacks", 0)})
+    if req.prefix_tokens or req.fetch_bytes or req.verifier_hit_tokens:
+        st.update({"prefix_tokens": req.prefix_tokens, "prefix_fetch_bytes": req.fetch_bytes,
+                   "prefix_fetch_s": round(req.fetch_s, 6), "verifier_prefix_tokens": req.verifier_hit_tokens})
+    if req.error:
+        st["error"] = req.error
+    return st

@@ -1,7 +1,10 @@
-"""The engine's front: a loaded model, the default options, request checks and ``generate``.
+"""The engine's front and its model runner: a loaded model, the default options, request checks,
+``generate``, and ``execute``, which runs one step's plan as one forward.
 
 ``generate`` adds the requests to a ``StepLoop`` (the one step loop the server and the benches
-drive too) with every cache in one memory, and steps until all are done.
+drive too) with every cache in one memory, and steps until all are done. ``execute`` takes a
+``StepPlan`` (plain rows, ``engine.scheduler``) and returns a ``StepResult`` (logits of the sampled
+rows) and a ``StepRecord`` (its time and the work the roofline charges); it holds no request state.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from vericache.compress.base import Compressor
 from vericache.compress.registry import parse_compressor
-from vericache.drafting.adaptive import DraftLengthPolicy
+from vericache.drafting.round import DraftLengthPolicy
 from vericache.engine.options import (
     MODES,
     RequestOptions,
@@ -22,13 +25,14 @@ from vericache.engine.options import (
     check_mode,
     resolve_options,
 )
-from vericache.engine.sequence import RequestOutput, Sequence
+from vericache.engine.requests import StepRecord
+from vericache.engine.scheduler import RowKind, StepPlan, StepResult
 from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.draft_weights import check_draft_weights, measured_choice
 from vericache.model.loader import LoadedModel
-from vericache.sampling import SamplingParams
+from vericache.sampling import RequestOutput, SamplingParams, Sequence
 
 __all__ = ["MODES", "DEFAULT_COMPRESSOR", "ModelRunner", "SharedPrefill"]
 DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
@@ -108,6 +112,46 @@ class ModelRunner:
             return self.model.draft_choice.kind_for(n_draft_rows, ("fp32", *AUTO_DRAFT_KINDS))
         return self.draft_weights
 
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[StepResult, StepRecord]:
+        """One forward over all of the plan's rows. Only the sampled rows get logits (the LM head over a
+        whole prefill chunk would be wasted). Draft rows go first when they read draft weights
+        (``draft_kind``); every other row reads the exact weights."""
+        rows = plan.rows
+        n_draft = sum(len(r.tokens) for r in plan.of(RowKind.DRAFT))
+        draft_weights = self.draft_kind(n_draft)
+        if draft_weights != "fp32":
+            if self.model.draft_weights != draft_weights:  # engines sharing one model may draft on different copies
+                self.model.quantize_drafts(draft_weights)
+            rows = sorted(rows, key=lambda r: r.kind != RowKind.DRAFT)    # stable: the others keep their order
+        else:
+            n_draft = 0
+        tokens, index, offset = [], [], 0
+        for row in rows:
+            tokens.extend(row.tokens)
+            n = len(row.tokens)
+            if row.logits_for == "all":
+                index.extend(range(offset, offset + n))
+            elif row.logits_for == "last":
+                index.append(offset + n - 1)
+            offset += n
+        work = attention_work(plan)
+        dev, extra = self.loaded.device, {"n_draft": n_draft} if n_draft else {}
+        t0 = time.perf_counter()
+        logits = self.model(torch.tensor(tokens, device=dev), [r.start for r in rows], [len(r.tokens) for r in rows],
+                            [r.cache for r in rows], logits_index=torch.tensor(index, dtype=torch.long, device=dev),
+                            **extra)   # [len(index), V]
+        top = logits.argmax(dim=-1).tolist()
+        at, out = 0, {}
+        for row in rows:
+            n = {"all": len(row.tokens), "last": 1}.get(row.logits_for, 0)
+            out[id(row)] = (logits[at : at + n], top[at : at + n]) if n else (None, None)
+            at += n
+        t1 = time.perf_counter()
+        result = StepResult([out[id(r)][0] for r in plan.rows], [out[id(r)][1] for r in plan.rows])
+        by_kind = {k: (len(rs), sum(len(r.tokens) for r in rs)) for k in RowKind if (rs := plan.of(k))}
+        return result, StepRecord(t0, t1, plan.kinds, len(plan.rows), *work, by_kind=by_kind)
+
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""
         return resolve_options(options, self.defaults)
@@ -182,3 +226,14 @@ class ModelRunner:
         full, recorder = self.new_cache(seq), QueryRecorder(self.cfg.num_hidden_layers, window)
         logits = self.prefill(seq.prompt_ids, [TeeCache(full, recorder)])
         return SharedPrefill(full, recorder.queries, logits, len(seq.prompt_ids), time.perf_counter() - t0)
+
+
+def attention_work(plan: StepPlan) -> tuple[int, int, int]:
+    """(rows, K/V bytes read, query-key pairs per query head and layer) of a plan's forward, from each
+    row's cache before it runs: what the roofline charges (``sim.roofline``)."""
+    rows = kv_bytes = pairs = 0
+    for row in plan.rows:
+        cost = getattr(row.cache, "attention_cost", None)   # a cache that cannot say counts nothing
+        b, p = cost(row.start, len(row.tokens)) if cost else (0, 0)
+        rows, kv_bytes, pairs = rows + len(row.tokens), kv_bytes + b, pairs + p
+    return rows, kv_bytes, pairs

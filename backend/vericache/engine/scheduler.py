@@ -1,111 +1,194 @@
-"""The scheduler of the step loop: which requests run (admission against the device budget,
-preemption when one's growth does not fit) and which rows each step carries (planning).
+"""The scheduler: which requests run, what each step carries (the plan), and what its results do.
 
+The stages of a step are joined by plain data, as in vLLM v1: ``plan()`` returns a ``StepPlan``
+(rows: their kind, tokens, positions, cache), ``ModelRunner.execute(plan)`` returns a ``StepResult``
+(logits per sampled row), ``update(plan, result)`` applies it to the requests.
 - admit: waiting requests enter, first come first served, while their KV fits beside the running
   ones (``engine.memory``); a request alone always fits.
 - plan: a verification chunk per request whose full KV is in place (or has landed over the link),
   prefill chunks within ``prefill_chunk`` tokens, a decode row per full/lossy request, a draft row per
   VeriCache request still drafting, and a local verification per complete draft; a request is in at
-  most one row. A new round's draft length comes from the request's policy, then the link schedule
-  (offloaded KV) or the fitted step costs (``drafting.cost``, full KV here).
+  most one row. A new round's draft length comes from the request's policy, then the offload policy
+  (``engine.offload``: offloaded KV) or the fitted step costs (``drafting.cost``: full KV here).
+- update: prefill chunks advance and, at the prompt's end, compress it and pick the first token;
+  decode rows append their token; draft rows add theirs to the round; verifications end the round
+  (``drafting.round.finish_round``). Then each request finishes, or is charged for what it holds now.
 - make room: newer requests are preempted, newest first, until a request's KV fits.
+An exception while updating a row fails only its request.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass, field
+from enum import StrEnum
 
-from vericache.engine import postprocess, remote_rounds, transfers
-from vericache.engine.batch import RowKind, StepBatch
-from vericache.engine.request import DONE, Request, State
+import torch
+
+from vericache.drafting.cost import DraftCost
+from vericache.drafting.round import add_draft, finish_round, verify_for_drafter
+from vericache.engine.memory import KVMemory
+from vericache.engine.offload import Offload
+from vericache.engine.remote_rounds import RemoteRounds
+from vericache.engine.requests import DONE, Instruments, Request, RequestTable, State
+from vericache.kv.full import FullKVCache
 from vericache.kv.link import StreamedKV
 from vericache.kv.tee import TeeCache
+from vericache.sampling import choose_token
+
+log = logging.getLogger("vericache.engine")
+
+
+class RowKind(StrEnum):
+    PREFILL = "prefill"   # a chunk of a prompt into the caches
+    DECODE = "decode"     # one token of a full or lossy request
+    DRAFT = "draft"       # one draft token over the compressed cache
+    VERIFY = "verify"     # a round's chunk [x, d1 .. dk] over the full KV
+
+
+@dataclass
+class Row:
+    req: object               # the request (or the verifier's session) the row is for
+    kind: RowKind
+    tokens: list[int]
+    start: int                # position of tokens[0]
+    cache: object             # what it attends through (``model.llama.AttentionCache``)
+    logits_for: str           # "last", "all" or "none"
+
+
+@dataclass
+class StepPlan:
+    """One step's rows: prefill chunks, decode, draft and verification rows of different requests,
+    run in one forward so the weights are read once per step whatever the mix."""
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, req: object, kind: RowKind, tokens: list[int], start: int, cache: object,
+            logits_for: str = "last") -> None:
+        self.rows.append(Row(req, kind, tokens, start, cache, logits_for))
+
+    def of(self, kind: RowKind) -> list[Row]:
+        return [r for r in self.rows if r.kind == kind]
+
+    @property
+    def kinds(self) -> str:
+        """The kinds of work in this step, for timelines ("draft+verify")."""
+        return "+".join(k for k in RowKind if any(r.kind == k for r in self.rows))
+
+
+@dataclass
+class StepResult:
+    """What one forward returned, row by row (aligned with ``StepPlan.rows``)."""
+    logits: list[torch.Tensor | None]   # [1, V] ("last"), [len(tokens), V] ("all") or None
+    argmax: list[list[int] | None]      # the greedy choice of each logits row (one device sync a step)
 
 
 class Scheduler:
-    def __init__(self, loop) -> None:
-        self.loop = loop   # the step loop (``engine.step_loop.StepLoop``): its requests and memory
+    def __init__(self, runner, memory: KVMemory, requests: RequestTable, instruments: Instruments,
+                 schedule: str = "staggered", link=None, prefill_chunk: int = 512, max_running: int = 64,
+                 prefix=None, verifier=None) -> None:
+        self.runner, self.memory, self.requests, self.instruments = runner, memory, requests, instruments
+        self.prefill_chunk, self.max_running = prefill_chunk, max_running
+        self.draft_cost = DraftCost()   # draft lengths from this engine's fitted step costs
+        self.offload = Offload(schedule, runner, memory, requests, instruments, self.make_room, link)
+        self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, runner.loaded.device,
+                                   self.charge) if prefix is not None or verifier is not None else None
 
     # ------------------------------------------------------------------ admit
     def admit(self) -> None:
-        loop = self.loop
-        running = [r for r in loop.requests if r.state not in (State.WAITING, *DONE)]
-        reserved = sum(loop.memory.needed(r) for r in running)
-        transient = max((loop.memory.transient(r) for r in running), default=0)
-        for req in loop.requests.in_state(State.WAITING):
-            need = loop.memory.needed(req)
-            buf = max(transient, loop.memory.transient(req))  # room for one transient at a time
-            fits = reserved + need + buf <= loop.device.capacity_bytes or not running  # alone it always fits
-            if len(running) >= loop.max_running or not fits:
+        waiting = self.requests.in_state(State.WAITING)
+        if not waiting:
+            return
+        running = [r for r in self.requests if r.state not in (State.WAITING, *DONE)]
+        reserved = sum(self.memory.needed(r) for r in running)
+        transient = max((self.memory.transient(r) for r in running), default=0)
+        for req in waiting:
+            need = self.memory.needed(req)
+            buf = max(transient, self.memory.transient(req))  # room for one transient at a time
+            fits = reserved + need + buf <= self.memory.device.capacity_bytes or not running  # alone it always fits
+            if len(running) >= self.max_running or not fits:
                 break  # FIFO: later requests wait behind the first that does not fit
-            loop.requests.set_state(req, State.PREFILL)
+            self.requests.set_state(req, State.PREFILL)
             running.append(req)
             reserved, transient = reserved + need, buf
 
     # ------------------------------------------------------------------ plan
-    def plan(self) -> StepBatch:
-        loop, batch = self.loop, StepBatch()
-        for r in loop.requests.in_state(State.TRANSFERRING):
+    def plan(self) -> StepPlan:
+        plan = StepPlan()
+        for r in self.requests.in_state(State.TRANSFERRING):
             if r.transfer.error:
-                loop.requests.fail(r, f"transfer failed: {r.transfer.error}")
-            elif transfers.can_verify(loop, r):
-                batch.add(r, RowKind.VERIFY, [r.last_token] + r.round.drafts, r.position,
-                          StreamedKV(r.transfer, r.resident), "all")
-        budget = loop.prefill_chunk
-        for r in loop.requests.in_state(State.PREFILL):
+                self.requests.fail(r, f"transfer failed: {r.transfer.error}")
+            elif self.offload.can_verify(r):
+                if not r.transfer.ready():
+                    self.instruments.early_verifies += 1
+                plan.add(r, RowKind.VERIFY, [r.last_token] + r.round.drafts, r.position,
+                         StreamedKV(r.transfer, r.resident), "all")
+        budget = self.prefill_chunk
+        for r in self.requests.in_state(State.PREFILL):
             if budget > 0 and not r.prefilled:
-                budget -= self._plan_prefill(r, batch, budget)
-        for r in loop.requests.in_state(State.DECODING):
-            batch.add(r, RowKind.DECODE, [r.last_token], r.position, r.full if r.mode == "full" else r.draft)
-        for r in loop.requests.in_state(State.DRAFTING):
-            rs = r.round
-            if not rs.started:  # a new round
-                k = r.opts.policy.next_len(r.policy_state, r.seq.remaining)
-                if loop.memory.is_offloaded(r):
-                    k = loop.schedule.new_round(loop, r, k)
-                elif k > 0 and r.opts.policy.fixed is None and r.full is not None and r.session is None:
-                    k = self._cost_len(r, k, r.seq.remaining)   # full KV here: the local step costs decide
-                rs.start(k)
-            remote_verified = r.session is not None  # a complete round goes out in remote_rounds.send_verifies
-            if not rs.complete and (remote_verified or loop.schedule.may_draft(loop, r)):
-                tok = rs.drafts[-1] if rs.drafts else r.last_token
-                batch.add(r, RowKind.DRAFT, [tok], r.position + len(rs.drafts), r.draft)
-            elif rs.complete and not remote_verified and not loop.memory.is_offloaded(r):  # full KV here: verify
-                batch.add(r, RowKind.VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
-        return batch
+                budget -= self._plan_prefill(r, plan, budget)
+        for r in self.requests.in_state(State.DECODING):
+            plan.add(r, RowKind.DECODE, [r.last_token], r.position, r.full if r.mode == "full" else r.draft)
+        for r in self.requests.in_state(State.DRAFTING):
+            self._plan_round(r, plan)
+        for r in self.requests.in_state(State.SERVING):   # a verifier session: the drafter's next round
+            if r.served.inbox:
+                start, tokens, _ = r.served.inbox[0]
+                plan.add(r, RowKind.VERIFY, tokens, start, r.full, "all")
+        return plan
+
+    def _plan_round(self, r: Request, plan: StepPlan) -> None:
+        """A drafting request's row: its next draft token, or its verification once the draft is complete."""
+        rs, offloaded = r.round, self.memory.is_offloaded(r)
+        if not rs.started:  # a new round
+            k = r.opts.policy.next_len(r.policy_state, r.seq.remaining)
+            if offloaded:
+                k = self.offload.new_round(r, k)
+            elif k > 0 and r.opts.policy.fixed is None and r.full is not None and r.session is None:
+                k = self._cost_len(r, k, r.seq.remaining)   # full KV here: the local step costs decide
+            rs.start(k)
+        remote_verified = r.session is not None  # a complete round goes out in RemoteRounds.send_verifies
+        if not rs.complete and (not offloaded or self.offload.may_draft(r)):
+            tok = rs.drafts[-1] if rs.drafts else r.last_token
+            plan.add(r, RowKind.DRAFT, [tok], r.position + len(rs.drafts), r.draft)
+        elif rs.complete and not remote_verified and not offloaded:  # full KV here: verify in place
+            plan.add(r, RowKind.VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
 
     def _cost_len(self, r: Request, k: int, remaining: int) -> int:
         """The draft length the fitted step costs call for (``drafting/cost.py``); ``k`` until fitted."""
         pos, k_max = r.position, min(r.opts.policy.max_len, remaining - 1)
-        n = len(self.loop.requests.in_state(State.DRAFTING, State.DECODING))
-        choice = self.loop.draft_cost.choose(r.policy_state.acceptance(), n, r.draft.attention_cost(pos, 1),
-                                            lambda j: r.full.attention_cost(pos, j + 1), k_max)
+        n = len(self.requests.in_state(State.DRAFTING, State.DECODING))
+        self.draft_cost.refit(self.instruments.steps, self.instruments.n_steps)
+        choice = self.draft_cost.choose(r.policy_state.acceptance(), n, r.draft.attention_cost(pos, 1),
+                                        lambda j: r.full.attention_cost(pos, j + 1), k_max)
         return k if choice is None else choice
 
-    def _plan_prefill(self, req: Request, batch: StepBatch, budget: int) -> int:
+    def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Add the request's next prefill chunk; returns the tokens planned."""
-        loop = self.loop
         if req.done_ids == 0 and req.full is None and req.draft is None:
-            loop.memory.allocate(req)
+            self.memory.allocate(req)
             if req.prefill is not None:  # an exact prefill made elsewhere: load it
                 self._load_shared_prefill(req)
                 if req.state != State.PREFILL:
                     return 0
-            remote_rounds.start(loop, req)
-        if remote_rounds.fetch_pending(loop, req):
+            if self.remote is not None:
+                self.remote.start(req)
+        if self.remote is not None and self.remote.fetch_pending(req):
             return 0
         ids = req.prefill_ids
-        n = min(budget, len(ids) - req.done_ids)
+        n = min(budget, len(ids) - req.done_ids, req.served.chunk if req.served else budget)
         full = req.prefill_buf or req.full
-        if req.mode == "full":
+        if req.served is not None and req.served.recorder is not None:   # the store wants the last queries
+            cache = TeeCache(full, req.served.recorder)
+        elif req.mode == "full":
             cache = full
-        elif req.mode == "lossy" or loop.memory.is_remote(req):
+        elif req.mode == "lossy" or self.memory.is_remote(req):
             cache = req.draft
         else:
             cache = TeeCache(full, req.draft)
         chunk = ids[req.done_ids : req.done_ids + n]
         last = req.done_ids + n == len(ids)
-        batch.add(req, RowKind.PREFILL, chunk, req.done_ids, cache, "last" if last else "none")
+        plan.add(req, RowKind.PREFILL, chunk, req.done_ids, cache, "last" if last else "none")
         return n
 
     def _load_shared_prefill(self, req: Request) -> None:
@@ -116,16 +199,113 @@ class Scheduler:
             req.draft.load_prefill(shared.reset(req.seq), shared.queries)
         req.done_ids = shared.prompt_len
         if req.done_ids == len(req.seq.prompt_ids) + max(len(req.seq.output_ids) - 1, 0):
-            postprocess.finish_prefill(self.loop, req, shared.logits, shared.full)
-        self.loop.instruments.note_interval(t0, time.perf_counter(), "load")
+            self._finish_prefill(req, shared.logits, shared.full)
+        self.instruments.note_interval(t0, time.perf_counter(), "load")
 
-    # ------------------------------------------------------------------ preemption
+    # ------------------------------------------------------------------ update
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        """Each row's result applied to its request; then it finishes or is charged."""
+        handlers = {RowKind.PREFILL: self._after_prefill, RowKind.DECODE: self._after_decode,
+                    RowKind.DRAFT: self._after_draft, RowKind.VERIFY: self._after_verify}
+        for row, logits, argmax in zip(plan.rows, result.logits, result.argmax):
+            req = row.req
+            if req.done or req.state == State.WAITING:
+                continue  # aborted, or preempted by an earlier row's growth in this step
+            try:
+                handlers[row.kind](req, row, logits, argmax)
+                if req.seq.finished:
+                    self.requests.release(req, State.FINISHED)
+                elif req.state not in (State.WAITING, *DONE):
+                    self.charge(req)
+            except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
+                log.exception("request %s failed in %s", req.id, row.kind)
+                self.requests.fail(req, f"{type(exc).__name__}: {exc}")
+
+    def _finish_prefill(self, req: Request, logits: torch.Tensor, context: FullKVCache | None) -> None:
+        """The prompt (and any recomputed output) is in the caches: compress, pick the first token."""
+        seq, n = req.seq, req.done_ids
+        if req.prefill_buf is not None:  # home to the host tier
+            req.full.load(req.prefill_buf, n)
+        if req.draft is not None:
+            comp = req.opts.compressor
+            # a prompt partly loaded from the prefix store has no whole-prompt context here
+            whole = req.draft.prefill_context()
+            scores = None if whole is None else comp.on_prefill(self.runner.model, context or whole, req.prefill_ids,
+                                                                self.runner.tokenizer)
+            req.draft.set_prefill_scores(scores, n)
+            # compression starts once the whole prompt is in (an exact prefill); beside a full
+            # cache the draft cache takes the prompt's K/V from it
+            req.draft.commit(n, source=context)
+        if req.resident is not None:  # the resident layers go up once
+            req.resident.load(req.prefill_buf or req.full, n)
+        req.prefill_buf = None
+        if req.served is not None:  # a verifier session: the drafter appends the first token, not us
+            self.requests.set_state(req, State.SERVING)
+            req.served.opened(choose_token(logits, seq.params, seq.generator))
+            return
+        if self.memory.is_remote(req):  # the first token is the verifier's (exact), not the drafter's
+            req.prefilled = True
+            if seq.output_ids:
+                self.requests.set_state(req, State.DRAFTING)
+            return
+        if not seq.output_ids:
+            seq.append(choose_token(logits, seq.params, seq.generator))
+            req.first_token_at = time.perf_counter()
+        self.requests.set_state(req, State.DRAFTING if req.mode == "vericache" else State.DECODING)
+
+    def _after_prefill(self, req: Request, row: Row, logits, argmax) -> None:
+        req.done_ids += len(row.tokens)
+        if logits is not None:
+            self._finish_prefill(req, logits[0], req.prefill_buf or req.full)
+
+    def _after_decode(self, req: Request, row: Row, logits, argmax) -> None:
+        if req.draft is not None:  # lossy: the drafter's own K/V are final
+            req.draft_bytes_read += req.draft.nbytes()
+            req.draft.commit(req.position + 1)
+        params = req.seq.params
+        req.seq.append(argmax[0] if params.greedy else choose_token(logits[0], params, req.seq.generator))
+
+    def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
+        req.draft_bytes_read += req.draft.nbytes()
+        add_draft(req.seq, req.round, logits[0], argmax[0])
+
+    def _after_verify(self, req: Request, row: Row, logits, argmax) -> None:
+        if req.served is not None:   # the verifier role: the drafter's round, answered over the network
+            _, _, reply = req.served.inbox.popleft()
+            reply(verify_for_drafter(req.full, row.start, row.tokens[1:], argmax))
+            return
+        write_back = None
+        if isinstance(row.cache, StreamedKV):
+            write_back = lambda s, e: self._write_back(req, row.cache, s, e)  # noqa: E731
+        req.verify_bytes_read += req.full.nbytes()
+        m = finish_round(req.seq, req.round, req.position, req.draft, logits=logits, targets=argmax,
+                         full=req.full, write_back=write_back)
+        self.requests.round_done(req, m)
+        if req.state == State.TRANSFERRING:
+            self.memory.device.free(("verify", req.id))
+            req.transfer = None
+            self.requests.set_state(req, State.DRAFTING)
+
+    def _write_back(self, req: Request, view: StreamedKV, start: int, keep: int) -> None:
+        """The verified positions, written on the device, back to the host tier."""
+        req.full.begin(start, keep - start)
+        req.full.overwrite(view.buf, start, keep, first_layer=self.memory.resident_layers)
+        if req.resident is not None:  # the resident layers were written on the device
+            req.full.overwrite(req.resident, start, keep)
+            req.resident.truncate(keep)
+
+    # ------------------------------------------------------------------ memory: charge, preempt
+    def charge(self, req: Request) -> None:
+        """Charge the tiers for what the request holds now; preempt newer requests if the device is full."""
+        self.make_room(self.memory.device_bytes(req), ("kv", req.id), req)
+        if req.state not in (State.WAITING, *DONE) and self.memory.fits(req):
+            self.memory.charge(req)
+
     def make_room(self, nbytes: int, key: tuple, req: Request) -> None:
         """Preempt newer requests (newest first) until ``nbytes`` fit; if none is newer, ``req`` itself
         goes back to waiting (its growth does not fit beside the older ones)."""
-        loop = self.loop
-        while not loop.device.can_fit(nbytes, key):
-            victims = [r for r in loop.requests
+        while not self.memory.device.can_fit(nbytes, key):
+            victims = [r for r in self.requests
                        if r.state in (State.PREFILL, State.DECODING, State.DRAFTING) and r is not req and r.id > req.id]
             if not victims:
                 if key[0] == "kv" and req.state in (State.DECODING, State.DRAFTING):
@@ -135,9 +315,8 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Back to waiting with nothing held: it is prefilled again when admitted."""
-        loop = self.loop
-        loop.instruments.preemptions += 1
-        loop.requests.drop_kv(req)
+        self.instruments.preemptions += 1
+        self.requests.drop_kv(req)
         req.done_ids = 0
         req.round.reset()
-        loop.requests.set_state(req, State.WAITING)
+        self.requests.set_state(req, State.WAITING)

@@ -1,19 +1,21 @@
 """The engine loop: continuous batching of full, lossy and VeriCache requests, one forward per step.
 
-``step()`` = schedule -> run -> postprocess:
+``step()`` = schedule -> run -> update, the stages joined by plain data (vLLM v1's shape):
 - schedule (``engine.scheduler``): admit waiting requests while their KV fits the device budget
-  (``engine.memory``), then pick this step's rows (``engine.batch``): prefill chunks, decode rows,
-  draft rows and verification chunks, a request in at most one row;
-- run: one forward over every row, so the weights are read once a step;
-- postprocess (``engine.postprocess``): each row's result through ``drafting.round`` (accept,
-  commit), finish, free, charge; with ``offload``, the link schedule (``engine.schedules``, P1) puts
-  complete drafts on the link (``engine.transfers``). The remote half is ``engine.remote_rounds``.
-The requests and their lifecycle (states, release, fail, charge) are the request table's
-(``engine.requests``); this file is the loop around them.
+  (``engine.memory``), then ``plan()`` this step's rows: prefill chunks, decode rows, draft rows and
+  verification chunks, a request in at most one row (a ``StepPlan``);
+- run (``ModelRunner.execute``): one forward over every row, so the weights are read once a step; it
+  returns each sampled row's logits (a ``StepResult``) and the step's ``StepRecord``;
+- update (``Scheduler.update``): each row's result through ``drafting.round`` (accept, commit),
+  finish, free, charge.
+Around them: with ``offload``, the offload policy (``engine.offload``, P1) puts complete drafts on
+the link; with a prefix store or a remote verifier, ``engine.remote_rounds`` applies replies before
+the step and sends complete rounds after it. The requests and their lifecycle (states, release, fail)
+are the request table's (``engine.requests``); no stage holds or receives this loop.
 
-This is the only generation loop: ``ModelRunner.generate`` (the library), the server and every bench
-drive it. An exception in a step fails only the requests it concerns (their KV is freed, their
-final output says "error"); the loop goes on.
+This is the only generation loop of a drafting engine: ``ModelRunner.generate`` (the library), the
+server and every bench drive it. An exception in a step fails only the requests it concerns (their
+KV is freed, their final output says "error"); the loop goes on.
 """
 
 from __future__ import annotations
@@ -24,20 +26,13 @@ import time
 
 import torch
 
-from vericache.drafting.cost import DraftCost
-from vericache.engine import remote_rounds, transfers
-from vericache.engine.batch import RowKind, StepBatch
-from vericache.engine.instruments import Instruments, StepRecord
 from vericache.engine.memory import KVMemory
+from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
-from vericache.engine.request import Request, State, StepOutput
-from vericache.engine.requests import RequestTable
-from vericache.engine.postprocess import postprocess
-from vericache.engine.scheduler import Scheduler
-from vericache.engine.schedules import SCHEDULERS, make_schedule
-from vericache.engine.sequence import Sequence
-from vericache.kv.link import CudaLink, EmulatedLink, StreamedKV
-from vericache.sampling import SamplingParams
+from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput
+from vericache.engine.scheduler import StepPlan, Scheduler
+from vericache.kv.full import FullKVCache
+from vericache.sampling import SamplingParams, Sequence
 
 __all__ = ["SCHEDULERS", "StepLoop", "StepOutput"]
 log = logging.getLogger("vericache.engine")
@@ -54,24 +49,28 @@ class StepLoop:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.runner = runner
-        self.draft_cost = DraftCost()  # draft lengths from this engine's fitted step costs
-        self.scheduler = Scheduler(self)           # admission, planning, preemption
-        self.schedule = make_schedule(scheduler)   # P1: when complete drafts' full KV goes on the link
         # offload: vericache full KV in the host tier, brought over ``link`` for each verification;
         # the first ``resident_layers`` layers of it stay on the device (fewer bytes cross)
         self.memory = KVMemory(runner.cfg, runner.loaded.device, runner.loaded.kv_dtype, device_budget,
                                host_budget, offload, resident_layers, remote=verifier is not None)
-        # the remote scenario (engine.remote_rounds): a prefix store's fetcher, a verifier elsewhere
-        self.prefix, self.verifier = prefix, verifier
+        self.device, self.host = self.memory.device, self.memory.host
+        self.instruments = Instruments()
+        self.requests = RequestTable(self.memory.free, self.instruments)
+        # admission, planning, update, preemption; it asks the offload policy (P1: when complete drafts'
+        # full KV goes on the link) and the remote half (a prefix store's fetcher, a verifier elsewhere)
+        self.scheduler = Scheduler(runner, self.memory, self.requests, self.instruments, scheduler, link,
+                                   prefill_chunk, max_running, prefix, verifier)
+        self.offload, self.remote = self.scheduler.offload, self.scheduler.remote
+        self.prefix, self.verifier = prefix, verifier   # the server drains their events
         self.wake = threading.Event()  # set when a fetch or a verifier reply lands
         for part in (prefix, verifier):
             if part is not None:
                 part.wake = self.wake
-        self.device, self.host = self.memory.device, self.memory.host
-        self.link = link  # made on first use when None: the first offloaded vericache request needs it
-        self.prefill_chunk, self.max_running = prefill_chunk, max_running
-        self.instruments = Instruments()
-        self.requests = RequestTable(self.memory, self.instruments, self.scheduler.make_room)
+
+    @property
+    def link(self):
+        """The link the offloaded full KV crosses (made on the first offloaded request when not given)."""
+        return self.offload.link
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -89,9 +88,16 @@ class StepLoop:
         self.runner.check_request(seq.prompt_ids, seq.params)
         return self._add(seq, options, prefill)
 
-    def _add(self, seq: Sequence, options, prefill) -> int:
+    def add_session(self, seq: Sequence, full: FullKVCache, served: Served) -> int:
+        """A verifier session (``remote.verifier``): a full-mode request whose prompt may be partly in
+        ``full`` already (blocks from the prefix store); once prefilled it verifies the rounds queued
+        on ``served.inbox`` instead of decoding."""
+        self.runner.check_request(seq.prompt_ids, seq.params)
+        return self._add(seq, RequestOptions(mode="full"), None, full=full, done_ids=full.length, served=served)
+
+    def _add(self, seq: Sequence, options, prefill, **fields) -> int:
         opts = options if isinstance(options, ResolvedOptions) else self.runner.resolve(options)
-        req = Request(-1, seq, opts, policy_state=opts.policy.new_state(), prefill=prefill)
+        req = Request(-1, seq, opts, policy_state=opts.policy.new_state(), prefill=prefill, **fields)
         prompt_ids, params = seq.prompt_ids, seq.params
         if prefill is not None:
             prefill.check(seq)
@@ -102,9 +108,8 @@ class StepLoop:
         if self.device.blocks_for(need) > self.device.total_blocks:
             raise ValueError(f"request needs {need} bytes of device KV (prompt {len(prompt_ids)} + max_tokens "
                              f"{params.max_tokens}) but the whole device budget is {self.device.capacity_bytes} bytes")
-        if self.memory.is_offloaded(req) and self.link is None:
-            dev = self.runner.loaded.device
-            self.link = CudaLink(dev) if dev.type == "cuda" else EmulatedLink(gbps=32)
+        if self.memory.is_offloaded(req):
+            self.offload.ensure_link()
         return self.requests.add(req)
 
     def abort(self, rid: int) -> None:
@@ -126,63 +131,38 @@ class StepLoop:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """schedule -> run -> postprocess, around the remote replies and the link's transfers."""
+        """schedule -> run -> update, around the remote replies and the link's transfers."""
         self.scheduler.admit()
-        if self.verifier is not None:   # drafter role: apply the verifier's replies
-            remote_rounds.poll(self)
-        batch = self.scheduler.plan()
-        if batch.rows and self._run(batch):
-            t0 = time.perf_counter()
-            postprocess(self, batch)
-            self.instruments.steps[-1].post = time.perf_counter() - t0
-        if self.verifier is not None:   # drafter role: complete rounds go to the verifier
-            remote_rounds.send_verifies(self)
+        if self.remote is not None:   # apply the verifier's replies and landed fetches
+            self.remote.poll()
+        plan = self.scheduler.plan()
+        if plan.rows:
+            self._run(plan)
+        if self.remote is not None:   # drafter role: complete rounds go to the verifier
+            self.remote.send_verifies()
         if self.link is not None:
-            self.schedule.start_transfers(self, self.requests.in_state(State.DRAFTING))
-        if self.link is not None or self.prefix is not None or self.verifier is not None:
-            self._wait_if_idle(batch)
+            self.offload.start_transfers()
+        if not plan.rows:
+            self._wait_if_idle()
         return self.collect_outputs()
 
-    # ------------------------------------------------------------------ run
-    def _run(self, batch: StepBatch) -> bool:
-        """One forward; on an exception every request in the batch fails (and the loop goes on)."""
-        for row in batch.of(RowKind.VERIFY):
-            if isinstance(row.cache, StreamedKV) and not row.req.transfer.ready():
-                self.instruments.early_verifies += 1
-        work = batch.attention_work()
-        t0 = time.perf_counter()
+    def _run(self, plan: StepPlan) -> None:
+        """run -> update; if the forward raises, every request in the plan fails (and the loop goes on)."""
         try:
-            n_draft = sum(len(r.tokens) for r in batch.of(RowKind.DRAFT))
-            batch.run(self.runner.model, self.runner.loaded.device, draft_weights=self.runner.draft_kind(n_draft))
+            result, record = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - whatever broke, the other requests go on
-            log.exception("step forward failed for requests %s", [r.req.id for r in batch.rows])
-            for row in batch.rows:
+            log.exception("step forward failed for requests %s", [r.req.id for r in plan.rows])
+            for row in plan.rows:
                 self.requests.fail(row.req, f"{type(exc).__name__}: {exc}")
-            return False
-        t1 = time.perf_counter()
-        self.instruments.note_interval(t0, t1, batch.kinds)
-        self.instruments.steps.append(StepRecord(t0, t1, batch.kinds, len(batch.rows), *work))
-        self.draft_cost.tick(self.instruments.steps)
-        if batch.of(RowKind.VERIFY) and batch.kinds == RowKind.VERIFY:  # a clean measurement of the verification
-            self.instruments.note_verify(t1 - t0, self.runner.cfg.num_hidden_layers)
-        return True
+            return
+        self.instruments.record_step(record, self.runner.cfg.num_hidden_layers)
+        self.scheduler.update(plan, result)
+        record.post = time.perf_counter() - record.end
 
-    # ------------------------------------------------------------------ the link (offloaded vericache)
-    def start_transfer(self, req: Request) -> bool:
-        """Queue the request's full KV on the link (``engine.transfers``; the link schedules call it)."""
-        return transfers.start_transfer(self, req)
-
-    def measured_rates(self) -> tuple[float, float] | None:
-        """(link bytes per second, seconds per draft step), measured so far; None before both exist."""
-        return transfers.measured_rates(self)
-
-    def _wait_if_idle(self, batch: StepBatch) -> None:
-        """Nothing to compute until a transfer lands: block on it rather than spin."""
-        if not batch.rows and remote_rounds.waiting_on_remote(self):
+    def _wait_if_idle(self) -> None:
+        """Nothing to compute until a fetch, a verifier reply or a transfer lands: block, not spin."""
+        if self.remote is not None and self.remote.waiting():
             self.wake.wait(0.05)  # a fetch or a verifier reply wakes it
             self.wake.clear()
-            return
-        in_flight = self.requests.in_state(State.TRANSFERRING)
-        if in_flight and not batch.rows and not self.requests.in_state(State.PREFILL, State.DECODING) and not any(
-                not r.round.complete for r in self.requests.in_state(State.DRAFTING)):
-            min(in_flight, key=lambda r: r.id).transfer.wait_all()
+        elif self.link is not None:
+            self.offload.wait_if_idle()

@@ -29,8 +29,7 @@ import torch
 
 from vericache.compress.base import Compressor, ScoreInputs
 from vericache.config import ModelConfig
-from vericache.kv.blocks import storage_bytes
-from vericache.kv.full import FullKVCache
+from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.packed import KeyPart, LayeredParts
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]

@@ -149,3 +149,12 @@ class FullKVCache:
         """``parts`` for every layer at once (the native step): the chunk of t at the forward's start."""
         s = self._start
         return LayeredParts(self.k, self.v, s, [KeyPart(self.k, self.v, n=s + t, diag=s)])
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

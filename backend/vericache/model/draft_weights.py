@@ -16,7 +16,7 @@ batch's (the int4 kernel's bf16 path has no many-row blocking here).
 ``auto`` measures that on the machine it runs on (``DraftChoice``, at engine start), beside the exact
 weights through the batch-invariant op (``fp32``: on a GGUF model its stored blocks, often the fewest
 bytes), and lets each step's draft row count pick the fastest. A step's draft rows come first in its packed rows
-(``StepBatch``), so every linear runs the first ``n_draft`` rows on the draft copy and the rest on
+(``ModelRunner.execute``), so every linear runs the first ``n_draft`` rows on the draft copy and the rest on
 the exact weight.
 """
 

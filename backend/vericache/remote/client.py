@@ -13,11 +13,12 @@ import time
 
 import grpc
 
+from vericache.engine.remote_rounds import RemoteUnavailable
 from vericache.remote.codec import pack, unpack
 from vericache.remote.server import CHANNEL_OPTIONS, SERVICE
 
 
-class VerifierUnavailable(RuntimeError):
+class VerifierUnavailable(RemoteUnavailable):
     """The verifier cannot be reached or dropped the session (HTTP 503 for the request)."""
 
 

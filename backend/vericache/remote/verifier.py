@@ -7,11 +7,14 @@ verifier's token (correction or bonus) and the exact K/V of positions n .. n+m, 
 cache tracks the full model. ``close`` frees the session's KV. Greedy only: the drafter sends
 token ids, not distributions.
 
-One worker thread owns the model: each forward (``engine.batch``) carries the next chunk of every
-open's tail prefill and every queued verification, so the weights are read once per step, opens
-that land together prefill together, and one that lands later joins at the next chunk rather than
-queueing behind whole prefills. Store fetches run in the callers' threads,
-overlapping the worker.
+It runs the engine's one step loop (``engine.step_loop``): a session is a request in state
+``serving`` (``StepLoop.add_session``) whose verification rows come from the network instead of
+from local drafts (``engine.requests.Served``), and the round's end is ``drafting.round``'s
+``verify_for_drafter``. One worker thread owns the loop: callers' opens, verifications and closes
+are queued to it, and each step carries the next ``prefill_chunk`` tokens of every open's tail
+prefill and every queued verification, so the weights are read once per step, opens that land
+together prefill together, and one that lands later joins at the next chunk rather than queueing
+behind whole prefills. Store fetches run in the callers' threads, overlapping the worker.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.drafting.round import greedy_accepted
-from vericache.engine.batch import RowKind, StepBatch
-from vericache.engine.sequence import positions_needed
+from vericache.engine.requests import Served, State
+from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
-from vericache.kv.tee import QueryRecorder, TeeCache
+from vericache.kv.tee import QueryRecorder
 from vericache.remote.forms import compressed_forms, full_forms
 from vericache.remote.store import PrefixStore, StoreUnavailable
+from vericache.sampling import SamplingParams, positions_needed
 
 log = logging.getLogger("vericache.verifier")
 
@@ -48,6 +51,10 @@ class Session:
     fetch_bytes: int = 0
     fetch_s: float = 0.0
     closed: bool = False
+    request_id: int = -1             # its request in the step loop, once the worker has added it
+    recorder: QueryRecorder | None = None
+    opened: Future = field(default_factory=Future, repr=False)   # the first token
+    replies: list = field(default_factory=list, repr=False)      # futures of verifications not yet answered
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -68,7 +75,9 @@ class VerifierCore:
         self._work: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="vericache-verifier", daemon=True)
+        # the step budget admits every session's chunk: each is capped per session (``Served.chunk``)
+        self.loop = StepLoop(engine, offload=False, prefill_chunk=1 << 30)
+        self._thread = threading.Thread(target=self._work_loop, name="vericache-verifier", daemon=True)
         if autostart:
             self.start()
 
@@ -82,7 +91,7 @@ class VerifierCore:
     # ------------------------------------------------------------------ callers (any thread)
     def open(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> tuple[Session, int]:
         """A new session over ``prompt_ids``; returns it and the first generated token."""
-        self.runner.check_request(prompt_ids, _greedy(max_tokens))
+        self.runner.check_request(prompt_ids, SamplingParams(max_tokens=max_tokens))
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 raise RuntimeError(f"verifier is full: {self.max_sessions} sessions open")
@@ -103,7 +112,8 @@ class VerifierCore:
                 self._event("store_error", {"role": "verifier"})
                 full.truncate(0)
         t0 = time.perf_counter()
-        token = self._submit("open", sess, full).result()
+        self._work.put(("open", sess, full))
+        token = sess.opened.result()
         log.info("session %s: %d of %d prompt tokens from the store (%.1f MB in %.3f s), then queue + prefill %.3f s",
                  sess.id, sess.hit_tokens, len(prompt_ids), sess.fetch_bytes / 1e6, sess.fetch_s,
                  time.perf_counter() - t0)
@@ -118,13 +128,17 @@ class VerifierCore:
                              f"expects position {sess.full.length} and at least one token")
         if start + len(tokens) > positions_needed(len(sess.prompt_ids), sess.max_tokens):
             raise ValueError(f"verify of {len(tokens)} tokens at {start} runs past prompt + max_tokens")
-        return self._submit("verify", sess, (start, list(tokens))).result()
+        fut: Future = Future()
+        self._work.put(("verify", sess, (start, list(tokens), fut)))
+        return fut.result()
 
     def close(self, sess: Session) -> None:
+        """The session ends: its request is aborted at the worker's next turn (its KV freed then)."""
         with sess.lock:
-            sess.closed, sess.full = True, None  # the KV goes now
+            sess.closed, sess.full = True, None
         with self._lock:
             self.sessions.pop(sess.id, None)
+        self._work.put(("close", sess, None))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -132,86 +146,105 @@ class VerifierCore:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def _submit(self, kind: str, sess: Session, arg) -> Future:
-        fut: Future = Future()
-        self._work.put((kind, sess, arg, fut))
-        return fut
-
     def _event(self, name: str, fields: dict) -> None:
         """``fields`` plus ``end``, the wall-clock time it happened (events are drained later)."""
         self.events.append((name, {**fields, "end": time.time()}))
 
     # ------------------------------------------------------------------ the worker
-    def _loop(self) -> None:
-        tails: list[Tail] = []    # opens whose tail prefill is under way
+    def _work_loop(self) -> None:
+        """Take what the callers queued, then step the loop while it has work; idle: wait for work."""
         while not self._stop.is_set():
-            items = [] if tails else [self._work.get()]   # idle: wait; prefilling: take what is queued
+            items = [] if self._busy() else [self._work.get()]   # idle: wait for work
             while True:
                 try:
                     items.append(self._work.get_nowait())
                 except queue.Empty:
                     break
-            items = [x for x in items if x is not None]
-            tails += [self._tail(sess, full, fut) for kind, sess, full, fut in items if kind == "open"]
-            with torch.inference_mode():
-                tails = self._step(tails, [x for x in items if x[0] == "verify"])
+            for item in items:
+                if item is not None:
+                    self._take(*item)
+            if self._busy():
+                try:
+                    self._step()
+                except Exception as exc:  # noqa: BLE001 - the loop itself broke: fail what it holds, go on
+                    log.exception("verifier step failed")
+                    self.loop.fail_unfinished(f"{type(exc).__name__}: {exc}")
+                    for sess in list(self.sessions.values()):
+                        self._fail(sess, exc)
 
-    def _step(self, tails: list[Tail], verifies: list) -> list[Tail]:
-        """One forward: the next ``prefill_chunk`` tokens of every open's tail and every queued
-        verification, so an open that lands while others prefill joins them at the next chunk.
-        Returns the tails left to prefill."""
-        batch = StepBatch()
-        for t in tails:
-            chunk = t.left[: self.prefill_chunk]
-            t.left = t.left[len(chunk):]
-            batch.add(t, RowKind.PREFILL, chunk, t.at, t.cache, "none" if t.left else "last")
-            t.at += len(chunk)
-        futs = self._add_verifies(batch, verifies)
-        if not batch.rows:
-            return []
-        t0 = time.perf_counter()
-        try:
-            batch.run(self.runner.model, self.runner.loaded.device)
-        except Exception as exc:  # noqa: BLE001 - reported to the callers
-            log.exception("verifier forward failed")
-            for fut in futs + [t.fut for t in tails]:
-                fut.set_exception(exc)
-            return []
-        seconds = time.perf_counter() - t0
-        prefill_rows = batch.of(RowKind.PREFILL)
-        if prefill_rows:
-            self._event("prefill", {"tokens": sum(len(r.tokens) for r in prefill_rows), "rows": len(prefill_rows),
-                                    "seconds": seconds})
-        if futs:
-            self._event("verify_step", {"rows": len(futs), "seconds": seconds, "with_prefill": bool(prefill_rows)})
-        self._finish_verifies(batch.of(RowKind.VERIFY), futs)
-        for row in prefill_rows:
-            if row.logits_for == "last":
-                self._run(row.req.fut, self._opened, row.req, row.argmax[0])
-        return [t for t in tails if t.left]
+    def _busy(self) -> bool:
+        """Some session is prefilling or has a verification queued."""
+        return any(r.served.inbox or r.state in (State.WAITING, State.PREFILL) for r in self.loop.requests)
 
-    def _tail(self, sess: Session, full: FullKVCache, fut: Future) -> Tail:
-        """A session's cache (the stored blocks loaded) and the prompt tokens left to prefill."""
+    def _take(self, kind: str, sess: Session, arg) -> None:
+        if kind == "open":
+            self._add_session(sess, arg)
+        elif kind == "close":   # its KV goes now; an open or a verification still waiting gets an error
+            if sess.request_id >= 0:
+                self.loop.abort(sess.request_id)
+                self.loop.requests.forget(sess.request_id)
+            self._fail(sess, ValueError(f"session {sess.id} is closed"))
+        elif sess.closed or sess.request_id < 0 or self.loop.requests[sess.request_id].done:
+            arg[2].set_exception(ValueError(f"session {sess.id} is closed"))
+        else:
+            start, tokens, fut = arg
+            sess.replies.append(fut)
+            self.loop.requests[sess.request_id].served.inbox.append((start, tokens, self._reply(sess, fut)))
+
+    def _add_session(self, sess: Session, full: FullKVCache) -> None:
         sess.hit_tokens = full.length
-        recorder = QueryRecorder(self.runner.cfg.num_hidden_layers, 64)
-        return Tail(sess, fut, full, recorder, TeeCache(full, recorder), list(sess.prompt_ids[full.length:]), full.length)
-
-    def _opened(self, tail: Tail, token: int) -> int:
-        sess = tail.sess
         if self.store_prefixes and self.store is not None:
-            self._store_prefix(sess, tail.full, tail.recorder.queries, sess.hit_tokens)
-        with sess.lock:
-            if not sess.closed:
-                sess.full = tail.full
-        return token
+            sess.recorder = QueryRecorder(self.runner.cfg.num_hidden_layers, 64)
+        seq = self.runner.new_sequence(sess.id, sess.prompt_ids, SamplingParams(max_tokens=sess.max_tokens), checked=True)
+        served = Served(lambda token: self._opened(sess, full, token), self.prefill_chunk, sess.recorder)
+        try:
+            sess.request_id = self.loop.add_session(seq, full, served)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            sess.opened.set_exception(exc)
 
     @staticmethod
-    def _run(fut: Future, fn, *args) -> None:
-        try:
-            fut.set_result(fn(*args))
-        except Exception as exc:  # noqa: BLE001 - reported to the callers
-            log.exception("verifier work failed")
-            fut.set_exception(exc)
+    def _reply(sess: Session, fut: Future):
+        def reply(result: tuple) -> None:
+            sess.replies.remove(fut)
+            fut.set_result(result)
+        return reply
+
+    def _step(self) -> None:
+        """One step of the loop; its forward's events; any session its step failed gets the error."""
+        n = self.loop.instruments.n_steps
+        with torch.inference_mode():
+            self.loop.step()
+        if self.loop.instruments.n_steps > n:
+            rec = self.loop.instruments.steps[-1]
+            seconds, by_kind = rec.end - rec.start, rec.by_kind
+            if "prefill" in by_kind:
+                rows, tokens = by_kind["prefill"]
+                self._event("prefill", {"tokens": tokens, "rows": rows, "seconds": seconds})
+            if "verify" in by_kind:
+                self._event("verify_step", {"rows": by_kind["verify"][0], "seconds": seconds,
+                                            "with_prefill": "prefill" in by_kind})
+        for sess in list(self.sessions.values()):
+            req = self.loop.requests.get(sess.request_id)
+            if req is not None and req.state == State.FAILED:
+                self._fail(sess, RuntimeError(f"session {sess.id}: {req.error}"))
+
+    @staticmethod
+    def _fail(sess: Session, exc: Exception) -> None:
+        """Whatever the session's callers still wait for gets ``exc``."""
+        for fut in [sess.opened, *sess.replies]:
+            if not fut.done():
+                fut.set_exception(exc)
+        sess.replies.clear()
+
+    def _opened(self, sess: Session, full: FullKVCache, token: int) -> None:
+        """The prompt is in (called from the loop's update): store the prefix if asked, answer the open."""
+        if sess.recorder is not None:
+            self._store_prefix(sess, full, sess.recorder.queries, sess.hit_tokens)
+        with sess.lock:
+            if not sess.closed:
+                sess.full = full
+        if not sess.opened.done():   # a close may have answered it already
+            sess.opened.set_result(token)
 
     def _store_prefix(self, sess: Session, full: FullKVCache, queries: list, hit: int) -> None:
         """Put the prompt's whole blocks (full, and the drafter's compressor's form) when some were missing."""
@@ -228,40 +261,3 @@ class VerifierCore:
             self.store.put(sess.prompt_ids[: nb * bt], forms)
         except StoreUnavailable as exc:
             log.warning("could not store the prefix of session %s: %s", sess.id, exc)
-
-    @staticmethod
-    def _add_verifies(batch: StepBatch, items: list) -> list[Future]:
-        futs = []
-        for _, sess, (start, tokens), fut in items:
-            if sess.full is None or sess.closed:
-                fut.set_exception(ValueError(f"session {sess.id} is closed"))
-                continue
-            batch.add(sess, RowKind.VERIFY, tokens, start, sess.full, "all")
-            futs.append(fut)
-        return futs
-
-    @staticmethod
-    def _finish_verifies(rows: list, futs: list[Future]) -> None:
-        for row, fut in zip(rows, futs):
-            sess, start, targets = row.req, row.start, row.argmax
-            m = greedy_accepted(targets, row.tokens[1:])
-            keep = start + 1 + m
-            sess.full.truncate(keep)
-            fut.set_result((m, targets[m], *sess.full.copy_out(start, keep)))
-
-
-@dataclass
-class Tail:
-    """An open in progress: the prompt tokens still to prefill (``left``, from position ``at``)."""
-    sess: Session
-    fut: Future
-    full: FullKVCache
-    recorder: QueryRecorder
-    cache: TeeCache
-    left: list[int]
-    at: int
-
-
-def _greedy(max_tokens: int):
-    from vericache.sampling import SamplingParams
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vericache.engine.request import State
+from vericache.engine.requests import State
 from vericache.engine.options import RequestOptions
 from vericache.engine.step_loop import StepLoop
 from vericache.sampling import SamplingParams

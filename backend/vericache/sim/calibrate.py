@@ -1,24 +1,18 @@
-"""``vericache sim --calibrate``: this machine's measured rates, and the cost model on them.
-
-Measured with the real model and kernels (the same code the engine runs):
-- ``step``: seconds of one forward with (almost) no KV, fitted as ``a + s * seqs + r * rows`` (a:
-  reading the weights once; s: each sequence's per-layer work outside the matmuls, its cache calls;
-  r: each row's matmul work), from one-row sequences (decode) and one many-row sequence (a chunk);
-- ``attention``: one-query attention over long KV gives the KV read bandwidth (bytes/s); a chunk of
-  queries over the same KV gives the compute rate (query-key pairs per second) that bounds
-  verification;
-- ``link``: the emulated link's achieved bytes/s at a nominal rate (its efficiency);
+"""``vericache sim --calibrate``: this machine's terms of the cost model (``drafting.cost.StepCosts``),
+measured with the real model and kernels (the same code the engine runs), and stored for ``bench
+throughput``'s predictions (``drafting.cost.predict_offloaded``):
+- c0, t_seq, t_row: forwards with (almost) no KV, fitted as ``c0 + t_seq * seqs + t_row * rows`` from
+  one-row sequences (decode) and one many-row sequence (a chunk);
+- t_byte: one-query attention over long KV (the KV read rate); t_pair: a chunk of queries over the
+  same KV, less the one-query pass (the compute that bounds verification);
+- the emulated link's achieved bytes/s at a nominal rate (its efficiency);
 - ``roofline`` (``sim.roofline``): the read bandwidth, the weight matmuls by row count and the
   packed op's peak flop rate, what every bench step is compared against.
-
-``predict`` turns them into tokens/s for ``bench throughput``'s rows (decode only; the prefill is
-shared and not timed), so every measured row is printed beside what the model says it should be.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -26,30 +20,22 @@ from pathlib import Path
 
 import torch
 
+from vericache.drafting.cost import StepCosts
+
 
 @dataclass
 class Calibration:
     model: str
     weights_dtype: str
     threads: int
-    step_a: float            # seconds per forward (weights read once, per-layer overhead)
-    step_seq: float          # seconds per sequence in the forward (its per-layer cache calls)
-    step_row: float          # seconds per row (token) in the forward
-    attn_bytes_per_s: float  # KV bytes read per second by one-query attention
-    attn_pairs_per_s: float  # query-key pairs (all layers, all query heads) per second, chunked queries
+    costs: dict              # StepCosts' terms (``StepCosts.to_dict``)
     link_efficiency: float   # achieved / nominal bytes per second of the emulated link
     kv_bytes_per_position: int
     roofline: dict | None = None   # sim.roofline.Roofline: read bandwidth, weight matmuls by rows, op peak
 
-    def step_s(self, seqs: int, rows: int | None = None) -> float:
-        """A forward over ``seqs`` sequences with ``rows`` tokens in all (default: one each)."""
-        return self.step_a + self.step_seq * seqs + self.step_row * (seqs if rows is None else rows)
-
-    def attention_s(self, n_seqs: int, keys: float, queries: int = 1) -> float:
-        """``n_seqs`` sequences, each ``queries`` queries over ``keys`` keys (all layers)."""
-        read = n_seqs * keys * self.kv_bytes_per_position / self.attn_bytes_per_s
-        compute = n_seqs * keys * queries / self.attn_pairs_per_s
-        return max(read, compute)
+    @property
+    def step_costs(self) -> StepCosts:
+        return StepCosts(**self.costs)
 
 
 def default_path(model: str, dtype: str) -> Path:
@@ -105,9 +91,9 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
         return _time(lambda: attend_packed(q, [queries] * n_seqs, parts, hkv)) * cfg.num_hidden_layers
     one, chunk = attn(1), attn(16)
     per_pos = cfg.kv_bytes_per_position(kv_dt.itemsize)
-    bw = n_seqs * context * per_pos / one
-    pairs = n_seqs * context * 16 / chunk
-    log(f"attention: {bw / 1e9:.1f} GB/s one query; 16-query chunks {chunk / one:.1f}x a one-query pass")
+    t_byte = one / (n_seqs * context * per_pos)
+    t_pair = max(chunk - one, 0.0) / (n_seqs * context * 15)   # the 15 more queries' pairs
+    log(f"attention: {1 / t_byte / 1e9:.1f} GB/s one query; 16-query chunks {chunk / one:.1f}x a one-query pass")
 
     link = EmulatedLink(gbps=16)
     src = FullKVCache(cfg, "cpu", kv_dt, capacity=context)
@@ -122,8 +108,9 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
 
     # two noisy slopes: on a busy machine a chunk's row can time above a whole sequence's, and no
     # cost is negative
+    costs = StepCosts(max(a, 0.0), max(row, 0.0), max(per_seq - row, 0.0), t_byte, t_pair)
     return Calibration(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."), torch.get_num_threads(),
-                       a, max(per_seq - row, 0.0), row, bw, pairs, eff, per_pos, measure(llm, log).to_dict())
+                       costs.to_dict(), eff, per_pos, measure(llm, log).to_dict())
 
 
 def _slope(xs: list[int], ys: list[float]) -> float:
@@ -138,29 +125,3 @@ def save(cal: Calibration, path: Path) -> None:
 
 def load(path: Path) -> Calibration | None:
     return Calibration(**json.loads(path.read_text())) if path.exists() else None
-
-
-def predict(cal: Calibration, mode: str, n: int, context: int, budget_bytes: float, link_bytes_per_s: float,
-            kept: float, window: int, acceptance: float, draft_len: float) -> float:
-    """Modelled decode tokens/s of a ``bench throughput`` row.
-
-    full: as many requests as the budget holds decode together, one token per step;
-    lossy: all requests on their compressed KV (``kept`` of the tokens plus the window);
-    vericache: a round is ``draft_len`` draft steps for all, and each request's verification
-    (its full KV over the link, ``draft_len + 1`` queries over it), ``acceptance`` tokens each:
-    naive = compute + link; staggered/grouped = max(compute, link) (P1 hides the smaller).
-    """
-    full_req = (context + 1) * cal.kv_bytes_per_position
-    if mode == "full":
-        b = max(min(n, int(budget_bytes // full_req)), 1)
-        return b / (cal.step_s(b) + cal.attention_s(b, context))
-    draft_keys = kept * context + window
-    draft_step = cal.step_s(n) + cal.attention_s(n, draft_keys)
-    if mode == "lossy":
-        return n / draft_step
-    k = draft_len  # each request's chunk of k + 1 rows rides in a step beside the others' draft rows
-    verify = n * (cal.step_seq + cal.step_row * (k + 1)) + cal.attention_s(n, context, math.ceil(k + 1))
-    compute = k * draft_step + verify
-    link = n * full_req / (link_bytes_per_s * cal.link_efficiency)
-    round_s = compute + link if mode.endswith("naive") else max(compute, link)
-    return n * acceptance / round_s

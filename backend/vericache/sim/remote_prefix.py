@@ -1,7 +1,7 @@
 """The cost model of remote prefix caching (``bench prefix`` rows, ``vericache sim --remote-prefix``).
 
 ``n`` requests arrive together; each is a stored prefix of ``prefix`` positions plus a ``tail`` the
-engine computes, and decodes ``max_tokens``. A role's forward costs what ``sim.step_costs`` says:
+engine computes, and decodes ``max_tokens``. A role's forward costs what ``drafting.cost`` says:
 fixed + weights(rows) + per-sequence attention (measured on this CPU at the prefix's context, or
 the GPU roofline below). Links: ``slow`` (the drafting device to the store and to the verifier:
 bytes / rate, plus a round trip per exchange) and the store's fetch rate next to the verifier.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vericache.sim.cost_model import GPUS, MODELS, GPU, ModelShape, gpus_needed, tensor_parallel
-from vericache.sim.step_costs import StepCosts
+from vericache.drafting.cost import CostsAt, StepCosts
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RemoteCosts:
     verify: Callable[[float], float]        # sessions -> a chunk of k + 1 rows each, full caches
 
 
-def costs_from_steps(c: StepCosts, n: int, tail: int, k: float,
+def costs_from_steps(c: CostsAt, n: int, tail: int, k: float,
                      draft_weights: Callable[[int], float] | None = None) -> RemoteCosts:
     """``RemoteCosts`` composed from per-step costs (fixed + weights(rows) + per sequence)."""
     dw = draft_weights or c.weights
@@ -105,21 +105,19 @@ MODELS_24_70 = {"mistral-small-24b": ModelShape("Mistral-Small-24B", 23.6e9, 40,
 
 
 def gpu_costs(gpu: GPU, model: ModelShape, context: int, efficiency: tuple[float, float] = (0.8, 0.5),
-              comp_ratio: float = 0.125) -> StepCosts:
-    """Step costs on ``gpu`` (tensor-parallel as the weights need) as rooflines: a forward reads the
-    weights once and each sequence's KV once; its compute is 2 x params per row (+ attention)."""
+              comp_ratio: float = 0.125) -> CostsAt:
+    """The cost model's terms on ``gpu`` (tensor-parallel as the weights need) as rooflines: a forward
+    reads the weights once and each sequence's KV once; its compute is 2 x params per row, and per
+    query-key pair the attention's (~4 query heads per KV head)."""
     g = tensor_parallel(gpu, gpus_needed(gpu, model))
     bw, fl = g.hbm_bw * efficiency[0], g.flops * efficiency[1]
     kv = context * model.kv_bytes_per_token
-    attn = 4 * model.layers * model.kv_heads * 4 * model.head_dim * context   # ~4 query heads per KV head
+    pair_flops = 4 * model.layers * model.kv_heads * 4 * model.head_dim
 
     def weights(rows: int) -> float:
         return max(model.weight_bytes / bw, 2 * model.params * rows / fl)
-
-    def verify_row_cost() -> float:
-        return attn / fl
-    return StepCosts(c0=2e-3, full=kv / bw, draft=comp_ratio * kv / bw, verify0=kv / bw, verify_row=verify_row_cost(),
-                     weights=weights)
+    costs = StepCosts(c0=2e-3, t_byte=1 / bw, t_pair=pair_flops / fl, matmuls=weights)
+    return CostsAt(costs, (kv, context), (comp_ratio * kv, comp_ratio * context))
 
 
 def paper_table(prefix: int = 32768, tail: int = 256, n: int = 8, max_tokens: int = 256, tokens_per_round: float = 6.0,

@@ -7,7 +7,7 @@ Measured in the process that runs the bench, with the engine's own kernels:
 - the packed attention op's flop rate on a compute-bound shape (256 queries over 4096 keys).
 
 A step of ``rows`` rows whose attention reads ``kv_bytes`` and computes ``pairs`` query-key pairs
-(per query head and layer, ``StepBatch.attention_work``) costs at least
+(per query head and layer, ``runner.attention_work``) costs at least
 ``weights_s(rows) + max(kv_bytes / bandwidth, pairs * flops_per_pair / flop_rate)``; its
 ``step_ms / roofline_ms`` says how far the engine is from what the hardware allows.
 """
