@@ -139,3 +139,17 @@ def test_sampling_is_lossless_in_distribution(llm, code_prompts):
     critical = df + 3.09 * math.sqrt(2 * df) + 2  # ~ the 0.999 quantile (Wilson-Hilferty, conservative)
     assert set(counts) <= set(exact)
     assert chi2 < critical, (chi2, df)
+
+
+def test_a_temperature_near_zero_samples_the_argmax_not_nan():
+    """Found by the API fuzz: temperature 1e-300 divided the logits to +-inf (NaN probabilities, a 500).
+    Shifted by the max first, the distribution is one-hot at the argmax; ordinary temperatures unchanged."""
+    from vericache.sampling import probs_from_logits
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5]])
+    p = probs_from_logits(logits, SamplingParams(temperature=1e-300))
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    # top_p 5e-324 (a float64 denormal) is 0 in fp32: the top token stays, alone
+    assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324)), p)
+    ordinary = probs_from_logits(logits, SamplingParams(temperature=0.7))
+    assert torch.allclose(ordinary, torch.softmax(logits / 0.7, dim=-1), atol=1e-6)

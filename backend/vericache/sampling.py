@@ -56,7 +56,11 @@ class SamplingParams:
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [T, V] -> probabilities [T, V] after temperature, top-k and top-p (fp32)."""
-    logits = logits.float() / params.temperature
+    # in fp64 and shifted by the max before dividing: a temperature near 0 (1e-300, below fp32's range)
+    # sends the others to -inf instead of every logit to +-inf or 0/0 (NaN probabilities); the
+    # distribution is the same (softmax ignores a shift)
+    logits = logits.double()
+    logits = ((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature).float()
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -65,6 +69,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False   # a top_p below fp32's smallest number rounds to 0: keep the first anyway
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

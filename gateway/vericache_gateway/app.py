@@ -24,7 +24,16 @@ from vericache.serving.metrics import Metrics, metrics_sink, refresh_gauges
 from vericache.serving.service import BackgroundService, QueueFull, ServiceStopped
 from vericache.serving.trace import TraceFile, tee
 from vericache_gateway.backends import BackendUnavailable, EmbeddedBackend, TritonBackend
-from vericache_gateway.protocol import ChatRequest, CompletionRequest, chat_prompt, error_body
+from vericache_gateway.protocol import (
+    ChatRequest,
+    ChatResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    chat_prompt,
+    documented,
+    error_body,
+)
 
 
 class APIError(Exception):
@@ -71,11 +80,16 @@ def create_app(backend: BackgroundService | EmbeddedBackend | TritonBackend, mod
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.middleware("http")(guard)
     app.add_middleware(BodyLimit, gateway=app.state.gateway)   # outermost: runs before the guard
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/metrics", prometheus, methods=["GET"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"],
+                      responses={503: {"model": ErrorResponse, "description": "the backend is not ready"}})
+    app.add_api_route("/v1/models", models, methods=["GET"], responses={401: {"model": ErrorResponse}})
+    app.add_api_route("/metrics", prometheus, methods=["GET"],
+                      responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    app.add_api_route("/v1/completions", completions, methods=["POST"], responses=documented(CompletionResponse))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=documented(ChatResponse))
+    spec = app.openapi()   # generated once and kept: the served model is the one ``model`` accepts
+    for name in ("CompletionRequest", "ChatRequest"):
+        spec["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
     return app
 
 

@@ -285,35 +285,71 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
     import asyncio
 
     from vericache.bench.common import record
-    from vericache.bench.serve import run_load
+    from vericache.bench.serve import LaunchedServer, plot_soak, run_load, soak_verdict
 
-    if args.requests is None and args.duration is None:
-        raise ValueError("give --requests N or --duration SECONDS")
-    res = asyncio.run(run_load(args.url.rstrip("/"), args.model, args.concurrency, args.requests, args.duration,
-                               args.max_tokens, args.request_rate, args.cancel_prob, args.seed, args.server_pid,
-                               log=progress(args)))
-    text = json.dumps(res, indent=None if args.json else 2)
-    print(text)
-    record(args.record, "Serving load" + (" (soak)" if args.duration else ""), f"```json\n{json.dumps(res, indent=2)}\n```",
-           args.argv)
-    return 0
+    soak = args.soak is not None
+    if soak:
+        if args.soak <= 0:
+            raise ValueError(f"--soak takes minutes > 0, got {args.soak}")
+        args.duration = args.soak * 60
+    elif args.requests is None and args.duration is None:
+        raise ValueError("give --requests N, --duration SECONDS or --soak MINUTES")
+    server = LaunchedServer(args.model, log=progress(args)) if soak and args.url is None else None
+    url, pid = (server.url, server.pid) if server else ((args.url or "http://127.0.0.1:8000").rstrip("/"), args.server_pid)
+    try:
+        res = asyncio.run(run_load(url, args.model, args.concurrency, args.requests, args.duration, args.max_tokens,
+                                   args.request_rate, args.cancel_prob, args.seed, pid, log=progress(args),
+                                   nonstream_prob=args.nonstream_prob, bad_prob=args.bad_prob))
+    finally:
+        if server is not None:
+            server.close()
+    failures = soak_verdict(res, args.rss_bound_mb) if soak else []
+    if soak:
+        res.update({"soak_minutes": args.soak, "rss_bound_mb": args.rss_bound_mb, "passed": not failures,
+                    "failures": failures})
+    if args.plot:
+        plot_soak(res, args.plot)
+    print(json.dumps(res, indent=None if args.json else 2))
+    record(args.record, "Serving load" + (f" (soak, {args.soak} min)" if soak else ""),
+           f"```json\n{json.dumps(res, indent=2)}\n```", args.argv)
+    for why in failures:
+        progress(args)(f"soak FAILED: {why}")
+    return 1 if failures else 0
 
 
 def _add_serve(bsub) -> None:
     sv = bsub.add_parser("serve", help="streaming load generator (and soak) against an OpenAI-compatible URL")
-    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--url", default=None, help="the server (default http://127.0.0.1:8000; with --soak: start one)")
     sv.add_argument("--model", default=DEFAULT_MODEL)
     sv.add_argument("--concurrency", type=int, default=8)
     sv.add_argument("--requests", type=int, default=None)
-    sv.add_argument("--duration", type=float, default=None, help="soak: run for this many seconds")
+    sv.add_argument("--duration", type=float, default=None, help="run for this many seconds")
+    sv.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                    help="soak for this many minutes (own server unless --url; exit 1 on a 5xx, a leak or memory growth)")
     sv.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: closed loop)")
     sv.add_argument("--max-tokens", type=int, default=64)
-    sv.add_argument("--cancel-prob", type=float, default=0.0, help="share of clients that hang up mid-stream")
+    sv.add_argument("--cancel-prob", type=float, default=None, help="share of clients that hang up mid-stream "
+                    "(default 0; 0.1 with --soak)")
+    sv.add_argument("--nonstream-prob", type=float, default=None, help="share of non-streaming requests "
+                    "(default 0; 0.3 with --soak)")
+    sv.add_argument("--bad-prob", type=float, default=None, help="share of bad requests, which must get a 4xx "
+                    "(default 0; 0.05 with --soak)")
+    sv.add_argument("--rss-bound-mb", type=float, default=64.0, help="soak: allowed RSS growth after the warm-up")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--server-pid", type=int, default=None, help="sample this process's RSS during the run")
+    sv.add_argument("--plot", default=None, help="PNG of the server's RSS and KV bytes over the run")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--record", default=None)
-    sv.set_defaults(func=_cmd_serve_load)
+    sv.set_defaults(func=_serve_defaults)
+
+
+def _serve_defaults(args: argparse.Namespace) -> int:
+    """The soak's mix unless given: a tenth hang up, three tenths want a whole body, one in twenty is bad."""
+    soak = args.soak is not None
+    for name, soak_default in (("cancel_prob", 0.1), ("nonstream_prob", 0.3), ("bad_prob", 0.05)):
+        if getattr(args, name) is None:
+            setattr(args, name, soak_default if soak else 0.0)
+    return _cmd_serve_load(args)
 
 
 def add_bench_parser(sub) -> None:

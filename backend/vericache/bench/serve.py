@@ -2,9 +2,15 @@
 
 Reports TTFT, inter-token latency and end-to-end latency percentiles, request and token
 throughput, errors by status, and the acceptance figures read from the server's /metrics.
-Clients can hang up at random (``--cancel-prob``) to exercise abort-on-disconnect; at the end
-the server's running-request and KV gauges are read back (they must return to 0), and with
-``--server-pid`` its resident memory is sampled over the run (it must stay flat).
+Clients can hang up at random (``--cancel-prob``) to exercise abort-on-disconnect, ask for a whole
+body instead of a stream (``--nonstream-prob``) or send a bad request (``--bad-prob``: it must get a
+4xx); at the end the server's running-request and KV gauges are read back (they must return to 0).
+Every 10 s the server's resident memory (``--server-pid``) and its KV bytes in use are sampled.
+
+``--soak MINUTES`` (``soak_verdict``): the load above at concurrency 8 for that long against a server
+it starts itself (``vericache serve`` on ``--model``) unless ``--url`` is given; it fails (exit 1) on
+any 5xx, any bad request not answered 4xx, requests or KV left after the load, or resident memory
+growing more than ``--rss-bound-mb`` after the warm-up (the first fifth of the run).
 """
 
 from __future__ import annotations
@@ -22,10 +28,15 @@ PROMPTS = ["def parse_config(path):\n", "class LRUCache:\n    def __init__(self,
            "import json\n\n\ndef load(path):\n", "def quicksort(items):\n", "async def fetch(session, url):\n"]
 
 
+BAD_BODIES = [{"model": "tiny"}, {"prompt": "x", "max_tokens": -1}, {"prompt": "x", "temperature": "hot"},
+              {"prompt": ["a", "b"]}, {"prompt": "x", "max_tokens": 10 ** 9}, {"prompt": "x", "vericache": {"mode": "?"}}]
+
+
 @dataclass
 class Result:
     ok: bool = False
     status: int = 0
+    kind: str = "stream"      # "stream", "whole" (one JSON body) or "bad" (a request that must get a 4xx)
     cancelled: bool = False
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -42,10 +53,15 @@ def percentiles(xs: list[float]) -> dict:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, max_tokens: int, rng: random.Random,
-                      cancel_prob: float) -> Result:
-    r = Result()
+                      cancel_prob: float, nonstream_prob: float = 0.0, bad_prob: float = 0.0) -> Result:
+    kind = "bad" if rng.random() < bad_prob else "whole" if rng.random() < nonstream_prob else "stream"
+    r = Result(kind=kind)
     body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if kind != "stream":
+        body = {"model": model, **rng.choice(BAD_BODIES)} if kind == "bad" else {**body, "stream": False}
+        body.pop("stream_options", None)
+        return await _one_body(client, url, body, r)
     cancel_after = rng.randint(1, max(max_tokens // 2, 1)) if rng.random() < cancel_prob else None
     t0 = time.perf_counter()
     last = None
@@ -79,6 +95,20 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, max_token
     return r
 
 
+async def _one_body(client: httpx.AsyncClient, url: str, body: dict, r: Result) -> Result:
+    """A non-streaming request (or a bad one): one JSON body back."""
+    t0 = time.perf_counter()
+    try:
+        resp = await client.post(url + "/v1/completions", json=body)
+        r.status = resp.status_code
+        if resp.status_code == 200:
+            r.tokens, r.ok = resp.json()["usage"]["completion_tokens"], True
+    except httpx.HTTPError:
+        r.status = r.status or -1
+    r.e2e = time.perf_counter() - t0
+    return r
+
+
 def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -105,33 +135,42 @@ def rss_mb(pid: int) -> float | None:
 
 async def run_load(url: str, model: str, concurrency: int, requests: int | None, duration: float | None,
                    max_tokens: int, request_rate: float | None, cancel_prob: float, seed: int,
-                   server_pid: int | None, log=print) -> dict:
-    """Closed-loop (``concurrency``) or Poisson (``request_rate``) streaming load for ``requests`` or
-    ``duration`` seconds; latency percentiles, errors, the server's RSS and its metrics' deltas."""
+                   server_pid: int | None, log=print, nonstream_prob: float = 0.0, bad_prob: float = 0.0,
+                   sample_every: float = 10.0) -> dict:
+    """Closed-loop (``concurrency``) or Poisson (``request_rate``) load for ``requests`` or ``duration``
+    seconds; latency percentiles, statuses by kind, the server's RSS and KV bytes every ``sample_every``
+    seconds, and its metrics' deltas."""
     # Long: the load's workers and monitor are closures over one run's client, semaphore and results
     # (asyncio's usual shape); the summary after them reads those results in place.
     rng = random.Random(seed)
     results: list[Result] = []
     before = scrape(url)
-    rss: list[float] = []
+    samples: list[dict] = []
     t0 = time.perf_counter()
     sem = asyncio.Semaphore(concurrency)
     stop_at = t0 + duration if duration else None
 
+    async def sample() -> None:
+        m = await asyncio.to_thread(scrape, url)
+        samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": rss_mb(server_pid) if server_pid else None,
+                        "kv_bytes": _sum(m, "vericache_kv_cache_bytes"),
+                        "running": _sum(m, "vericache_num_requests_running"), "requests_done": len(results)})
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
         async def worker(i: int) -> None:
             async with sem:
-                results.append(await one_request(client, url, model, max_tokens, rng, cancel_prob))
+                results.append(await one_request(client, url, model, max_tokens, rng, cancel_prob, nonstream_prob,
+                                                 bad_prob))
 
         async def monitor() -> None:
             last_log = time.perf_counter()
             while True:
-                if server_pid and (m := rss_mb(server_pid)) is not None:
-                    rss.append(m)
+                await sample()
                 if time.perf_counter() - last_log >= 30:
-                    log(f"  {len(results)} requests done after {time.perf_counter() - t0:.0f} s")
+                    log(f"  {len(results)} requests done after {time.perf_counter() - t0:.0f} s; "
+                        f"server RSS {samples[-1]['rss_mb']} MB, KV {samples[-1]['kv_bytes'] / 1e6:.1f} MB")
                     last_log = time.perf_counter()
-                await asyncio.sleep(2)
+                await asyncio.sleep(sample_every)
 
         mon = asyncio.create_task(monitor())
         tasks, i = [], 0
@@ -146,6 +185,7 @@ async def run_load(url: str, model: str, concurrency: int, requests: int | None,
         mon.cancel()
     wall = time.perf_counter() - t0
     await asyncio.sleep(1.0)  # let aborts land
+    await sample()            # the last sample: after the load, everything should be back
     after = scrape(url)
     statuses: dict[str, int] = {}
     for r in results:
@@ -157,6 +197,8 @@ async def run_load(url: str, model: str, concurrency: int, requests: int | None,
     return {
         "requests": len(results), "completed": sum(1 for r in done if not r.cancelled),
         "cancelled_by_client": sum(1 for r in results if r.cancelled), "wall_s": round(wall, 2),
+        "by_kind": {k: sum(1 for r in results if r.kind == k) for k in ("stream", "whole", "bad")},
+        "bad_not_4xx": sum(1 for r in results if r.kind == "bad" and not 400 <= r.status < 500),
         "request_throughput": round(len(done) / wall, 3),
         "token_throughput": round(sum(r.tokens for r in done) / wall, 2),
         "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
@@ -167,5 +209,100 @@ async def run_load(url: str, model: str, concurrency: int, requests: int | None,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
         "after": {"num_requests_running": _sum(after, "vericache_num_requests_running"),
                   "kv_cache_bytes": _sum(after, "vericache_kv_cache_bytes")},
-        "server_rss_mb": {"first": rss[0], "max": max(rss), "last": rss[-1]} if rss else None,
+        "samples": samples,
+        "server_rss_mb": _rss_summary(samples),
     }
+
+
+def _rss_summary(samples: list[dict]) -> dict | None:
+    rss = [x["rss_mb"] for x in samples if x["rss_mb"] is not None]
+    return {"first": rss[0], "max": max(rss), "last": rss[-1]} if rss else None
+
+
+def soak_verdict(res: dict, rss_bound_mb: float, warmup: float = 0.2) -> list[str]:
+    """Why a soak run fails (empty: it passed): any 5xx, a bad request not answered 4xx, requests or KV
+    left once the load is over, or the server's resident memory after the warm-up (the first
+    ``warmup`` of the samples) growing by more than ``rss_bound_mb``."""
+    why = [] if res["completed"] else ["no request completed"]
+    if res["errors_5xx"]:
+        why.append(f"{res['errors_5xx']} responses were 5xx")
+    if res["bad_not_4xx"]:
+        why.append(f"{res['bad_not_4xx']} bad requests were not answered 4xx")
+    if res["after"]["num_requests_running"] or res["after"]["kv_cache_bytes"]:
+        why.append(f"left after the load: {res['after']}")
+    rss = [x["rss_mb"] for x in res["samples"] if x["rss_mb"] is not None]
+    if rss:
+        base = rss[min(int(len(rss) * warmup), len(rss) - 1)]
+        growth = max(rss[int(len(rss) * warmup):]) - base
+        res["rss_growth_after_warmup_mb"] = round(growth, 1)
+        if growth > rss_bound_mb:
+            why.append(f"resident memory grew {growth:.0f} MB after the warm-up (bound {rss_bound_mb:.0f} MB)")
+    return why
+
+
+def plot_soak(res: dict, path: str) -> None:
+    """The server's resident memory and KV bytes in use over the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x["t_s"] / 60 for x in res["samples"]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    if any(x["rss_mb"] is not None for x in res["samples"]):
+        ax.plot(t, [x["rss_mb"] for x in res["samples"]], label="server RSS (MB)", color="tab:blue")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("RSS (MB)")
+    kv = ax.twinx()
+    kv.plot(t, [x["kv_bytes"] / 1e6 for x in res["samples"]], label="KV in use (MB)", color="tab:orange")
+    kv.set_ylabel("KV in use (MB)")
+    fig.legend(loc="upper left")
+    ax.set_title(f"soak: {res['requests']} requests, {res['errors_5xx']} 5xx, statuses {res['status_counts']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class LaunchedServer:
+    """``vericache serve`` on a free port of 127.0.0.1 (the soak's own server), stopped with SIGTERM."""
+
+    def __init__(self, model: str, extra: list[str] | None = None, log=print) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "vericache.cli", "serve", "--model", model, "--host",
+                                      "127.0.0.1", "--port", str(port), *(extra or [])],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise RuntimeError("the server did not become healthy within 300 s")
+            time.sleep(0.5)
+        log(f"server {model} up on {self.url} (pid {self.proc.pid})")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - it would not drain: stop it
+                self.proc.kill()
+                self.proc.wait()
