@@ -64,11 +64,17 @@ class RedisServer:
         exe = system_command("redis-server")
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(tmp_dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(tmp_dir)]
+        self._start()
+
+    def _start(self) -> None:
+        import subprocess
+        import time
+
         import redis
 
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client, deadline = redis.Redis.from_url(self.url), time.time() + 10
         while True:
             try:
@@ -79,6 +85,12 @@ class RedisServer:
                     pytest.fail(f"redis-server did not start on port {self.port}")
                 time.sleep(0.05)
         self.client = client
+
+    def restart(self) -> None:
+        """Killed and started again on the same port, empty (no persistence): the store restarted."""
+        self.proc.kill()
+        self.proc.wait()
+        self._start()
 
     def stop(self) -> None:
         self.proc.terminate()

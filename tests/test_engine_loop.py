@@ -94,8 +94,8 @@ def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
 
 
 def test_a_failing_request_fails_alone(llm, pool, reference):
-    """An exception inside one request's attention fails the requests of that step's forward only:
-    they end with finish_reason "error" and their KV is freed; a later request is served."""
+    """An exception inside one request's attention fails that request only: it ends with
+    finish_reason "error" and its KV is freed; a later request is served."""
     loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"), offload=False)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     bad = loop.add_request(pool[1], params)
@@ -116,6 +116,26 @@ def test_a_failing_request_fails_alone(llm, pool, reference):
     while loop.has_unfinished():
         loop.step()
     assert loop.requests[good].seq.output_ids == reference(pool[2], 8)
+
+
+def test_a_bad_part_in_the_attention_op_fails_only_its_request(llm, pool, reference):
+    """Three requests decode in one forward; one's full KV turns into a part the packed attention op
+    refuses (float64). The op raises for the whole step; each row then runs alone: that request fails
+    with the op's error naming what it got, the other two finish with the full-KV output (a row's bits
+    do not depend on its batch), and every block comes back."""
+    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), offload=False)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    rids = [loop.add_request(p, params) for p in pool[:3]]
+    loop.step()   # the three prefills
+    bad = loop.requests[rids[1]]
+    bad.full.k = bad.full.k.to(torch.float64)   # a bad part: the op takes fp32, fp16 or bf16
+    while loop.has_unfinished():
+        loop.step()
+    assert bad.state == State.FAILED and "Double" in bad.error and loop.instruments.failures == 1
+    for i in (0, 2):
+        req = loop.requests[rids[i]]
+        assert req.state == State.FINISHED and req.seq.output_ids == reference(pool[i], 8), i
+    assert loop.device.used_blocks == 0
 
 
 def test_an_error_in_postprocessing_fails_only_its_request(llm, pool, reference, monkeypatch):

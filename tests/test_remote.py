@@ -267,3 +267,95 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
     finally:
         together.shutdown()
         alone.shutdown()
+
+
+def test_verifier_killed_mid_round_fails_its_requests_and_frees_memory(llm, mid, redis_server, free_port, prompts):
+    """The verifier process SIGKILLed while rounds are out at it: each of the drafter's requests ends
+    with an error (503, "verifier unavailable"; no local fallback: the drafter holds no full KV), none
+    hangs, and every block of the drafter's memory comes back."""
+    v = Verifier(free_port(), redis_server.url)
+    v.wait_ready(mid)
+    loop = drafter(llm, mid, None, v.url)
+    rids = [loop.add_request(p, SamplingParams(max_tokens=200)) for p in prompts.values()]
+    deadline = time.time() + 60
+    while not any(r.state == State.AWAITING_VERIFIER for r in loop.requests):
+        assert time.time() < deadline, "no round went out"
+        loop.step()
+    v.proc.kill()
+    v.proc.wait()
+    deadline = time.time() + 30
+    while loop.has_unfinished():
+        assert time.time() < deadline, "the drafter hung on a dead verifier"
+        loop.step()
+    for rid in rids:
+        req = loop.requests[rid]
+        assert req.state == State.FAILED and req.error_status == 503 and "verifier unavailable" in req.error, req.error
+    assert loop.device.used_bytes == 0 and loop.host.used_bytes == 0
+
+
+class CuttingProxy:
+    """A TCP proxy in front of Redis: once one connection has carried ``after`` bytes back from Redis, it
+    calls ``cut`` (which restarts Redis) and closes that connection, so the store goes away in the
+    middle of a reply. Real sockets both ways; only where the cut falls is chosen."""
+
+    def __init__(self, target_port: int, after: int, cut) -> None:
+        import socket
+
+        self.target, self.after, self.cut, self.cuts = target_port, after, cut, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, from_redis: bool) -> None:
+        carried = 0
+        try:
+            while data := src.recv(65536):
+                if from_redis and not self.cuts and carried + len(data) >= self.after:
+                    dst.sendall(data[: self.after - carried])
+                    self.cuts += 1
+                    self.cut()
+                    break
+                carried += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_redis_restarted_during_a_fetch_recomputes_from_the_first_missing_block(llm, mid, tmp_path, prompts,
+                                                                                reference):
+    """Redis killed and restarted (empty) while the drafter's fetch of a stored prefix is mid-reply: the
+    blocks that arrived whole are used, the rest is computed, the output equals full-KV decoding."""
+    from conftest import RedisServer
+
+    redis = RedisServer(tmp_path)
+    try:
+        store = PrefixStore(redis.url, mid)
+        put_prompt(llm.runner, store, prompts["stored"][:512], [])    # the full form of two blocks
+        first = redis.client.get(store.key(store.hashes(prompts["stored"])[0], "full"))
+        proxy = CuttingProxy(redis.port, after=len(first) + 64, cut=redis.restart)   # block 0 whole, block 1 cut
+        loop = drafter(llm, mid, f"redis://127.0.0.1:{proxy.port}", None, mode="full")
+        seqs, reqs = run(loop, {"stored": prompts["stored"]})
+        assert proxy.cuts == 1 and not redis.client.keys("*")          # it really went away, and came back empty
+        assert reqs["stored"].error is None and seqs["stored"].output_ids == reference["stored"]
+        assert seqs["stored"].stats["prefix_tokens"] == 256             # block 0 from the store, the rest computed
+        assert ("store_error", {"role": "drafter"}) in loop.prefix.events
+        proxy.close()
+    finally:
+        redis.stop()

@@ -215,3 +215,66 @@ def test_gateway_503_while_triton_is_down_then_recovers(tmp_path, free_port):
         server.should_exit = True
         if proc is not None:
             stop_triton(proc)
+
+
+def _gateway_process(triton_grpc: str, port: int):
+    """``vericache serve --backend triton`` in its own process, healthy."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "vericache.cli", "serve", "--backend", "triton", "--triton-url",
+                             triton_grpc, "--model", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "the gateway did not become healthy"
+        time.sleep(0.3)
+
+
+def test_a_killed_gateway_leaves_no_orphaned_requests_in_triton(triton, free_port):
+    """The gateway process SIGKILLed with long streams running through it: its gRPC streams to Triton
+    die with it, Triton cancels them, the engine behind it aborts them (no request running, no KV
+    held), and a restarted gateway serves again."""
+    import threading
+
+    port = free_port()
+    gw = _gateway_process(triton["grpc"], port)
+    running = 'vericache_triton_num_requests_running'
+
+    def stream_forever(i: int) -> None:
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                              json={"model": "smollm2-135m", "prompt": f"def f{i}(x):\n", "max_tokens": 3000,
+                                    "stream": True, "temperature": 0}) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass   # the gateway is killed under it
+    clients = [threading.Thread(target=stream_forever, args=(i,), daemon=True) for i in range(3)]
+    for c in clients:
+        c.start()
+    deadline = time.time() + 60
+    while _metric(triton["metrics"], running) < 3:
+        assert time.time() < deadline, "the streams did not reach Triton"
+        time.sleep(0.2)
+    gw.kill()
+    gw.wait()
+    deadline = time.time() + 30
+    while _metric(triton["metrics"], running) or _metric(triton["metrics"], 'vericache_triton_kv_cache_bytes{tier="device"}'):
+        assert time.time() < deadline, "Triton kept the dead gateway's requests"
+        time.sleep(0.2)
+    assert _metric(triton["metrics"], 'vericache_triton_kv_cache_bytes{tier="host"}') == 0
+    gw = _gateway_process(triton["grpc"], port)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "smollm2-135m", "prompt": "x = ", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        gw.terminate()
+        gw.wait(timeout=30)

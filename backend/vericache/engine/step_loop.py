@@ -29,8 +29,8 @@ import torch
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
-from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput
-from vericache.engine.scheduler import StepPlan, Scheduler
+from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput, StepRecord
+from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
 from vericache.kv.full import FullKVCache
 from vericache.sampling import SamplingParams, Sequence
 
@@ -147,17 +147,34 @@ class StepLoop:
         return self.collect_outputs()
 
     def _run(self, plan: StepPlan) -> None:
-        """run -> update; if the forward raises, every request in the plan fails (and the loop goes on)."""
+        """run -> update. If the forward raises, each row runs again alone (a row writes its cache at
+        its own positions, and its bits do not depend on the batch): the rows that raise alone fail
+        their requests, the others go on as if nothing happened."""
         try:
             result, record = self.runner.execute(plan)
-        except Exception as exc:  # noqa: BLE001 - whatever broke, the other requests go on
-            log.exception("step forward failed for requests %s", [r.req.id for r in plan.rows])
-            for row in plan.rows:
-                self.requests.fail(row.req, f"{type(exc).__name__}: {exc}")
-            return
+        except Exception:  # noqa: BLE001 - find whose row it was; the others go on
+            log.exception("step forward failed for requests %s; running each row alone", [r.req.id for r in plan.rows])
+            plan, result, record = self._isolate(plan)
+            if not plan.rows:
+                return
         self.instruments.record_step(record, self.runner.cfg.num_hidden_layers)
         self.scheduler.update(plan, result)
         record.post = time.perf_counter() - record.end
+
+    def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepResult, StepRecord | None]:
+        """The rows of a failed forward one by one: the plan and results of those that run, the record
+        of the last; a row that raises alone fails its request (its KV freed)."""
+        good, logits, argmax, record = StepPlan(), [], [], None
+        for row in plan.rows:
+            try:
+                one, record = self.runner.execute(StepPlan([row]))
+            except Exception as exc:  # noqa: BLE001 - this row's request fails
+                self.requests.fail(row.req, f"{type(exc).__name__}: {exc}")
+                continue
+            good.rows.append(row)
+            logits += one.logits
+            argmax += one.argmax
+        return good, StepResult(logits, argmax), record
 
     def _wait_if_idle(self) -> None:
         """Nothing to compute until a fetch, a verifier reply or a transfer lands: block, not spin."""

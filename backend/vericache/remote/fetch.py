@@ -46,7 +46,11 @@ class PrefixFetcher:
             log.warning("%s; recomputing the prompt", exc)
             self.events.append(("store_error", {"role": "drafter"}))
             return Fetched([], 0, 0.0, "unavailable")
-        if got.reason in ("corrupt", "partial") or (got.reason == "miss" and limit):
+        if got.reason == "unavailable":
+            log.warning("the prefix store went away after %d of %d blocks; computing from block %d", len(got.blocks),
+                        limit, len(got.blocks))
+            self.events.append(("store_error", {"role": "drafter"}))
+        elif got.reason in ("corrupt", "partial") or (got.reason == "miss" and limit):
             log.info("prefix fetch: %d of %d blocks (%s); computing from block %d", len(got.blocks), limit,
                      got.reason, len(got.blocks))
         self.events.append(("prefix", {"link": self.link, "tier": tier, "bytes": got.nbytes, "seconds": got.seconds,

@@ -146,7 +146,8 @@ class PrefixStore:
     def get(self, token_ids: list[int], form: str = "full", max_blocks: int | None = None,
             device: torch.device | str = "cpu", into: Callable[[Form], None] | None = None) -> Fetched:
         """The leading blocks' ``form`` (up to ``max_blocks``), stopping at the first missing or
-        corrupt one (the caller computes from there). ``into``: called with each block as it
+        corrupt one, or where the store went away (reason "unavailable", after one block at least; the
+        caller computes from there). ``into``: called with each block as it
         arrives (its tensors are views of the received bytes, valid during the call), which then is
         not kept in ``Fetched.blocks``: the caller copies it where it belongs while the next arrives."""
         hashes = self.hashes(token_ids)[:max_blocks]
@@ -168,6 +169,10 @@ class PrefixStore:
                     blocks.append(tensors)
                 else:
                     into(tensors)
+        except StoreUnavailable:
+            if not count:
+                raise
+            reason = "unavailable"   # the store went away mid-fetch: keep what arrived, compute from there
         finally:
             values.close()
         seconds = time.perf_counter() - t0
