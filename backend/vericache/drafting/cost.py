@@ -18,7 +18,7 @@ chunk, at any context (``CostsAt``: the terms at one geometry).
 Where the terms come from: the engine's own forwards (``StepCosts.fit`` over ``StepRecord``s,
 refitted as it runs: ``DraftCost``); probes on real caches of a bench's context
 (``measure_step_costs``); this machine's calibration (``sim.calibrate``); or a GPU's roofline
-(``sim.remote_prefix.gpu_costs``).
+(``sim.cost_model.gpu_step_costs``: ``vericache sim``'s sweep and the remote prefix model's table).
 
 A round of k drafts yields E(k) = 1 + a + a^2 + ... + a^k tokens (a: the request's per-token
 acceptance, the verifier's bonus token included) and costs k draft rows plus one verification chunk

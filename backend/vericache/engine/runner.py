@@ -149,7 +149,7 @@ class ModelRunner:
             at += n
         t1 = time.perf_counter()
         result = StepResult([out[id(r)][0] for r in plan.rows], [out[id(r)][1] for r in plan.rows])
-        by_kind = {k: (len(rs), sum(len(r.tokens) for r in rs)) for k in RowKind if (rs := plan.of(k))}
+        by_kind = {k.value: (len(rs), sum(len(r.tokens) for r in rs)) for k in RowKind if (rs := plan.of(k))}
         return result, StepRecord(t0, t1, plan.kinds, len(plan.rows), *work, by_kind=by_kind)
 
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:

@@ -1,7 +1,9 @@
 """``vericache sim``: a roofline cost model of long-context decoding on one GPU with a PCIe link.
 
-Every step is modelled as max(bytes / bandwidth, flops / compute) and batch size is whatever the
-memory allows. Four modes, as in ``bench throughput``:
+A forward costs what the one cost model says (``drafting.cost.StepCosts``), its terms taken from
+the GPU's roofline (``gpu_step_costs``): the weights read once or their matmuls' flops, whichever
+is slower at the step's rows, plus each sequence's KV bytes over HBM bandwidth and its query-key
+pairs' flops. Batch size is whatever the memory allows. Four modes, as in ``bench throughput``:
 - full: all full KV in HBM; batch = (HBM - weights) // per-request full KV.
 - lossy: only the compressed KV (``ratio`` of the bytes) in HBM; decode reads it.
 - vericache-naive: compressed KV in HBM, full KV in host memory. Each round every request drafts
@@ -28,6 +30,8 @@ Achievable fractions (``efficiency``) default to 0.8 of bandwidth and 0.5 of pea
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from vericache.drafting.cost import StepCosts
 
 GB = 1e9
 
@@ -98,12 +102,23 @@ class SimConfig:
     max_batch: int = 512
 
 
+def gpu_step_costs(gpu: GPU, model: ModelShape, bw_eff: float = 0.8, flop_eff: float = 0.5, c0: float = 0.0) -> StepCosts:
+    """The cost model's terms on ``gpu`` as rooflines: the weights' bytes over the achievable HBM rate
+    or their matmuls' flops (2 x params per row) over the achievable compute, whichever is slower; a
+    K/V byte at the HBM rate; a query-key pair's flops (QK and PV, 2 x 2 x head_dim per query head,
+    every layer; Llama-style GQA: 4 query heads per KV head) at the compute rate."""
+    bw, fl = gpu.hbm_bw * bw_eff, gpu.flops * flop_eff
+
+    def weights(rows: int) -> float:
+        return max(model.weight_bytes / bw, 2 * model.params * rows / fl)
+    return StepCosts(c0=c0, t_byte=1 / bw, t_pair=4 * model.layers * 4 * model.kv_heads * model.head_dim / fl,
+                     matmuls=weights)
+
+
 def _step_time(c: SimConfig, batch: int, kv_bytes_read: float, tokens_per_req: int) -> float:
-    """One forward over ``batch`` requests, each with ``tokens_per_req`` new tokens."""
-    mem = (c.model.weight_bytes + batch * kv_bytes_read) / (c.gpu.hbm_bw * c.bw_eff)
-    flops = 2 * c.model.params * batch * tokens_per_req
-    flops += 4 * batch * tokens_per_req * c.context * c.model.layers * c.model.kv_heads * c.model.head_dim
-    return max(mem, flops / (c.gpu.flops * c.flop_eff))
+    """One forward over ``batch`` requests, each with ``tokens_per_req`` new tokens over its KV."""
+    rows = batch * tokens_per_req
+    return gpu_step_costs(c.gpu, c.model, c.bw_eff, c.flop_eff).seconds(rows, batch * kv_bytes_read, rows * c.context)
 
 
 def max_batch(c: SimConfig, per_request_bytes: float, fixed: float = 0.0) -> int:

@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from vericache.sim.cost_model import GPUS, MODELS, GPU, ModelShape, gpus_needed, tensor_parallel
-from vericache.drafting.cost import CostsAt, StepCosts
+from vericache.sim.cost_model import GPUS, MODELS, GPU, ModelShape, gpu_step_costs, gpus_needed, tensor_parallel
+from vericache.drafting.cost import CostsAt
 
 
 @dataclass
@@ -106,17 +106,12 @@ MODELS_24_70 = {"mistral-small-24b": ModelShape("Mistral-Small-24B", 23.6e9, 40,
 
 def gpu_costs(gpu: GPU, model: ModelShape, context: int, efficiency: tuple[float, float] = (0.8, 0.5),
               comp_ratio: float = 0.125) -> CostsAt:
-    """The cost model's terms on ``gpu`` (tensor-parallel as the weights need) as rooflines: a forward
-    reads the weights once and each sequence's KV once; its compute is 2 x params per row, and per
-    query-key pair the attention's (~4 query heads per KV head)."""
+    """The cost model's terms on ``gpu`` (tensor-parallel as the weights need, ``gpu_step_costs``) with
+    2 ms of fixed work a step, at the geometry of ``context`` positions (full) and ``comp_ratio`` of
+    them (compressed)."""
     g = tensor_parallel(gpu, gpus_needed(gpu, model))
-    bw, fl = g.hbm_bw * efficiency[0], g.flops * efficiency[1]
+    costs = gpu_step_costs(g, model, *efficiency, c0=2e-3)
     kv = context * model.kv_bytes_per_token
-    pair_flops = 4 * model.layers * model.kv_heads * 4 * model.head_dim
-
-    def weights(rows: int) -> float:
-        return max(model.weight_bytes / bw, 2 * model.params * rows / fl)
-    costs = StepCosts(c0=2e-3, t_byte=1 / bw, t_pair=pair_flops / fl, matmuls=weights)
     return CostsAt(costs, (kv, context), (comp_ratio * kv, comp_ratio * context))
 
 
