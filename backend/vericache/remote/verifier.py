@@ -76,7 +76,7 @@ class VerifierCore:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # the step budget admits every session's chunk: each is capped per session (``Served.chunk``)
-        self.loop = StepLoop(engine, offload=False, prefill_chunk=1 << 30)
+        self.loop = StepLoop(engine, offload=False, prefill_chunk=1 << 30, max_running=max_sessions)
         self._thread = threading.Thread(target=self._work_loop, name="vericache-verifier", daemon=True)
         if autostart:
             self.start()
