@@ -1,12 +1,19 @@
-"""Session-wide fixtures: the bundled model is loaded once, in fp32 on the CPU."""
+"""Session-wide fixtures: the bundled model is loaded once, in fp32 on the CPU. Without a CUDA device,
+Triton kernels run in Triton's interpreter (it reads ``TRITON_INTERPRET`` once, when triton is first
+imported: so here, before any test imports it)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import vericache
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SYSTEM_PACKAGES = Path(__file__).resolve().parents[1] / "scripts" / "system-packages.txt"
 
