@@ -53,3 +53,60 @@ def test_triton_linear_refuses_bad_shapes(tlin):
     with pytest.raises(ValueError, match="'Q6_K'"):
         tlin.linear(torch.zeros(1, 256), q6)
     assert tlin.linear(torch.zeros(0, 64), w).shape == (0, 8)
+
+
+def _parts(kind: str, dtype: torch.dtype, t: int, seed: int):
+    """One sequence's dense parts for ``t`` query rows: "full" (a causal full cache: a 70-key prefix and
+    the chunk's own keys) or "compressed" (40 kept tokens, then a causal residual of 3 + t)."""
+    from vericache.kv.packed import KeyPart
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def kv(n):
+        return torch.randn(2, n + 5, 64, generator=gen).to(dtype), torch.randn(2, n + 5, 64, generator=gen).to(dtype)
+    if kind == "full":
+        return [KeyPart(*kv(70 + t), n=70 + t, diag=70)]
+    return [KeyPart(*kv(40), n=40), KeyPart(*kv(3 + t), n=3 + t, diag=3)]
+
+
+@pytest.fixture(scope="module")
+def tatt():
+    pytest.importorskip("triton")
+    import vericache.kernels.triton_attention as mod
+    return mod
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_attention_matches_the_cpu_op_and_is_batch_invariant(tatt, dtype):
+    """Two sequences (a full cache's chunk of 5, a compressed cache's chunk of 4), GQA 6 over 2 heads:
+    against the CPU op within 1e-5 of the output's scale (fp32 softmax in another order and with
+    Triton's exp); each sequence alone = packed together, and a row alone = inside its chunk, bit for bit."""
+    from vericache.kv.packed import KeyPart, attend_packed
+
+    q = torch.randn(6, 9, 64, generator=torch.Generator().manual_seed(7))
+    parts = [_parts("full", dtype, 5, 1), _parts("compressed", dtype, 4, 2)]
+    out = tatt.attend_packed(q, [5, 4], parts, 2)
+    cpu = attend_packed(q, [5, 4], parts, 2)
+    assert out.shape == (9, 6, 64)
+    assert (out - cpu).abs().max().item() <= 1e-5 * cpu.abs().max().item()
+    assert torch.equal(tatt.attend_packed(q[:, :5], [5], parts[:1], 2), out[:5])
+    assert torch.equal(tatt.attend_packed(q[:, 5:], [4], parts[1:], 2), out[5:])
+    full = parts[0][0]
+    for i in range(5):   # row i of the chunk at 70, alone: the keys up to 70 + i, causal at its own position
+        alone = KeyPart(full.k, full.v, n=71 + i, diag=70 + i)
+        assert torch.equal(tatt.attend_packed(q[:, i : i + 1], [1], [[alone]], 2), out[i : i + 1]), i
+
+
+def test_triton_attention_refuses_what_it_cannot_run(tatt):
+    from vericache.kv.packed import KeyPart
+
+    q = torch.randn(6, 2, 64)
+    good = _parts("full", torch.float32, 2, 0)
+    with pytest.raises(ValueError, match="fp32, fp16 or bf16"):
+        tatt.attend_packed(q, [2], [[KeyPart(good[0].k.double(), good[0].v, n=72, diag=70)]], 2)
+    with pytest.raises(ValueError, match="seq_lens"):
+        tatt.attend_packed(q, [1], [good], 2)
+    with pytest.raises(ValueError, match="multiple of 4 KV heads"):
+        tatt.attend_packed(q, [2], [good], 4)
+    with pytest.raises(ValueError, match="quantized parts"):
+        tatt.attend_packed(q, [2], [[KeyPart({}, {}, n=4, layouts=("k", "v"))]], 2)
