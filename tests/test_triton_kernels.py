@@ -108,5 +108,35 @@ def test_triton_attention_refuses_what_it_cannot_run(tatt):
         tatt.attend_packed(q, [1], [good], 2)
     with pytest.raises(ValueError, match="multiple of 4 KV heads"):
         tatt.attend_packed(q, [2], [good], 4)
-    with pytest.raises(ValueError, match="quantized parts"):
-        tatt.attend_packed(q, [2], [[KeyPart({}, {}, n=4, layouts=("k", "v"))]], 2)
+    from test_quant_kernels import LAYOUTS, _encoded
+
+    kp, vp = _encoded(LAYOUTS["int4"], torch.randn(2, 8, 64), torch.randn(2, 8, 64))
+    with pytest.raises(ValueError, match=r"codes \[2, >= 9, w\]"):
+        tatt.attend_packed(q, [2], [[KeyPart(kp, vp, n=9, layouts=LAYOUTS["int4"])]], 2)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "kivi4", "int4", "int8-g16", "fp8"])
+@pytest.mark.parametrize("n, t", [(33, 1), (130, 3)])
+def test_triton_attention_reads_quantized_parts_as_stored(tatt, name, n, t):
+    """Codes and scales as ``kv.quantized`` stores them (token groups, channel groups, fp8), beside a
+    causal residual, against the CPU op reading the same; under eviction (kept positions) as well."""
+    from test_quant_kernels import LAYOUTS, _encoded
+    from vericache.kv.packed import KeyPart, attend_packed
+
+    layouts, g = LAYOUTS[name], torch.Generator().manual_seed(n + t)
+    k, v = torch.randn(2, 192, 64, generator=g) * 2, torch.randn(2, 192, 64, generator=g)
+    k[:, :, 5] += 8.0
+    kp, vp = _encoded(layouts, k, v)
+    res = torch.randn(2, 8, 64, generator=g), torch.randn(2, 8, 64, generator=g)
+    parts = [KeyPart(kp, vp, n=n, layouts=layouts), KeyPart(*res, n=2 + t, diag=2)]
+    q = torch.randn(6, t, 64, generator=g)
+    cpu = attend_packed(q, [t], [parts], 2)
+    out = tatt.attend_packed(q, [t], [parts], 2)
+    assert (out - cpu).abs().max().item() <= 1e-5 * cpu.abs().max().item(), name
+    pos = torch.stack([torch.randperm(192, generator=g)[:n].sort().values for _ in range(2)]).int()
+    idx = pos.long()[..., None]
+    kept = [{"tok": {f: x.gather(1, idx.expand(-1, -1, x.shape[2])) for f, x in side["tok"].items()},
+             "grp": side["grp"]} for side in (kp, vp)]
+    evicted = [KeyPart(*kept, n=n, layouts=layouts, pos=pos)]
+    cpu = attend_packed(q, [t], [evicted], 2)
+    assert (tatt.attend_packed(q, [t], [evicted], 2) - cpu).abs().max().item() <= 1e-5 * cpu.abs().max().item()
