@@ -140,3 +140,48 @@ def test_triton_attention_reads_quantized_parts_as_stored(tatt, name, n, t):
     evicted = [KeyPart(*kept, n=n, layouts=layouts, pos=pos)]
     cpu = attend_packed(q, [t], [evicted], 2)
     assert (tatt.attend_packed(q, [t], [evicted], 2) - cpu).abs().max().item() <= 1e-5 * cpu.abs().max().item()
+
+
+def test_a_forward_on_the_triton_kernels_is_batch_invariant_and_close_to_the_native_one(tlin, tatt):
+    """A small random Llama (2 layers, 4 query heads over 2 KV heads) prepared for kernels="triton" (the
+    GPU path's linears and attention, here in the interpreter): a sequence's logits alone, in chunks and
+    inside a batch are the same bits, and within 1e-4 of the scale of the native CPU forward's."""
+    from types import SimpleNamespace
+
+    from test_linear_op import _logits_three_ways
+    from vericache.config import ModelConfig
+    from vericache.model.llama import Transformer
+    from vericache.model.loader import prepare
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    weights = Transformer(cfg).state_dict()
+    models = {}
+    for kernels in ("triton", "native"):
+        m = Transformer(cfg)
+        m.load_state_dict(weights)
+        models[kernels] = SimpleNamespace(model=prepare(m.eval(), torch.device("cpu"), torch.float32, kernels),
+                                          config=cfg, kv_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (11, 5, 8)]
+    alone, chunked, batched = _logits_three_ways(models["triton"], prompts, 4)
+    assert torch.equal(chunked, alone) and torch.equal(batched, alone)
+    native = _logits_three_ways(models["native"], prompts, 4)[0]
+    assert (alone - native).abs().max().item() <= 1e-4 * native.abs().max().item()
+
+
+def test_kernel_choice_is_checked(monkeypatch):
+    from vericache.model.loader import parse_kernels
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert parse_kernels(None, cpu) == "native" and parse_kernels("torch", cuda) == "torch"
+    with pytest.raises(ValueError, match="one of auto, native, triton, torch, got 'cublas'"):
+        parse_kernels("cublas", cpu)
+    with pytest.raises(ValueError, match="native kernels run on the CPU"):
+        parse_kernels("native", cuda)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        parse_kernels("triton", cpu)
+    monkeypatch.setenv("VERICACHE_KERNELS", "torch")
+    assert parse_kernels(None, cpu) == "torch"

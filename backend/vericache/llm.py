@@ -27,9 +27,11 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, mode: str = "full",
                  compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto",
-                 draft_weights: str = "fp32", kv_dtype: str | torch.dtype | None = None) -> None:
+                 draft_weights: str = "fp32", kv_dtype: str | torch.dtype | None = None,
+                 kernels: str | None = None) -> None:
+        """``kernels``: what the forward runs on ("native" CPU ops, "triton", "torch"; ``load_model``)."""
         self.runner = None
-        self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
+        self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels)
         self.runner = ModelRunner(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len,
                              draft_weights=draft_weights)
         self._next_id = 0

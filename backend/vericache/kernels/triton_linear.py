@@ -1,5 +1,7 @@
 """The batch-invariant linear's GPU twin in Triton (issue 33): y[M, N] = x[M, K] @ W[N, K]^T over the weights
-as GGUF stores them (F16, BF16, Q8_0, Q4_1), dequantized in registers.
+as GGUF stores them (F32, F16, BF16, Q8_0, Q4_1), dequantized in registers. ``TritonLinear`` is the
+twin of ``kernels.linear_op.LinearOp`` (same call), which ``model.exact_linear`` installs on a CUDA
+device (``model.loader``, ``kernels="triton"``).
 
 Batch-invariant by construction, the rule the CPU op follows (``linear.cpp``): one fixed K order per
 weight shape (tiles of 32 elements, one GGUF block, taken in order, fp32 accumulation, no split-K);
@@ -15,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-FORMATS = ("F16", "BF16", "Q8_0", "Q4_1")
-CODES = {"F16": 0, "BF16": 1, "Q8_0": 2, "Q4_1": 3}
+FORMATS = ("F32", "F16", "BF16", "Q8_0", "Q4_1")
+CODES = {"F16": 0, "BF16": 1, "Q8_0": 2, "Q4_1": 3, "F32": 4}
 KT = 32                      # the K tile: one quantized block; the order of the tiles is the K order
 BLOCK_M, BLOCK_N = 16, 32    # fixed tile shape: only how many tiles there are depends on M
 
@@ -33,7 +35,14 @@ def _weight_tile(w_ptr, row_bytes, offs_n, kb, n_mask, FMT: tl.constexpr):
     j = tl.arange(0, 32)
     row = w_ptr + offs_n[:, None].to(tl.int64) * row_bytes
     mask = n_mask[:, None]
-    if FMT == 0 or FMT == 1:         # F16 / BF16: two bytes an element
+    if FMT == 4:                     # F32: four bytes an element
+        at = row + (kb * 32 + j[None, :]) * 4
+        b0 = tl.load(at, mask=mask, other=0).to(tl.uint32)
+        b1 = tl.load(at + 1, mask=mask, other=0).to(tl.uint32)
+        b2 = tl.load(at + 2, mask=mask, other=0).to(tl.uint32)
+        b3 = tl.load(at + 3, mask=mask, other=0).to(tl.uint32)
+        w = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+    elif FMT == 0 or FMT == 1:       # F16 / BF16: two bytes an element
         lo = tl.load(row + (kb * 32 + j[None, :]) * 2, mask=mask, other=0)
         hi = tl.load(row + (kb * 32 + j[None, :]) * 2 + 1, mask=mask, other=0)
         bits = (hi.to(tl.uint16) << 8) | lo.to(tl.uint16)
@@ -91,3 +100,26 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
         grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
         _linear_kernel[grid](x, blocks, y, x.shape[0], n, k, blocks.shape[1], FMT=CODES[fmt], BM=BLOCK_M, BN=BLOCK_N)
     return y
+
+
+class TritonLinear:
+    """``LinearOp``'s interface on the Triton kernel: ``op(x, weight, bias)`` for x of any float dtype
+    and leading dims (computed in fp32, returned in x's dtype)."""
+    isa = "triton"
+
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        y = linear(x.reshape(-1, x.shape[-1]).float(), weight)
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*x.shape[:-1], weight.n).to(x.dtype)
+
+    draft = __call__   # no separate draft numerics on this path: drafts read the exact weights
+
+    def dequantize(self, weight, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight's rows as fp32 (a stored embedding's rows): on the CPU (the interpreter's dry run)
+        through the CPU op; on a GPU the loader keeps embeddings as tensors, so none is asked for."""
+        if weight.data.device.type != "cpu":
+            raise ValueError("dequantizing stored blocks on the device is not needed (embeddings load as tensors)")
+        from vericache.kernels.linear_op import linear_op
+
+        return linear_op().dequantize(weight, rows)

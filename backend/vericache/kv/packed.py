@@ -76,13 +76,19 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
-                  n_kv_heads: int) -> torch.Tensor:
+                  n_kv_heads: int, kernels: str = "auto") -> torch.Tensor:
     """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
-    Returns out [N, Hq, D]."""
+    Returns out [N, Hq, D]. ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
+    (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
+    op for fp32 queries on the CPU, PyTorch's kernels elsewhere."""
     hq, n, d = q.shape
     if len(parts) != len(seq_lens) or sum(seq_lens) != n:
         raise ValueError(f"{len(parts)} part lists and seq_lens {list(seq_lens)} for {n} query rows")
-    if q.device.type == "cpu" and q.dtype == torch.float32:
+    if kernels == "triton":
+        from vericache.kernels.triton_attention import attend_packed as attend_triton
+
+        return attend_triton(q.float(), seq_lens, parts, n_kv_heads).to(q.dtype)
+    if kernels != "torch" and q.device.type == "cpu" and q.dtype == torch.float32:
         ints: list[int] = []
         tensors: list[torch.Tensor | None] = []
         for seq, seq_parts in enumerate(parts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class LoadedModel:
     dtype: torch.dtype          # the weights'
     name: str = ""  # what the user asked for: a model name, a directory or a .gguf file
     kv_dtype: torch.dtype = torch.float32   # what the KV caches hold, full and compressed (``parse_kv_dtype``)
+    kernels: str = "native"                  # what the forward runs on (``parse_kernels``)
 
     @property
     def attn_dtype(self) -> torch.dtype:
@@ -98,12 +100,18 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """``kv_dtype``: the full KV caches' (``parse_kv_dtype``). On the CPU every linear runs the batch-invariant op (``model/exact_linear.py``); a GGUF model's
-    matrices stay in their blocks (fp32 only: its dequantized values are fp32), its ``nn.Linear``
-    modules and embedding hold no data."""
+               dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
+               kernels: str | None = None) -> LoadedModel:
+    """``kv_dtype``: the full KV caches' (``parse_kv_dtype``). ``kernels`` (``parse_kernels``; default
+    $VERICACHE_KERNELS or "auto"): on the CPU ("native") every linear runs the batch-invariant op
+    (``model/exact_linear.py``) and a step runs in one native call; a GGUF model's matrices stay in
+    their blocks (fp32 only: its dequantized values are fp32), its ``nn.Linear`` modules and embedding
+    hold no data. "triton": the linears and the attention on the Triton kernels (``kernels/triton_*.py``;
+    a CUDA device's default, or on CPU tensors under TRITON_INTERPRET=1: the dry run); "torch": PyTorch's
+    kernels (cuBLAS, SDPA), the fallback on a GPU."""
     path = resolve_model(name_or_path)
     dev = torch.device(device) if device is not None else default_device()
+    kernels = parse_kernels(kernels, dev)
     dt = parse_dtype(dtype, dev)
     kv_dt = parse_kv_dtype(kv_dtype, dt, dev)
     cfg = ModelConfig.from_file(path / "config.json")
@@ -125,12 +133,51 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
         raise ModelConfigError(
             f"weights in {path} do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    model = model.to(device=dev, dtype=dt).eval()
-    model.inv_freq = rope_inv_freq(cfg).to(dev)  # RoPE frequencies stay fp32 whatever the weights are
+    model = prepare(model.to(device=dev, dtype=dt).eval(), dev, dt, kernels, stored)
+    tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels)
+
+
+def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str,
+            stored: dict | None = None) -> Transformer:
+    """A model's weights in place -> ready to run on ``kernels`` (``parse_kernels``'s result): RoPE
+    frequencies (fp32 whatever the weights are), fused projections, and the linears and attention on
+    the chosen kernels (``stored``: a GGUF model's blocks)."""
+    model.inv_freq = rope_inv_freq(model.config).to(dev)
     model.attn_dtype = kv_dtype_for(dt, dev)
     model.fuse_projections()
-    if dev.type == "cpu":
+    if kernels == "native":
         exact_linear.install(model, linear_op(), stored)
         native_step.install(model, linear_op())
-    tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt)
+    elif kernels == "triton":
+        from vericache.kernels.triton_linear import TritonLinear
+
+        exact_linear.install(model, TritonLinear(), stored)
+    for layer in model.model.layers:
+        layer.self_attn.kernels = kernels
+    return model
+
+
+KERNELS = ("auto", "native", "triton", "torch")
+
+
+def parse_kernels(kernels: str | None, dev: torch.device) -> str:
+    """What the forward runs on: "native" (the CPU's batch-invariant ops), "triton" or "torch"; "auto"
+    (the default, or $VERICACHE_KERNELS) picks native on the CPU and Triton on a GPU when it imports."""
+    kernels = kernels or os.environ.get("VERICACHE_KERNELS") or "auto"
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels == "native" and dev.type != "cpu":
+        raise ValueError(f"the native kernels run on the CPU, not on {dev}")
+    if kernels == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton kernels run on CPU tensors only in Triton's interpreter: start with "
+                         "TRITON_INTERPRET=1 (a dry run), or use a CUDA device")
+    if kernels == "auto":
+        if dev.type == "cpu":
+            return "native"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return kernels
