@@ -115,7 +115,7 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     dt = parse_dtype(dtype, dev)
     kv_dt = parse_kv_dtype(kv_dtype, dt, dev)
     cfg = ModelConfig.from_file(path / "config.json")
-    stored = load_stored(path) if dev.type == "cpu" and dt == torch.float32 else {}
+    stored = load_stored(path) if dev.type == "cpu" and dt == torch.float32 and kernels != "torch" else {}
     with torch.device("meta"):
         model = Transformer(cfg)
     for name in stored:   # data-less placeholders: the op reads the blocks
