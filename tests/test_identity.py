@@ -53,7 +53,7 @@ def kv_loaded(request, llm):
 @pytest.fixture(scope="session")
 def identity_prompts(llm, code_prompts) -> list[list[int]]:
     from vericache.eval.model_quality import build_prompt
-    from vericache.train.tasks import retrieval_task
+    from vericache.data.tasks import retrieval_task
 
     tok = llm.tokenizer
     rng = random.Random(11)

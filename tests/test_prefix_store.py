@@ -13,7 +13,7 @@ from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.remote.chain import block_hashes
 from vericache.remote.codec import CorruptValue, pack, unpack
-from vericache.remote.forms import compressed_forms, load_full
+from vericache.remote.forms import compressed_forms
 from vericache.remote.prefixes import model_id, put_prompt
 from vericache.remote.store import PrefixStore, StoreUnavailable
 
@@ -72,7 +72,7 @@ def test_full_form_round_trip(llm, stored, prefix):
     ref = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     llm.runner.prefill(prefix, [ref])
     full = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
-    n = load_full(full, got.blocks)
+    n = full.load_blocks(got.blocks)
     assert n == entry["tokens"]
     assert torch.equal(full.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(full.v[:, :, :n], ref.v[:, :, :n])
 

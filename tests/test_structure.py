@@ -235,3 +235,19 @@ def test_no_stage_holds_or_receives_the_step_loop():
     assert [a.arg for a in execute.args.args] == ["self", "plan"]
     # the check finds what it looks for
     assert len(loop_reaches("from vericache.engine.step_loop import StepLoop\ndef plan(loop): return self.loop")) == 3
+
+
+def package_ties(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of the library's packages that import each other (each pair once)."""
+    def pkg(m: str) -> str | None:
+        parts = m.split(".")
+        return parts[1] if parts[0] == "vericache" and len(parts) > 2 else None
+    edges = {(pkg(m), pkg(d)) for m, ds in graph.items() for d in ds if pkg(m) and pkg(d) and pkg(m) != pkg(d)}
+    return sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+
+
+def test_no_two_packages_import_each_other():
+    """Issue 31: the library's packages form a hierarchy (kv below compress, engine below remote, data
+    below train and eval, the reports below bench and sim, kernels below kv)."""
+    assert package_ties({"vericache.a.x": {"vericache.b.y"}, "vericache.b.y": {"vericache.a.z"}}) == [("a", "b")]
+    assert package_ties(import_graph()) == []

@@ -8,8 +8,8 @@ import shutil
 import torch
 
 from vericache.model.loader import load_model
-from vericache.train import corpus
-from vericache.train.tasks import HELDOUT_LAYOUTS, TRAIN_LAYOUTS, retrieval_task, tool_call_task
+from vericache.data import corpus
+from vericache.data.tasks import HELDOUT_LAYOUTS, TRAIN_LAYOUTS, retrieval_task, tool_call_task
 from vericache.train.trainer import TrainConfig, train
 
 

@@ -161,7 +161,7 @@ def _add_eval_model(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from vericache.bench.common import markdown_table, record
+    from vericache.report import markdown_table, record
     from vericache.eval.long_eval import FULL_GRID, QUICK_GRID, QUALITY, plot_long_eval, run_long_eval
 
     configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else FULL_GRID)

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from vericache.bench.common import code_prompt, cpu_model, markdown_table
+from vericache.bench.common import code_prompt, cpu_model
+from vericache.report import markdown_table
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.attention import merge

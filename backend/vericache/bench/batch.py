@@ -13,14 +13,8 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import (
-    RowPredictor,
-    code_prompt,
-    cpu_model,
-    runner_for,
-    markdown_table,
-    shared_prefills,
-)
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, runner_for, shared_prefills
+from vericache.report import markdown_table
 from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams

@@ -13,7 +13,7 @@ from vericache.model.registry import DEFAULT_MODEL
 def _cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache.bench.common import record
+    from vericache.report import record
     from vericache.bench.decode import decode_markdown, plot_decode, run_decode_bench
     from vericache.sim.roofline import Roofline, plot_roofline
 
@@ -62,7 +62,7 @@ def _add_decode(bsub) -> None:
 def _cmd_throughput(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache.bench.common import markdown_table, record
+    from vericache.report import markdown_table, record
     from vericache.bench.throughput import plot_timeline, run_throughput
 
     if args.threads:
@@ -118,7 +118,7 @@ def _add_throughput(bsub) -> None:
 
 
 def _cmd_prefix(args) -> int:
-    from vericache.bench.common import record
+    from vericache.report import record
     from vericache.bench.prefix import prefix_markdown, run_prefix_bench
     from vericache.bench.prefix_timeline import plot_prefix
     from vericache.remote.netlab import Shape
@@ -167,7 +167,7 @@ def _cmd_attention(args) -> int:
     import torch
 
     from vericache.bench.attention import attention_markdown, plot_attention, run_attention
-    from vericache.bench.common import record
+    from vericache.report import record
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,7 +201,7 @@ def _add_attention(bsub) -> None:
 def _cmd_linear(args) -> int:
     import torch
 
-    from vericache.bench.common import record
+    from vericache.report import record
     from vericache.bench.linear import linear_markdown, plot_linear, run_linear
 
     if args.threads:
@@ -234,7 +234,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     import torch
 
     from vericache.bench.batch import batch_markdown, run_batch
-    from vericache.bench.common import record
+    from vericache.report import record
     from vericache.sim.roofline import Roofline, plot_roofline
 
     if args.threads:
@@ -284,7 +284,7 @@ def _add_batch(bsub) -> None:
 def _cmd_serve_load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from vericache.bench.common import record
+    from vericache.report import record
     from vericache.bench.serve import LaunchedServer, plot_soak, run_load, soak_verdict
 
     soak = args.soak is not None

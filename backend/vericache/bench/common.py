@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
 import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -52,28 +49,6 @@ def cpu_model() -> str:
     line = next((ln for ln in info.read_text().splitlines() if ln.startswith("model name")), "") if info.exists() else ""
     name = line.partition(":")[2].strip() or platform.processor() or "unknown CPU"
     return f"{name} (kernels: {best_isa()} build)"
-
-
-def command_line(argv: list[str] | None = None) -> str:
-    return "vericache " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-
-
-def record(path: str | None, title: str, markdown: str, argv: list[str] | None = None) -> None:
-    """Append a section with the exact command, the date and the figures to a markdown file."""
-    if not path:
-        return
-    f = Path(path)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    with f.open("a") as out:
-        out.write(f"\n## {title} ({stamp})\n\nCommand: `{command_line(argv)}`\n\n{markdown}\n")
-
-
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
-    return "\n".join(lines)
 
 
 class RowPredictor:

@@ -12,7 +12,8 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, runner_for, markdown_table
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, runner_for
+from vericache.report import markdown_table
 from vericache.engine.options import RequestOptions
 from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM

@@ -15,7 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vericache.bench.common import cpu_model, markdown_table
+from vericache.bench.common import cpu_model
+from vericache.report import markdown_table
 from vericache.kernels.linear_op import LinearOp, supported_isas
 from vericache.model.exact_linear import exact_linears
 from vericache.model.loader import load_model

@@ -247,7 +247,7 @@ def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, threads,
 
 
 def prefix_markdown(res: dict) -> str:
-    from vericache.bench.common import markdown_table
+    from vericache.report import markdown_table
 
     net = res["network"]
     links = "; ".join(f"{k}: {v['gbps']} Gbps, RTT {v['rtt_ms']} ms (shaped {v['shaped_gbps']} Gbps"

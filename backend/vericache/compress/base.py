@@ -25,23 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-
-@dataclass
-class ScoreInputs:
-    """What an eviction scorer sees: every layer at once, layers folded into heads (H = L * Hkv).
-
-    keys: [H, S, D] candidate keys (dequantised, fp32), positions: [H, S];
-    queries: [L * Hq, W, D] the most recent observed queries (rotated);
-    state: a dict the scorer may keep across compression events (KVzip's prompt scores);
-    carried: [H, c] the scores the first c candidates (kept tokens) carry, for methods that
-    re-score them (``rescores_kept``); None when every candidate is entering.
-    """
-    keys: torch.Tensor
-    positions: torch.Tensor
-    queries: torch.Tensor
-    state: dict[str, Any]
-    prompt_len: int
-    carried: torch.Tensor | None = None
+from vericache.kv.compressed import ScoreInputs
 
 
 def observed_attention(inp: ScoreInputs) -> torch.Tensor:

@@ -12,7 +12,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from vericache.compress.base import EvictionCompressor, ScoreInputs, observed_attention
+from vericache.compress.base import EvictionCompressor, observed_attention
+from vericache.kv.compressed import ScoreInputs
 
 
 @dataclass

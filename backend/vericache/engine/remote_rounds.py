@@ -22,7 +22,6 @@ from typing import Callable
 from vericache.drafting.round import finish_round
 from vericache.engine.memory import KVMemory
 from vericache.engine.requests import Instruments, Request, RequestTable, State
-from vericache.remote.forms import load_full
 
 log = logging.getLogger("vericache.engine")
 
@@ -61,7 +60,7 @@ class RemoteRounds:
         got, req.fetch = req.fetch.result(), None
         if got.blocks:
             if req.mode == "full":
-                n = load_full(req.full, got.blocks)
+                n = req.full.load_blocks(got.blocks)
             else:
                 n = req.draft.load_stored(got.blocks, self.prefix.store.block_tokens)
             req.done_ids = req.prefix_tokens = n

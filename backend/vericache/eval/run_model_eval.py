@@ -7,7 +7,7 @@ import time
 from vericache.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 from vericache.model.loader import load_model
 from vericache.model.registry import DEFAULT_MODEL
-from vericache.train import corpus
+from vericache.data import corpus
 
 
 def heldout_tokens(tokenizer) -> list[int]:

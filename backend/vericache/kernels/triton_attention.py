@@ -23,10 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS
-
 SPLIT = 64   # keys per split: fixed, so where a split starts never depends on the batch
-DENSE = 3    # the kernel's kind for dense rows (the quantized kinds are kv.quantized's 0, 1, 2)
+TOKEN_GROUPS, CHANNEL_GROUPS, FP8, DENSE = 0, 1, 2, 3   # the kinds: kv.quantized's three, and dense rows
 
 
 @triton.jit

@@ -24,15 +24,51 @@ therefore not in position order (``pos`` says where each token lies; attention d
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from vericache.compress.base import Compressor, ScoreInputs
 from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.packed import KeyPart, LayeredParts
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class Compressor(Protocol):
+    """What the cache asks of its compressor (``compress.base.Compressor`` is one; kv does not import
+    compress: the compressors build on the caches, not the reverse)."""
+    window: int
+    align: int
+    evicts: bool
+    quantizes: bool
+    needs_whole_prompt: bool
+    rescores_kept: bool
+
+    def keep_budget(self, n: int) -> int: ...
+
+    def layouts(self) -> tuple: ...
+
+    def score(self, inputs: "ScoreInputs") -> torch.Tensor: ...
+
+
+@dataclass
+class ScoreInputs:
+    """What an eviction scorer sees: every layer at once, layers folded into heads (H = L * Hkv).
+
+    keys: [H, S, D] candidate keys (dequantised, fp32), positions: [H, S];
+    queries: [L * Hq, W, D] the most recent observed queries (rotated);
+    state: a dict the scorer may keep across compression events (KVzip's prompt scores);
+    carried: [H, c] the scores the first c candidates (kept tokens) carry, for methods that
+    re-score them (``rescores_kept``); None when every candidate is entering.
+    """
+    keys: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor
+    state: dict[str, Any]
+    prompt_len: int
+    carried: torch.Tensor | None = None
 
 
 def store_capacity(comp: Compressor, capacity: int) -> int:

@@ -145,6 +145,15 @@ class FullKVCache:
         self.v[layer, :, s : s + t] = v
         return [KeyPart(self.k[layer], self.v[layer], n=s + t, diag=s)]
 
+    def load_blocks(self, blocks: list[dict]) -> int:
+        """Blocks of K/V ({"k", "v": [L, Hkv, t, D]}, a stored prefix's full form) written at positions 0..
+        of this empty cache; returns the positions written."""
+        if self.length:
+            raise ValueError(f"load_blocks needs an empty cache; it holds {self.length} positions")
+        for b in blocks:
+            self.append(b["k"], b["v"])
+        return self.length
+
     def layered_parts(self, t: int) -> LayeredParts:
         """``parts`` for every layer at once (the native step): the chunk of t at the forward's start."""
         s = self._start

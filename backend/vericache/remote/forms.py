@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from vericache.compress.base import Compressor, ScoreInputs
+from vericache.compress.base import Compressor
+from vericache.kv.compressed import ScoreInputs
 from vericache.kv.full import FullKVCache
 
 Form = dict[str, torch.Tensor]
@@ -29,15 +30,6 @@ def full_forms(full: FullKVCache, n_blocks: int, block_tokens: int) -> list[Form
         raise ValueError(f"{n_blocks} blocks of {block_tokens} need {n_blocks * block_tokens} positions; "
                          f"the cache holds {full.length}")
     return [dict(zip("kv", full.views(b * block_tokens, (b + 1) * block_tokens))) for b in range(n_blocks)]
-
-
-def load_full(full: FullKVCache, blocks: list[Form]) -> int:
-    """Write the blocks at positions 0.. of an empty ``full``; returns the positions written."""
-    if full.length:
-        raise ValueError(f"load_full needs an empty cache; it holds {full.length} positions")
-    for b in blocks:
-        full.append(b["k"], b["v"])
-    return full.length
 
 
 def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Tensor], n_blocks: int,

@@ -101,7 +101,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_remote_prefix(args: argparse.Namespace) -> int:
     """The paper's remote prefix-caching setting, predicted (``sim.remote_prefix.paper_table``)."""
-    from vericache.bench.common import markdown_table, record
+    from vericache.report import markdown_table, record
     from vericache.sim.remote_prefix import paper_table
 
     if not 0 < args.ratio <= 1:
@@ -122,7 +122,7 @@ def _cmd_remote_prefix(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from vericache.bench.common import markdown_table
+    from vericache.report import markdown_table
 
     if args.calibrate:
         return _cmd_calibrate(args)
@@ -141,7 +141,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0
-    from vericache.bench.common import record
+    from vericache.report import record
 
     table = markdown_table(rows, ["model", "gpus", "context", "mode", "batch", "tokens_per_s", "x_full",
                                   "link_utilization", "resident_fraction"])

@@ -31,8 +31,8 @@ from vericache.config import ModelConfig
 from vericache.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 from vericache.model.llama import Transformer
 from vericache.model.tokenizer import Tokenizer
-from vericache.train import corpus
-from vericache.train.tasks import retrieval_task, tool_call_task
+from vericache.data import corpus
+from vericache.data.tasks import retrieval_task, tool_call_task
 
 # (fraction of the time budget at which the stage starts, window length, share of task documents)
 CURRICULA = {
