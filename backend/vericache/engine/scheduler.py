@@ -49,7 +49,7 @@ class RowKind(StrEnum):
 
 @dataclass
 class Row:
-    req: object               # the request (or the verifier's session) the row is for
+    req: Request              # the request the row is for (a verifier session is one too)
     kind: RowKind
     tokens: list[int]
     start: int                # position of tokens[0]
@@ -63,7 +63,7 @@ class StepPlan:
     run in one forward so the weights are read once per step whatever the mix."""
     rows: list[Row] = field(default_factory=list)
 
-    def add(self, req: object, kind: RowKind, tokens: list[int], start: int, cache: object,
+    def add(self, req: Request, kind: RowKind, tokens: list[int], start: int, cache: object,
             logits_for: str = "last") -> None:
         self.rows.append(Row(req, kind, tokens, start, cache, logits_for))
 

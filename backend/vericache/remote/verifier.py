@@ -77,6 +77,7 @@ class VerifierCore:
         self._stop = threading.Event()
         # the step budget admits every session's chunk: each is capped per session (``Served.chunk``)
         self.loop = StepLoop(engine, offload=False, prefill_chunk=1 << 30, max_running=max_sessions)
+        self._answers: list[tuple[Future, object]] = []   # results of this step, given after its events
         self._thread = threading.Thread(target=self._work_loop, name="vericache-verifier", daemon=True)
         if autostart:
             self.start()
@@ -202,27 +203,33 @@ class VerifierCore:
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             sess.opened.set_exception(exc)
 
-    @staticmethod
-    def _reply(sess: Session, fut: Future):
+    def _reply(self, sess: Session, fut: Future):
         def reply(result: tuple) -> None:
             sess.replies.remove(fut)
-            fut.set_result(result)
+            self._answers.append((fut, result))
         return reply
 
     def _step(self) -> None:
-        """One step of the loop; its forward's events; any session its step failed gets the error."""
+        """One step of the loop; its forward's events; then its answers (so a caller that reads the
+        events sees this step's); any session its step failed gets the error."""
         n = self.loop.instruments.n_steps
-        with torch.inference_mode():
-            self.loop.step()
-        if self.loop.instruments.n_steps > n:
-            rec = self.loop.instruments.steps[-1]
-            seconds, by_kind = rec.end - rec.start, rec.by_kind
-            if "prefill" in by_kind:
-                rows, tokens = by_kind["prefill"]
-                self._event("prefill", {"tokens": tokens, "rows": rows, "seconds": seconds})
-            if "verify" in by_kind:
-                self._event("verify_step", {"rows": by_kind["verify"][0], "seconds": seconds,
-                                            "with_prefill": "prefill" in by_kind})
+        try:
+            with torch.inference_mode():
+                self.loop.step()
+            if self.loop.instruments.n_steps > n:
+                rec = self.loop.instruments.steps[-1]
+                seconds, by_kind = rec.end - rec.start, rec.by_kind
+                if "prefill" in by_kind:
+                    rows, tokens = by_kind["prefill"]
+                    self._event("prefill", {"tokens": tokens, "rows": rows, "seconds": seconds})
+                if "verify" in by_kind:
+                    self._event("verify_step", {"rows": by_kind["verify"][0], "seconds": seconds,
+                                                "with_prefill": "prefill" in by_kind})
+        finally:
+            answers, self._answers = self._answers, []
+            for fut, result in answers:
+                if not fut.done():
+                    fut.set_result(result)
         for sess in list(self.sessions.values()):
             req = self.loop.requests.get(sess.request_id)
             if req is not None and req.state == State.FAILED:
@@ -243,8 +250,7 @@ class VerifierCore:
         with sess.lock:
             if not sess.closed:
                 sess.full = full
-        if not sess.opened.done():   # a close may have answered it already
-            sess.opened.set_result(token)
+        self._answers.append((sess.opened, token))   # answered after the step's events (``_step``)
 
     def _store_prefix(self, sess: Session, full: FullKVCache, queries: list, hit: int) -> None:
         """Put the prompt's whole blocks (full, and the drafter's compressor's form) when some were missing."""

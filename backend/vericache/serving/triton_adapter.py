@@ -118,9 +118,11 @@ class TritonAdapter:
             try:
                 d = job.stream.get(timeout=0.05)
             except queue.Empty:
-                if cancelled():
-                    self.service.abort(job.stream.id)
-                    return
+                d = None
+            if cancelled():   # checked before every response too: nothing is sent to a gone client
+                self.service.abort(job.stream.id)
+                return
+            if d is None:
                 continue
             if d.finished and d.finish_reason == "error":
                 raise GenerationFailed(f"generation failed: {d.stats.get('error', 'engine error')}")

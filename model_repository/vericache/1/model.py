@@ -37,43 +37,66 @@ class TritonPythonModel:
                                                     description="Requests in the engine",
                                                     kind=pb_utils.MetricFamily.GAUGE)
         self.running = self.running_family.Metric(labels={})
+        # one call into Triton at a time: each request is served from its own thread, and concurrent
+        # sends and cancellation checks (both go through the stub's interprocess queue) crashed
+        # tritonserver (boost::interprocess::lock_exception) when a client died with streams open
+        self.ipc = threading.Lock()
         threading.Thread(target=self._gauges, daemon=True).start()
         self.logger.log_info(f"vericache model ready: {params}")
 
     def execute(self, requests):
-        for request in requests:  # decoupled: each request answers from its own thread
-            threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+        # decoupled: each request answers from its own thread. Triton may release a request once
+        # execute returns, so its inputs are read here and the threads hold only its response sender
+        # (whose is_cancelled() stays valid; the request's own is not)
+        for request in requests:
+            inputs = {}
+            for name in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            threading.Thread(target=self._serve, args=(request.get_response_sender(), inputs), daemon=True).start()
         return None
 
-    def _serve(self, request):
-        sender = request.get_response_sender()
-        inputs = {}
-        for name in INPUTS:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                inputs[name] = tensor.as_numpy()
+    def _serve(self, sender, inputs):
         try:
             job = self.adapter.start(inputs)
         except (InvalidInput, ValueError) as exc:
             self.bad.increment(1)
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
         last = None
         try:
-            for out in self.adapter.responses(job, cancelled=request.is_cancelled):
+            for out in self.adapter.responses(job, cancelled=lambda: self._cancelled(sender)):
                 last = out
-                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+                self._send(sender, pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
         except GenerationFailed as exc:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INTERNAL)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
-        if last is None or request.is_cancelled():
+        if last is None or self._cancelled(sender):
             self.cancelled.increment(1)
         else:
             self.ok.increment(1)
             self.accepted.increment(int(last["accepted_tokens"][0]))
-        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._send(sender, None, final=True)
+
+    def _cancelled(self, sender) -> bool:
+        with self.ipc:
+            return sender.is_cancelled()
+
+    def _send(self, sender, response, final: bool = False) -> None:
+        """One response (or only the final flag), serialized with every other call into Triton; a send
+        the gone client can no longer take is logged, not raised (the request is ending anyway)."""
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        with self.ipc:
+            try:
+                if response is None:
+                    sender.send(flags=flags)
+                else:
+                    sender.send(response, flags=flags)
+            except Exception as exc:  # noqa: BLE001 - the stream is gone; the engine aborts the job
+                self.logger.log_warn(f"vericache: a response could not be sent: {exc}")
 
     def _gauges(self):
         service = self.adapter.service
