@@ -265,7 +265,7 @@ def test_a_killed_gateway_leaves_no_orphaned_requests_in_triton(triton, free_por
         time.sleep(0.2)
     gw.kill()
     gw.wait()
-    deadline = time.time() + 30
+    deadline = time.time() + 60
     while _metric(triton["metrics"], running) or _metric(triton["metrics"], 'vericache_triton_kv_cache_bytes{tier="device"}'):
         assert time.time() < deadline, "Triton kept the dead gateway's requests"
         time.sleep(0.2)
