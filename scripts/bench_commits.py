@@ -30,15 +30,16 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def run_at(tree: Path, args: list[str]) -> dict[str, float]:
-    """The bench command's rows (mode -> tokens/s), run with ``tree``'s packages first on the path."""
+def run_at(tree: Path, args: list[str]) -> dict[str, dict]:
+    """The bench command's rows (mode -> its row: tokens/s, steps, tokens a round), run with ``tree``'s
+    packages first on the path."""
     env = dict(os.environ, PYTHONPATH=f"{tree / 'backend'}:{tree / 'gateway'}")
     out = subprocess.run([sys.executable, "-m", "vericache.cli", *args], capture_output=True, text=True, env=env,
                          cwd=tree)
     if out.returncode:
         raise SystemExit(f"bench failed at {tree}:\n{out.stderr[-3000:]}")
     rows = json.loads(out.stdout)["rows"]
-    return {r["mode"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
+    return {r["mode"]: r for r in rows if "tokens_per_s" in r}
 
 
 def main() -> int:
@@ -57,20 +58,27 @@ def main() -> int:
             for i in range(args.repeats):
                 for side, tree in (("base", base_tree), ("head", ROOT)):
                     rows = run_at(tree, bench)
-                    for mode, tps in rows.items():
-                        runs[side].setdefault(mode, []).append(tps)
-                    print(f"[{i + 1}/{args.repeats}] {side}: {rows}", file=sys.stderr, flush=True)
+                    for mode, row in rows.items():
+                        runs[side].setdefault(mode, []).append(row)
+                    print(f"[{i + 1}/{args.repeats}] {side}: {({m: r['tokens_per_s'] for m, r in rows.items()})}",
+                          file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     print(f"CPU: {cpu_name()}; base {args.base}, head {head} (+ working tree); `vericache {' '.join(bench)}`")
-    print("| mode | base tok/s (runs) | head tok/s (runs) | head / base (medians) |")
-    print("|---|---|---|---|")
+    # steps and tokens a round say whether the two ran the same work (an adaptive draft length may not)
+    print("| mode | base tok/s (runs) | head tok/s (runs) | head / base (medians) | steps base / head (medians) "
+          "| tokens a round base / head |")
+    print("|---|---|---|---|---|---|")
     for mode in runs["base"]:
         b, h = runs["base"][mode], runs["head"].get(mode, [])
-        ratio = statistics.median(h) / statistics.median(b) if h and statistics.median(b) else float("nan")
-        print(f"| {mode} | {', '.join(f'{x:.2f}' for x in b)} | {', '.join(f'{x:.2f}' for x in h)} | {ratio:.3f} |")
+        med = lambda rows, key: statistics.median(r[key] for r in rows) if rows and rows[0].get(key) is not None else None  # noqa: E731
+        tb, th = med(b, "tokens_per_s"), med(h, "tokens_per_s")
+        ratio = th / tb if th and tb else float("nan")
+        work = [f"{med(b, key)} / {med(h, key)}" for key in ("steps", "mean_acceptance_length")]
+        rates = [", ".join(f"{r['tokens_per_s']:.2f}" for r in side) for side in (b, h)]
+        print(f"| {mode} | {rates[0]} | {rates[1]} | {ratio:.3f} | {work[0]} | {work[1]} |")
     return 0
 
 

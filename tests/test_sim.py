@@ -60,14 +60,6 @@ def test_sim_command(capsys, tmp_path):
     assert main(["sim", "--models", "gpt-9"]) == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script measures instead")
-def test_gpu_check_says_no_device_on_cpu(capsys):
-    from vericache.bench.gpu_check import main as gpu_main
-
-    assert gpu_main(["--out", "/tmp/vericache-gpu-check"]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_link_copies_layer_by_layer():

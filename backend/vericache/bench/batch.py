@@ -33,19 +33,28 @@ def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
     return [ids[997 * i : 997 * i + context] for i in range(n)]
 
 
-def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True) -> dict:
+def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True,
+               until: float | None = None) -> dict:
     """Add every sequence with its shared prefill, step to the end; time and peak resident bytes.
 
     With ``from_first_tokens`` the decode is timed from the step after every request has its first
     token; otherwise from the first step (requests that wait for admission are part of it). Either
-    way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode."""
+    way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode.
+    ``until`` (a ``time.perf_counter()`` deadline): past it the requests left are aborted and the
+    result says ``cut`` (the tokens decoded by then are what is timed)."""
     rids = [loop.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
     t_load = time.perf_counter()
     while from_first_tokens and loop.has_unfinished() and not all(s.output_ids for s in seqs):
         loop.step()
     before = sum(len(s.output_ids) for s in seqs)
     t0, last, steps, peak = time.perf_counter(), time.perf_counter(), 0, 0
+    cut = False
     while loop.has_unfinished():
+        if until is not None and time.perf_counter() > until:
+            cut = True
+            for rid in rids:
+                loop.abort(rid)
+            break
         loop.step()
         steps += 1
         peak = max(peak, sum(r.resident_bytes() for r in loop.requests if not r.done))
@@ -53,12 +62,13 @@ def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first
             done = sum(len(s.output_ids) for s in seqs)
             log(f"  {label}: {done} tokens after {time.perf_counter() - t0:.0f} s")
             last = time.perf_counter()
+    t_end = time.perf_counter()
     failed = [loop.requests[r].error for r in rids if loop.requests[r].error]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0]}")
     # loading shared prefills inside the timed span (requests admitted later) is prefill work too
     load_in_span = sum(e - s for s, e, k in loop.instruments.intervals if k == "load" and s >= t0)
-    return {"decode_s": time.perf_counter() - t0 - load_in_span, "steps": steps, "kv_resident_bytes": peak,
+    return {"decode_s": t_end - t0 - load_in_span, "steps": steps, "kv_resident_bytes": peak, "cut": cut,
             "load_s": t0 - t_load + load_in_span, "decoded": sum(len(s.output_ids) for s in seqs) - before,
             "step_records": [s for s in loop.instruments.steps if s.start >= t0]}
 

@@ -362,5 +362,15 @@ def add_bench_parser(sub) -> None:
     _add_linear(bsub)
     _add_prefix(bsub)
     _add_serve(bsub)
+    _add_gpu_check(bsub)
+
+
+def _add_gpu_check(bsub) -> None:
+    from vericache.bench.gpu_check import add_arguments, run
+
+    g = bsub.add_parser("gpu-check", help="the device check: identity, rates and 16 x 32K decode on one GPU "
+                                          "(--dry-run: the same code on the CPU, Triton's interpreter)")
+    add_arguments(g)
+    g.set_defaults(func=run)
 
 

@@ -100,6 +100,14 @@ def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | No
     model.embed_exact = ExactLinear([embed], None, op) if embed is not None else None
 
 
+def uninstall(model: nn.Module) -> None:
+    """Back to the ``nn.Linear`` modules and the embedding (PyTorch's kernels read them)."""
+    for layer in model.model.layers:
+        layer.self_attn.qkv_exact = layer.self_attn.o_exact = None
+        layer.mlp.gate_up_exact = layer.mlp.down_exact = None
+    model.head_exact = model.embed_exact = None
+
+
 def exact_linears(model: nn.Module) -> list[ExactLinear]:
     """Every ``ExactLinear`` of one forward, in order (per layer q/k/v, o, gate/up, down; then the head)."""
     out = []

@@ -149,10 +149,25 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
     if kernels == "native":
         exact_linear.install(model, linear_op(), stored)
         native_step.install(model, linear_op())
-    elif kernels == "triton":
+        for layer in model.model.layers:
+            layer.self_attn.kernels = kernels
+        return model
+    return use_gpu_kernels(model, kernels, stored)
+
+
+def use_gpu_kernels(model: Transformer, kernels: str, stored: dict | None = None) -> Transformer:
+    """Put a prepared model's linears and attention on "triton" or "torch" (PyTorch's: the modules'
+    weights), in place: the GPU check times both kernel sets on one model."""
+    if kernels not in ("triton", "torch"):
+        raise ValueError(f"the GPU kernels are triton or torch, got {kernels!r}")
+    if kernels == "triton":
         from vericache.kernels.triton_linear import TritonLinear
 
         exact_linear.install(model, TritonLinear(), stored)
+    elif stored or not model.lm_head.weight.numel():
+        raise ValueError("PyTorch's kernels need the weights in the modules; this model keeps them as stored blocks")
+    else:
+        exact_linear.uninstall(model)
     for layer in model.model.layers:
         layer.self_attn.kernels = kernels
     return model
