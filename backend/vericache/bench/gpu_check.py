@@ -118,7 +118,7 @@ def run_check(out: Path, dry_run: bool, budget_s: float, log=print, draft_len: i
     cfg, kv_dtype = timed_model.config, timed_model.kv_dtype
     part("rates", lambda: {"memory": parts.read_rate(dev, sizes.read_bytes),
                            "link": parts.link_rate(cfg, dev, kv_dtype, sizes.link_positions),
-                           "verified_copies": parts.verified_copies(cfg, dev, kv_dtype, sizes.context)})
+                           "verified_copies": parts.verified_copies(cfg, dev, kv_dtype, sizes.link_positions)})
 
     def identity() -> list[dict]:
         make = _identity_model(sizes.identity_model, dev)
