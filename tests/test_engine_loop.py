@@ -129,6 +129,10 @@ def test_a_bad_part_in_the_attention_op_fails_only_its_request(llm, pool, refere
     loop.step()   # the three prefills
     bad = loop.requests[rids[1]]
     bad.full.k = bad.full.k.to(torch.float64)   # a bad part: the op takes fp32, fp16 or bf16
+    recorded, emitted = loop.instruments.n_steps, [len(loop.requests[r].seq.output_ids) for r in rids]
+    loop.step()   # fails, then runs row by row: the two good rows decode, and no step is recorded
+    assert loop.instruments.n_steps == recorded, "rows rerun one by one are not a step's record"
+    assert [len(loop.requests[r].seq.output_ids) - e for r, e in zip(rids, emitted)] == [1, 0, 1]
     while loop.has_unfinished():
         loop.step()
     assert bad.state == State.FAILED and "Double" in bad.error and loop.instruments.failures == 1

@@ -29,7 +29,7 @@ import torch
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
-from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput, StepRecord
+from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput
 from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
 from vericache.kv.full import FullKVCache
 from vericache.sampling import SamplingParams, Sequence
@@ -154,27 +154,29 @@ class StepLoop:
             result, record = self.runner.execute(plan)
         except Exception:  # noqa: BLE001 - find whose row it was; the others go on
             log.exception("step forward failed for requests %s; running each row alone", [r.req.id for r in plan.rows])
-            plan, result, record = self._isolate(plan)
-            if not plan.rows:
-                return
+            plan, result = self._isolate(plan)
+            # no step record: rows rerun one by one are not a step whose time the cost fits and the
+            # roofline could use (and a step's record describes one forward)
+            self.scheduler.update(plan, result)
+            return
         self.instruments.record_step(record, self.runner.cfg.num_hidden_layers)
         self.scheduler.update(plan, result)
         record.post = time.perf_counter() - record.end
 
-    def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepResult, StepRecord | None]:
-        """The rows of a failed forward one by one: the plan and results of those that run, the record
-        of the last; a row that raises alone fails its request (its KV freed)."""
-        good, logits, argmax, record = StepPlan(), [], [], None
+    def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepResult]:
+        """The rows of a failed forward one by one: the plan and results of those that run; a row that
+        raises alone fails its request (its KV freed)."""
+        good, logits, argmax = StepPlan(), [], []
         for row in plan.rows:
             try:
-                one, record = self.runner.execute(StepPlan([row]))
+                one, _ = self.runner.execute(StepPlan([row]))
             except Exception as exc:  # noqa: BLE001 - this row's request fails
                 self.requests.fail(row.req, f"{type(exc).__name__}: {exc}")
                 continue
             good.rows.append(row)
             logits += one.logits
             argmax += one.argmax
-        return good, StepResult(logits, argmax), record
+        return good, StepResult(logits, argmax)
 
     def _wait_if_idle(self) -> None:
         """Nothing to compute until a fetch, a verifier reply or a transfer lands: block, not spin."""
