@@ -175,3 +175,23 @@ def test_one_forward_per_step_packs_every_kind(llm, pool, monkeypatch):
         assert len(calls) - before <= 1
         kinds |= set(loop.instruments.intervals[-1][2].split("+"))
     assert {"prefill", "decode", "draft", "verify"} <= kinds
+
+
+def test_a_verification_buffer_that_can_never_fit_fails_its_request_instead_of_waiting(llm, pool, monkeypatch):
+    """An offloaded VeriCache request alone on the device whose verification buffer does not fit beside
+    its own KV: nothing else holds the device, so nothing will ever make room. It fails with the sizes
+    (before, it waited forever: a step with nothing to run, again and again), and frees every block."""
+    link = EmulatedLink(gbps=8)
+    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len=4),
+                    device_budget=_kv_bytes(llm, 900), link=link, prefill_chunk=256)
+    too_big = loop.device.capacity_bytes + 1
+    monkeypatch.setattr(loop.memory, "verify_buffer_bytes", lambda req: too_big)
+    rid = loop.add_request(pool[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(50):
+        if not loop.has_unfinished():
+            break
+        loop.step()
+    req = loop.requests[rid]
+    assert req.state == State.FAILED and f"verification buffer ({too_big} bytes) does not fit" in req.error
+    assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
+    link.close()

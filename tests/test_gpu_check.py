@@ -38,7 +38,8 @@ def test_the_dry_run_runs_every_part_and_exits_0(dry_run):
     printed = json.loads(proc.stdout)
     assert printed == saved and saved["dry_run"] is True
     for part in ("rates", "identity", "decode", "attention", "cost_model"):
-        assert "skipped" not in saved[part], (part, saved[part])
+        assert "skipped" not in saved[part] and "error" not in saved[part], (part, saved[part])
+        assert not any("error" in row for row in saved[part] if isinstance(row, dict)), (part, saved[part])
 
 
 def test_the_dry_run_measures_rates_and_copies(dry_run):
@@ -85,6 +86,27 @@ def test_only_the_batch_invariant_kernels_fail_the_check(capsys):
     assert not_identical(report) == []
     report["identity"][1]["identical_to_full"] = False
     assert not_identical(report) == [report["identity"][1]] and "NOT IDENTICAL" in capsys.readouterr().err
+
+
+def test_a_part_that_raises_is_recorded_and_fails_the_check_without_stopping_it(tmp_path, monkeypatch):
+    """One run on a lent device: a part that raises (an out-of-memory, a kernel that does not compile)
+    is written into the report, the parts after it still run, and the exit status is 1."""
+    from vericache.bench import gpu_check, gpu_parts
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setattr(gpu_parts, "attention_rate", broken)
+    monkeypatch.setattr(gpu_parts, "decode_rows", lambda loaded, kernels, *a, **k: (
+        broken() if kernels == "triton" else [{"kernels": kernels, "mode": "full", "identical_to_full": None}]))
+    monkeypatch.setattr(gpu_parts, "identity_rows", lambda *a, **k: [])
+    report = gpu_check.run_check(tmp_path, dry_run=True, budget_s=60, log=lambda m: None)
+    assert report["decode"][0] == {"kernels": "torch", "mode": "full", "identical_to_full": None}
+    assert report["decode"][1]["kernels"] == "triton" and "no kernel for you" in report["decode"][1]["error"]
+    assert [r["kernels"] for r in report["attention"]] == list(KERNEL_SETS)
+    assert "llama3_8b_32k_h200" in report["cost_model"]   # the part after the failures ran
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["decode"][1]["error"].startswith("RuntimeError")
+    assert len(gpu_check.errors(report)) == 3
 
 
 def test_gpu_check_without_a_gpu_or_dry_run_says_so(monkeypatch, capsys):

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -109,9 +110,13 @@ def run_check(out: Path, dry_run: bool, budget_s: float, log=print, draft_len: i
             report[name] = {"skipped": "out of time"}
         else:
             log(f"{name} ({time.perf_counter() - t0:.0f} s in)")
-            report[name] = fn()
+            report[name] = _or_error(fn, {}, log)
         report["seconds"] = round(time.perf_counter() - t0, 1)
         report.save()
+
+    def each_set(fn) -> list[dict]:
+        """``fn(kernels)``'s rows for each kernel set; a set that raises leaves a row saying why."""
+        return [row for k in KERNEL_SETS for row in _or_error(lambda: fn(k), {"kernels": k}, log, listed=True)]
 
     timed_model = random_model(sizes.model, dev, "bfloat16" if dev.type == "cuda" else "float32", "torch",
                                max_context=sizes.context + sizes.max_tokens + 8)
@@ -127,18 +132,18 @@ def run_check(out: Path, dry_run: bool, budget_s: float, log=print, draft_len: i
                    if sizes.identity_model == "tiny" else
                    _prompts(probe.config.vocab_size, sizes.identity_requests, sizes.identity_context, seed=2))
         del probe
-        return parts.identity_rows(make, list(KERNEL_SETS), list(sizes.families), prompts, sizes.identity_tokens,
-                                   until, log)
+        return each_set(lambda k: parts.identity_rows(make, [k], list(sizes.families), prompts, sizes.identity_tokens,
+                                                      until, log))
 
     part("identity", identity)
     prefills = [parts.synthetic_prefill(timed_model, sizes.context, sizes.context + sizes.max_tokens + 1, seed=i)
                 for i in range(sizes.requests)]
     prompts = _prompts(cfg.vocab_size, sizes.requests, sizes.context, seed=3)
-    part("decode", lambda: [row for kernels in KERNEL_SETS for row in parts.decode_rows(
-        timed_model, kernels, prefills, prompts, sizes.max_tokens, ["full", "lossy", "vericache"], sizes.compressor,
-        draft_len, until, log)])
+    part("decode", lambda: each_set(lambda k: parts.decode_rows(
+        timed_model, k, prefills, prompts, sizes.max_tokens, ["full", "lossy", "vericache"], sizes.compressor,
+        draft_len, until, log)))
     read = report["rates"].get("memory", {}).get("read_GBps", 0.0) if isinstance(report["rates"], dict) else 0.0
-    part("attention", lambda: [parts.attention_rate(timed_model, k, prefills, read) for k in KERNEL_SETS])
+    part("attention", lambda: each_set(lambda k: parts.attention_rate(timed_model, k, prefills, read)))
     link = report["rates"].get("link", {}).get("link_GBps") if isinstance(report["rates"], dict) else None
     part("cost_model", lambda: {"link_GBps": link, "llama3_8b_32k_h200": simulate(
         SimConfig(GPUS["h200"], MODELS["llama3-8b"], (link or 0.0) * 1e9 or 1.0, 32768))})
@@ -146,6 +151,21 @@ def run_check(out: Path, dry_run: bool, budget_s: float, log=print, draft_len: i
         report["peak_device_bytes"] = torch.cuda.max_memory_allocated(dev)
     report.save()
     return report
+
+
+def _or_error(fn, where: dict, log, listed: bool = False):
+    """``fn()``, or what it raised (one run on a lent device: a part that fails must not cost the
+    others; the exit status says it failed)."""
+    try:
+        out = fn()
+        return out if not listed or isinstance(out, list) else [out]
+    except Exception as exc:  # noqa: BLE001 - recorded in the report, the run goes on
+        log(f"  failed: {type(exc).__name__}: {exc}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()   # an out-of-memory must not starve the next part
+        failed = where | {"error": f"{type(exc).__name__}: {exc}"[:2000],
+                          "traceback": traceback.format_exc()[-3000:]}
+        return [failed] if listed else failed
 
 
 def _triton_version() -> str | None:
@@ -183,7 +203,19 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or os.environ.get("OUT") or "gpu_check_out")
     report = run_check(out, args.dry_run, args.budget_s, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(report, indent=2, default=str) if args.json else f"gpu-check: {report.path} ({report['seconds']} s)")
-    return 1 if not_identical(report) else 0
+    return 1 if not_identical(report) or errors(report) else 0
+
+
+def errors(report: dict) -> list[str]:
+    """What raised, part by part and row by row."""
+    found = []
+    for name, value in report.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and "error" in item:
+                found.append(f"{name}: {item['error']}")
+    for line in found:
+        print(f"gpu-check: FAILED: {line}", file=sys.stderr)
+    return found
 
 
 def not_identical(report: dict) -> list[dict]:

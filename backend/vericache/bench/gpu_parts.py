@@ -142,8 +142,8 @@ def decode_rows(loaded: LoadedModel, kernels: str, prefills: list[SharedPrefill]
         reference = outs if mode == "full" else reference
         rounds = sum(s.stats.get("rounds", 0) for s in seqs)
         decoded = sum(len(o) - 1 for o in outs)
-        same = None if reference is None or mode == "lossy" else all(
-            o == r[: len(o)] for o, r in zip(outs, reference))   # a cut run: its tokens so far
+        same = None if reference is None or mode == "lossy" else all(   # a cut run: the tokens both have
+            o[: min(len(o), len(r))] == r[: min(len(o), len(r))] for o, r in zip(outs, reference))
         rows.append({"kernels": kernels, "mode": mode, "tokens_per_s": round(res["decoded"] / max(res["decode_s"], 1e-9), 2),
                      "output_tokens": sum(map(len, outs)), "decoded": res["decoded"], "decode_s": round(res["decode_s"], 3), "steps": res["steps"],
                      "load_s": round(res["load_s"], 2), "cut": res["cut"], "identical_to_full": same,

@@ -105,6 +105,11 @@ class Offload:
             if not self.requests.in_state(State.TRANSFERRING):  # no buffer will come back by itself
                 self.make_room(nbytes, key, req)
             if not self.memory.device.can_fit(nbytes, key):
+                if not [o for o in self.memory.device.owners() if o[1] != req.id]:
+                    # nothing else holds the device, so nothing will make room: waiting would never end
+                    self.requests.fail(req, f"the verification buffer ({nbytes} bytes) does not fit the device "
+                                            f"budget ({self.memory.device.capacity_bytes} bytes) beside this "
+                                            f"request's own KV ({self.memory.device.used_bytes} bytes)")
                 return False  # no room for the buffer now; retry next step
         self.memory.device.resize(key, nbytes)
         first = self.memory.resident_layers
