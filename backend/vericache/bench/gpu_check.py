@@ -64,15 +64,31 @@ DRY_SIZES = Sizes("toy", 2, 48, 4, "toy", 2, 48, 4, DRY_FAMILIES, 64 << 20, 256,
 
 
 class Report(dict):
-    """The JSON, saved after every part."""
+    """The JSON and the check's clock: each part runs unless the budget is spent, and is saved at once."""
 
-    def __init__(self, path: Path, **fields) -> None:
-        super().__init__(fields)
-        self.path = path
+    def __init__(self, path: Path, budget_s: float, log=print, **fields) -> None:
+        super().__init__(fields, budget_s=budget_s)
+        self.path, self.log = path, log
+        self.t0 = time.perf_counter()
+        self.until = self.t0 + budget_s
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self, indent=2, default=str))
+
+    def part(self, name: str, fn) -> None:
+        """``self[name] = fn()``, or why not (out of time, or what it raised); saved."""
+        if time.perf_counter() > self.until:
+            self[name] = {"skipped": "out of time"}
+        else:
+            self.log(f"{name} ({time.perf_counter() - self.t0:.0f} s in)")
+            self[name] = _or_error(fn, {}, self.log)
+        self["seconds"] = round(time.perf_counter() - self.t0, 1)
+        self.save()
+
+    def each_set(self, fn) -> list[dict]:
+        """``fn(kernels)``'s rows for each kernel set; a set that raises leaves a row saying why."""
+        return [row for k in KERNEL_SETS for row in _or_error(lambda: fn(k), {"kernels": k}, self.log, listed=True)]
 
 
 def _identity_model(name: str, device: torch.device):
@@ -97,27 +113,12 @@ def run_check(out: Path, dry_run: bool, budget_s: float, log=print, draft_len: i
     from vericache.model.random_model import random_model
     from vericache.sim.cost_model import GPUS, MODELS, SimConfig, simulate
 
-    t0 = time.perf_counter()
-    until = t0 + budget_s
     sizes = DRY_SIZES if dry_run else DEVICE_SIZES
     dev = torch.device("cpu" if dry_run else "cuda")
-    report = Report(out / "gpu_check.json", dry_run=dry_run, sizes=asdict(sizes), budget_s=budget_s,
+    report = Report(out / "gpu_check.json", budget_s, log, dry_run=dry_run, sizes=asdict(sizes),
                     device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)",
                     torch=torch.__version__, triton=_triton_version())
-
-    def part(name: str, fn) -> None:
-        if time.perf_counter() > until:
-            report[name] = {"skipped": "out of time"}
-        else:
-            log(f"{name} ({time.perf_counter() - t0:.0f} s in)")
-            report[name] = _or_error(fn, {}, log)
-        report["seconds"] = round(time.perf_counter() - t0, 1)
-        report.save()
-
-    def each_set(fn) -> list[dict]:
-        """``fn(kernels)``'s rows for each kernel set; a set that raises leaves a row saying why."""
-        return [row for k in KERNEL_SETS for row in _or_error(lambda: fn(k), {"kernels": k}, log, listed=True)]
-
+    part, each_set, until = report.part, report.each_set, report.until
     timed_model = random_model(sizes.model, dev, "bfloat16" if dev.type == "cuda" else "float32", "torch",
                                max_context=sizes.context + sizes.max_tokens + 8)
     cfg, kv_dtype = timed_model.config, timed_model.kv_dtype
