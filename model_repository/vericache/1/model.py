@@ -61,7 +61,7 @@ class TritonPythonModel:
         try:
             job = self.adapter.start(inputs)
         except (InvalidInput, ValueError) as exc:
-            self.bad.increment(1)
+            self._count(self.bad)
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
@@ -75,11 +75,15 @@ class TritonPythonModel:
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
         if last is None or self._cancelled(sender):
-            self.cancelled.increment(1)
+            self._count(self.cancelled)
         else:
-            self.ok.increment(1)
-            self.accepted.increment(int(last["accepted_tokens"][0]))
+            self._count(self.ok)
+            self._count(self.accepted, int(last["accepted_tokens"][0]))
         self._send(sender, None, final=True)
+
+    def _count(self, metric, n: int = 1) -> None:
+        with self.ipc:   # a metric update goes through the stub's interprocess queue too
+            metric.increment(n)
 
     def _cancelled(self, sender) -> bool:
         with self.ipc:
@@ -101,9 +105,12 @@ class TritonPythonModel:
     def _gauges(self):
         service = self.adapter.service
         while service.healthy():
-            self.kv_device.set(service.loop.device.used_bytes)
-            self.kv_host.set(service.loop.host.used_bytes)
-            self.running.set(service.num_running())
+            # under the IPC lock like every call into Triton: unserialized, these sets raced the
+            # streams' sends and crashed tritonserver when a client died (1 run in ~10 of the kill test)
+            with self.ipc:
+                self.kv_device.set(service.loop.device.used_bytes)
+                self.kv_host.set(service.loop.host.used_bytes)
+                self.running.set(service.num_running())
             time.sleep(0.1)
 
     def finalize(self):
