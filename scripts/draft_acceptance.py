@@ -12,7 +12,7 @@ import argparse
 
 from vericache import LLM, SamplingParams
 from vericache.bench.common import code_prompt, cpu_model
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 from vericache.model.draft_weights import Q8Linear
 
 
@@ -26,12 +26,12 @@ def main() -> None:
     llm = LLM(args.model, device="cpu")
     prompt = code_prompt(llm.tokenizer, args.context)
     params = SamplingParams(max_tokens=args.max_tokens)
-    base = ModelRunner(llm.loaded, mode="vericache", compressor=args.compressor)
+    base = Engine(llm.loaded, mode="vericache", compressor=args.compressor)
     shared = base.shared_prefill(base.new_sequence(0, prompt, params))
     model = llm.loaded.model
     print(f"{args.model}, {args.context} tokens, {args.compressor}, {cpu_model()}")
     for label, weights, q8_head in (("fp32", "fp32", False), ("q8", "q8", False), ("q8 + q8 head", "q8", True)):
-        runner = ModelRunner(llm.loaded, mode="vericache", compressor=args.compressor, draft_weights=weights)
+        runner = Engine(llm.loaded, mode="vericache", compressor=args.compressor, draft_weights=weights)
         if q8_head:
             model.quantize_drafts("q8")
             copies, _ = model.draft_sets["q8"]

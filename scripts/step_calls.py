@@ -3,7 +3,8 @@ not move: run it at two commits to see what a change costs the loop's Python.
 
     PYTHONPATH=<tree>/backend python scripts/step_calls.py vericache
 
-(before commit 3bd51f3 the step loop was ``engine.serving.ServingEngine`` and ``LLM.engine``.)
+(it drives the engine's step loop; before commit 3bd51f3 that was ``engine.serving.ServingEngine`` and
+``LLM.engine``; from issue 39 on, ``LLM.engine`` is the ``Engine`` and its loop is ``LLM.engine.loop``.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ except ImportError:  # an older tree
 
 def main(mode: str) -> None:
     llm = vericache.LLM("tiny", device="cpu", dtype="float32", mode=mode, compressor="snapkv:ratio=0.125")
-    loop = StepLoop(getattr(llm, "runner", None) or llm.engine, offload=False)
+    engine = llm.engine
+    loop = engine.loop if hasattr(engine, "loop") else StepLoop(getattr(llm, "runner", None) or engine, offload=False)
     loop.add_request(list(range(5, 517)), SamplingParams(max_tokens=120, ignore_eos=True))
     for _ in range(10):  # prefill and the first steps
         loop.step()

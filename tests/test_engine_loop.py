@@ -34,7 +34,7 @@ def reference(llm):
     def ref(prompt: list[int], max_tokens: int) -> list[int]:
         key = (tuple(prompt), max_tokens)
         if key not in memo:
-            runner = llm.runner
+            runner = llm.engine
             seq = runner.new_sequence(0, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             memo[key] = runner.generate([seq], "full")[0].token_ids
         return memo[key]

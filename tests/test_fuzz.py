@@ -118,6 +118,6 @@ def test_any_json_value_in_any_field_gets_a_4xx_or_a_valid_answer(fuzzed, path, 
 def test_the_server_is_healthy_and_holds_nothing_after_the_fuzz(fuzzed):
     """Runs after the fuzz tests of this module: nothing running, no KV held, /health answers 200."""
     assert httpx.get(fuzzed.url + "/health", timeout=10).status_code == 200
-    loop = fuzzed.service.loop
+    loop = fuzzed.service.engine.loop
     assert not any(not r.done for r in loop.requests)
     assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0

@@ -12,8 +12,7 @@ import pytest
 import uvicorn
 
 from vericache import SamplingParams
-from vericache.engine.runner import ModelRunner
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.engine import Engine
 from vericache.serving.service import BackgroundService
 from vericache_gateway.app import create_app
 
@@ -28,8 +27,9 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30, model_name="tiny", max_per_key=0):
-        runner = ModelRunner(llm.loaded, mode="vericache", compressor=SPEC)
-        self.service = BackgroundService(StepLoop(runner, device_budget=budget), max_queue=max_queue)
+        # the server's own engine: defaults but the compressor and the budget (so every row runs natively)
+        engine = Engine(llm.loaded, mode="vericache", compressor=SPEC, device_budget_gb=budget / (1 << 30))
+        self.service = BackgroundService(engine, max_queue=max_queue)
         self.app = create_app(self.service, model_name=model_name, api_key=api_key, max_per_key=max_per_key)
         self.port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -68,7 +68,7 @@ def test_completion_equals_the_engine(llm, client):
 
 
 def test_a_request_is_validated_once(server, client, monkeypatch):
-    runner, calls = server.service.loop.runner, []
+    runner, calls = server.service.engine.runner, []
     check = runner.check_request
     monkeypatch.setattr(runner, "check_request", lambda ids, params: (calls.append(len(ids)), check(ids, params)))
     client.completions.create(model="tiny", prompt="def f(x):\n    return", max_tokens=4, temperature=0)
@@ -134,7 +134,7 @@ def test_too_long_prompt_gives_count_and_limit(server, llm):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8}, timeout=60)
     n = len(llm.tokenizer.encode(prompt))
     assert r.status_code == 400 and f"prompt ({n} tokens)" in r.json()["error"]["message"]
-    assert str(llm.runner.max_context) in r.json()["error"]["message"]
+    assert str(llm.engine.max_context) in r.json()["error"]["message"]
 
 
 def test_oversized_body_is_413(server):
@@ -225,7 +225,7 @@ def test_disconnects_abort_and_free_kv(server):
                 if line.startswith("data: {"):
                     break  # hang up after the first chunk
     deadline = time.time() + 20
-    loop = server.service.loop
+    loop = server.service.engine.loop
     while time.time() < deadline and (server.service.num_running() or loop.device.used_blocks):
         time.sleep(0.05)
     assert server.service.num_running() == 0 and loop.device.used_blocks == 0 and loop.host.used_blocks == 0
@@ -243,13 +243,12 @@ def test_metrics_exported(server, client):
     from vericache.model.exact_linear import resident_weight_bytes
 
     weights = [ln for ln in text.splitlines() if ln.startswith("vericache_model_weight_bytes{")]
-    assert len(weights) == 1 and float(weights[0].rsplit(" ", 1)[1]) == resident_weight_bytes(server.service.loop.runner.model)
+    assert len(weights) == 1 and float(weights[0].rsplit(" ", 1)[1]) == resident_weight_bytes(server.service.engine.loaded.model)
 
 
 def test_graceful_shutdown_drains_in_flight_requests(llm):
     """Shutdown stops accepting new requests but lets the running ones finish."""
-    runner = ModelRunner(llm.loaded, mode="vericache", compressor=SPEC)
-    service = BackgroundService(StepLoop(runner, device_budget=1 << 30))
+    service = BackgroundService(Engine(llm.loaded, mode="vericache", compressor=SPEC, device_budget_gb=1))
     stream = service.submit(llm.tokenizer.encode("def main():\n"), SamplingParams(max_tokens=40, ignore_eos=True))
     service.shutdown(drain_timeout=60)
     got, last = [], None
@@ -306,7 +305,7 @@ def test_an_engine_fault_is_a_500_and_the_server_goes_on(llm, server, client, mo
     stays 200, and the next request is served, equal to the engine's output."""
     bad = "zqxjkv zqxjkv"
     sentinel = llm.tokenizer.encode(bad)[0]
-    model = server.service.loop.runner.model
+    model = server.service.engine.loaded.model
     forward = model.forward
 
     def faulty(tokens, *args, **kwargs):
@@ -354,7 +353,7 @@ def test_a_thousand_cancelled_streams_leave_nothing_behind(server):
             await asyncio.gather(*(one(client, cut, gate) for cut in cuts))
 
     asyncio.run(run_all())
-    deadline, loop = time.time() + 30, server.service.loop
+    deadline, loop = time.time() + 30, server.service.engine.loop
     while time.time() < deadline and (server.service.num_running() or loop.device.used_blocks or loop.host.used_blocks):
         time.sleep(0.05)
     assert server.service.num_running() == 0 and loop.device.used_blocks == 0 and loop.host.used_blocks == 0

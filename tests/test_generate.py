@@ -48,9 +48,9 @@ def test_stop_string_cuts_text_and_finishes(llm):
 
 def test_eos_stops(llm):
     eos = llm.tokenizer.eos_token_ids[0]
-    seq = llm.runner.new_sequence(0, [5, 6, 7], SamplingParams(max_tokens=10))
+    seq = llm.engine.new_sequence(0, [5, 6, 7], SamplingParams(max_tokens=10))
     assert seq.append(eos) and seq.finish_reason == "stop"
-    seq = llm.runner.new_sequence(1, [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
+    seq = llm.engine.new_sequence(1, [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
     assert not seq.append(eos)
 
 
@@ -102,7 +102,7 @@ def test_bad_prompts(llm):
 
 
 def test_context_limit_names_values(llm):
-    limit = llm.runner.max_context
+    limit = llm.engine.max_context
     with pytest.raises(ValueError) as e:
         llm.generate("x = 1\n", SamplingParams(max_tokens=limit))
     msg = str(e.value)

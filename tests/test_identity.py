@@ -18,7 +18,7 @@ import torch
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
 from vericache.compress.registry import METHODS, parse_compressor
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 
 
 def registered(settings: dict[str, str], skip: frozenset = frozenset()) -> list[str]:
@@ -66,14 +66,14 @@ def identity_prompts(llm, code_prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def full_reference(kv_loaded, identity_prompts) -> list[list[int]]:
-    runner = ModelRunner(kv_loaded)
+    runner = Engine(kv_loaded, mode="full")
     params = SamplingParams(max_tokens=MAX_TOKENS)
     return [runner.generate([runner.new_sequence(i, p, params)], "full")[0].token_ids
             for i, p in enumerate(identity_prompts)]
 
 
 def _run(loaded, spec, draft_len, prompts, mode="vericache"):
-    runner = ModelRunner(loaded, mode=mode, compressor=spec, draft_len=draft_len)
+    runner = Engine(loaded, mode=mode, compressor=spec, draft_len=draft_len)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     return runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(prompts)])
 
@@ -96,7 +96,7 @@ def test_vericache_equals_full(kv_loaded, identity_prompts, full_reference, spec
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_vericache_with_quantized_draft_weights_equals_full(kv_loaded, identity_prompts, full_reference, spec, weights):
     """Drafts on int8 or int4 weights (and compressed KV), verification on the exact ones: still the full output."""
-    runner = ModelRunner(kv_loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
+    runner = Engine(kv_loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outs = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
     assert [o.token_ids for o in outs] == full_reference
@@ -119,9 +119,9 @@ LOSSY_SPECS = registered({"kivi": "bits=2", "int4": "group=64,window=4", "fp8": 
 @pytest.mark.parametrize("spec", LOSSY_SPECS)
 def test_lossy_mode_is_really_lossy(llm, lossy_prompts, spec):
     """Proof the compressor is live: decoding from the compressed KV alone drifts from full."""
-    runner = ModelRunner(llm.loaded, mode="lossy", compressor=spec)
+    runner = Engine(llm.loaded, mode="lossy", compressor=spec)
     params = SamplingParams(max_tokens=64)
-    full = ModelRunner(llm.loaded).generate([runner.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
+    full = Engine(llm.loaded, mode="full").generate([runner.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
     lossy = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(lossy_prompts)])
     assert any(o.token_ids != ref.token_ids for o, ref in zip(lossy, full))
     nominal = parse_compressor(spec).nominal_ratio(llm.loaded.kv_dtype.itemsize)   # stored / full bytes
@@ -132,7 +132,7 @@ def test_lossy_mode_is_really_lossy(llm, lossy_prompts, spec):
                                   "snapkv:ratio=0.1+kivi:bits=2"])
 def test_shared_prefill_equals_own_prefill_in_every_mode(kv_loaded, identity_prompts, spec):
     """One exact prefill reused by full, lossy and vericache gives what each mode's own prefill gives."""
-    runner = ModelRunner(kv_loaded, compressor=spec)
+    runner = Engine(kv_loaded, compressor=spec, mode="full")
     params = SamplingParams(max_tokens=MAX_TOKENS)
     prompts = identity_prompts[:2]
     shared = [runner.shared_prefill(runner.new_sequence(i, p, params)) for i, p in enumerate(prompts)]
@@ -183,7 +183,7 @@ def _generate(runner, prompts, max_tokens=MAX_TOKENS, mode=None):
 @pytest.fixture(scope="module")
 def near_tie_reference(near_tie_model, identity_prompts):
     """Full-KV decoding of each prompt alone, and the same prompts batched (mixed lengths)."""
-    runner = ModelRunner(near_tie_model)
+    runner = Engine(near_tie_model, mode="full")
     prompts = [p[-300:] for p in identity_prompts]
     alone = [_generate(runner, [p])[0] for p in prompts]
     return prompts, alone
@@ -193,11 +193,11 @@ def test_near_tie_weights_decode_the_same_alone_and_batched(near_tie_model, near
     prompts, alone = near_tie_reference
     head = near_tie_model.model.head_exact.weight
     assert head.fmt == "F32" and head.n == near_tie_model.config.vocab_size
-    assert _generate(ModelRunner(near_tie_model), prompts) == alone
+    assert _generate(Engine(near_tie_model, mode="full"), prompts) == alone
 
 
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_near_tie_weights_vericache_equals_full(near_tie_model, near_tie_reference, spec):
     prompts, alone = near_tie_reference
-    runner = ModelRunner(near_tie_model, mode="vericache", compressor=spec, draft_len=8)
+    runner = Engine(near_tie_model, mode="vericache", compressor=spec, draft_len=8)
     assert _generate(runner, prompts) == alone

@@ -30,7 +30,7 @@ def prefix(llm, code_prompts):
 @pytest.fixture(scope="module")
 def stored(llm, redis_server, prefix):
     store = PrefixStore(redis_server.url, model_id(llm.loaded) + "-store-tests", BT)
-    entry = put_prompt(llm.runner, store, prefix, COMPRESSORS)
+    entry = put_prompt(llm.engine, store, prefix, COMPRESSORS)
     return store, entry
 
 
@@ -68,9 +68,9 @@ def test_full_form_round_trip(llm, stored, prefix):
     assert entry["blocks"] == len(prefix) // BT and "full" in entry["forms"]
     got = store.get(prefix, "full")
     assert got.reason == "hit" and len(got.blocks) == entry["blocks"] and got.nbytes > 0
-    cfg = llm.runner.cfg
+    cfg = llm.loaded.config
     ref = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
-    llm.runner.prefill(prefix, [ref])
+    llm.engine.prefill(prefix, [ref])
     full = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     n = full.load_blocks(got.blocks)
     assert n == entry["tokens"]
@@ -78,7 +78,7 @@ def test_full_form_round_trip(llm, stored, prefix):
 
 
 def into_cache(llm, store: PrefixStore, ids: list[int]) -> tuple[str, int]:
-    full = FullKVCache(llm.runner.cfg, "cpu", llm.loaded.kv_dtype, capacity=len(ids))
+    full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(ids))
     got = store.get_full_into(ids, full)
     assert got.count * BT == full.length
     return got.reason, full.length
@@ -92,12 +92,12 @@ def test_bulk_reader_matches_redis_py_and_streams_into_a_cache(llm, stored, pref
     assert store.reader == "bulk" and a.count == b.count == len(a.blocks) == entry["blocks"]
     for x, y in zip(a.blocks, b.blocks):
         assert torch.equal(x["k"], y["k"]) and torch.equal(x["v"], y["v"])
-    full = FullKVCache(llm.runner.cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
+    full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     got = store.get(prefix, "full", into=lambda blk: full.append(blk["k"], blk["v"]))
     assert got.blocks == [] and got.count == entry["blocks"] and full.length == entry["tokens"]
     assert torch.equal(full.k[:, :, : full.length], torch.cat([x["k"] for x in a.blocks], dim=2))
     assert store.get(list(reversed(prefix)), "full").reason == "miss"      # a null reply, nothing kept
-    straight = FullKVCache(llm.runner.cfg, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
+    straight = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
     got = store.get_full_into(prefix, straight)                           # received into the cache rows
     assert got.reason == "hit" and straight.length == full.length
     assert torch.equal(straight.k[:, :, : full.length], full.k[:, :, : full.length])
@@ -115,11 +115,11 @@ def test_compressed_form_round_trip(llm, stored, prefix, spec):
     comp = parse_compressor(spec)
     got = store.get(prefix, comp.spec())
     assert got.reason == "hit" and len(got.blocks) == entry["blocks"]
-    cfg, n = llm.runner.cfg, entry["tokens"]
+    cfg, n = llm.loaded.config, entry["tokens"]
     full = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=n)
     rec = QueryRecorder(cfg.num_hidden_layers, 64)
-    llm.runner.prefill(prefix[:n], [TeeCache(full, rec)])
-    scores = comp.on_prefill(llm.runner.model, full, prefix[:n], llm.tokenizer)
+    llm.engine.prefill(prefix[:n], [TeeCache(full, rec)])
+    scores = comp.on_prefill(llm.loaded.model, full, prefix[:n], llm.tokenizer)
     expect = compressed_forms(comp, full, rec.queries, entry["blocks"], BT, scores)
     for block, want in zip(got.blocks, expect):
         assert set(block) == set(want)
@@ -166,8 +166,8 @@ def test_partial_hit_missing_and_corrupt_blocks(llm, stored, prefix, redis_serve
 def test_ls_and_rm_keep_shared_blocks(llm, redis_server, prefix):
     store = PrefixStore(redis_server.url, model_id(llm.loaded) + "-rm-tests", BT)
     a, b = prefix[: 4 * BT], prefix[: 2 * BT] + list(reversed(prefix[2 * BT : 4 * BT]))
-    ea = put_prompt(llm.runner, store, a, [])
-    eb = put_prompt(llm.runner, store, b, ["snapkv:ratio=0.1"])
+    ea = put_prompt(llm.engine, store, a, [])
+    eb = put_prompt(llm.engine, store, b, ["snapkv:ratio=0.1"])
     assert {e["id"] for e in store.ls()} == {ea["id"], eb["id"]}
     assert store.rm(ea["id"]) == 2          # a's own two blocks; the two shared with b stay
     assert store.match(b) == 4 and store.match(a) == 2
@@ -184,7 +184,7 @@ def test_bad_input_and_store_down(llm):
         with pytest.raises(StoreUnavailable, match="unreachable"):
             store.get(list(range(200)), "full")
     with pytest.raises(ValueError, match="whole block"):
-        put_prompt(llm.runner, PrefixStore("redis://127.0.0.1:1", "m", BT), [1, 2, 3], [])
+        put_prompt(llm.engine, PrefixStore("redis://127.0.0.1:1", "m", BT), [1, 2, 3], [])
 
 
 def test_prefix_cli(llm, redis_server, prefix, tmp_path, capsys):

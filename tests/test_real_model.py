@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from vericache import SamplingParams
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 from test_identity import COMPRESSORS
 
 MAX_TOKENS = 24
@@ -23,33 +23,33 @@ def prompts(smollm) -> list[list[int]]:
     return [code_prompt(smollm.tokenizer, 2000), needle_tasks(smollm.tokenizer, 1, 1900, 2100)[0].prompt_ids]
 
 
-def _seqs(runner: ModelRunner, prompts):
+def _seqs(runner: Engine, prompts):
     return [runner.new_sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts)]
 
 
 @pytest.fixture(scope="module")
 def full_reference(smollm, prompts) -> list[list[int]]:
-    runner = smollm.runner
+    runner = smollm.engine
     return [o.token_ids for o in runner.generate(_seqs(runner, prompts), "full")]
 
 
 @pytest.mark.parametrize("spec", FAMILIES)
 def test_vericache_equals_full_on_the_real_model(smollm, prompts, full_reference, spec):
-    runner = ModelRunner(smollm.loaded, mode="vericache", compressor=spec)
+    runner = Engine(smollm.loaded, mode="vericache", compressor=spec)
     outs = runner.generate(_seqs(runner, prompts))
     assert [o.token_ids for o in outs] == full_reference
     assert all(o.stats["rounds"] >= 1 and o.stats["compression_ratio"] < 0.5 for o in outs)
 
 
 def test_every_compressor_from_one_shared_prefill(smollm, prompts, full_reference):
-    runner = smollm.runner
+    runner = smollm.engine
     shared = [runner.shared_prefill(s) for s in _seqs(runner, prompts)]
     assert [o.token_ids for o in runner.generate(_seqs(runner, prompts), "full", prefills=shared)] == full_reference
     drifted = 0
     # kvzip's scorer re-reads the context in a second forward (a second prefill per request): it runs
     # in the identity matrix on `tiny`; here every other method and the composition do
     for spec in [c for c in COMPRESSORS if not c.startswith("kvzip")]:
-        e = ModelRunner(smollm.loaded, compressor=spec)
+        e = Engine(smollm.loaded, compressor=spec, mode="full")
         veri = e.generate(_seqs(e, prompts), "vericache", prefills=shared)
         assert [o.token_ids for o in veri] == full_reference, spec
         lossy = e.generate(_seqs(e, prompts), "lossy", prefills=shared)

@@ -14,9 +14,8 @@ import time
 import openai
 import pytest
 import uvicorn
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 from vericache.engine.requests import State
-from vericache.engine.step_loop import StepLoop
 from vericache.remote.client import VerifierClient, VerifierUnavailable
 from vericache.remote.fetch import PrefixFetcher
 from vericache.remote.prefixes import model_id, put_prompt
@@ -79,7 +78,7 @@ def prompts(llm, code_prompts, redis_server, mid):
     """A stored prefix (2 whole blocks), a prompt sharing its first block, and a cold one."""
     ids = llm.tokenizer.encode(code_prompts["long"])
     stored = ids[:600]
-    put_prompt(llm.runner, PrefixStore(redis_server.url, mid), stored[:512], SPECS)
+    put_prompt(llm.engine, PrefixStore(redis_server.url, mid), stored[:512], SPECS)
     shared = stored[:300] + list(reversed(ids[300:560]))
     cold = list(reversed(ids[:400]))
     return {"stored": stored, "shared": shared, "cold": cold}
@@ -87,15 +86,19 @@ def prompts(llm, code_prompts, redis_server, mid):
 
 @pytest.fixture(scope="module")
 def reference(llm, prompts):
-    runner, params = llm.runner, SamplingParams(max_tokens=MAX_TOKENS)
+    runner, params = llm.engine, SamplingParams(max_tokens=MAX_TOKENS)
     return {k: runner.generate([runner.new_sequence(0, p, params)], "full")[0].token_ids for k, p in prompts.items()}
 
 
-def drafter(llm, mid, store_url, verifier_url, spec=SPECS[0], mode="vericache"):
-    runner = ModelRunner(llm.loaded, mode=mode, compressor=spec)
+def drafter_engine(llm, mid, store_url, verifier_url, spec=SPECS[0], mode="vericache") -> Engine:
     fetcher = PrefixFetcher(PrefixStore(store_url, mid, timeout_s=2)) if store_url else None
     client = VerifierClient(verifier_url, mid) if verifier_url else None
-    return StepLoop(runner, prefix=fetcher, verifier=client)
+    return Engine(llm.loaded, mode=mode, compressor=spec, prefix=fetcher, verifier=client)
+
+
+def drafter(llm, mid, store_url, verifier_url, spec=SPECS[0], mode="vericache"):
+    """The drafter's step loop (these tests watch its requests' states)."""
+    return drafter_engine(llm, mid, store_url, verifier_url, spec, mode).loop
 
 
 def run(loop, prompts: dict, max_tokens=MAX_TOKENS, timeout_s=120, states_seen: set | None = None):
@@ -193,8 +196,7 @@ def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
     """The gateway in front of a drafter whose verifier dies: 503s, never a hang."""
     v = Verifier(free_port(), redis_server.url)
     v.wait_ready(mid)
-    loop = drafter(llm, mid, redis_server.url, v.url)
-    service = BackgroundService(loop)
+    service = BackgroundService(drafter_engine(llm, mid, redis_server.url, v.url))
     app = create_app(service, model_name="tiny")
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -214,7 +216,7 @@ def test_verifier_gone_is_503(llm, mid, redis_server, free_port, prompts):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
             assert err.value.status_code == 503 and "verifier unavailable" in err.value.message
             assert time.time() - t0 < 30
-        assert loop.device.used_bytes == 0
+        assert service.gauges()["kv_device"] == 0
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -229,11 +231,11 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
 
     ids = llm.tokenizer.encode(code_prompts["long"])
     prompts = [ids[:300], list(reversed(ids[:420])), ids[500:640]]
-    runner = ModelRunner(llm.loaded, mode="full")
+    engine = Engine(llm.loaded, mode="full")
     params = SamplingParams(max_tokens=8)
-    reference = [runner.generate([runner.new_sequence(0, p, params)], "full")[0].token_ids for p in prompts]
+    reference = [engine.generate([engine.new_sequence(0, p, params)], "full")[0].token_ids for p in prompts]
 
-    together = VerifierCore(runner, autostart=False, prefill_chunk=128)
+    together = VerifierCore(llm.loaded, autostart=False, prefill_chunk=128)
     opened = [None] * len(prompts)
 
     def open_one(i):
@@ -254,7 +256,7 @@ def test_concurrent_opens_share_one_prefill_forward(llm, code_prompts):
     assert [f["rows"] for f in prefills] == [3, 3, 2, 1]
     assert sum(f["tokens"] for f in prefills) == sum(len(p) for p in prompts)
 
-    alone = VerifierCore(runner)
+    alone = VerifierCore(llm.loaded)
     try:
         for i, p in enumerate(prompts):
             sess, token = opened[i]
@@ -347,7 +349,7 @@ def test_redis_restarted_during_a_fetch_recomputes_from_the_first_missing_block(
     redis = RedisServer(tmp_path)
     try:
         store = PrefixStore(redis.url, mid)
-        put_prompt(llm.runner, store, prompts["stored"][:512], [])    # the full form of two blocks
+        put_prompt(llm.engine, store, prompts["stored"][:512], [])    # the full form of two blocks
         first = redis.client.get(store.key(store.hashes(prompts["stored"])[0], "full"))
         proxy = CuttingProxy(redis.port, after=len(first) + 64, cut=redis.restart)   # block 0 whole, block 1 cut
         loop = drafter(llm, mid, f"redis://127.0.0.1:{proxy.port}", None, mode="full")

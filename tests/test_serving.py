@@ -9,6 +9,7 @@ import torch
 from vericache import SamplingParams
 from vericache.engine.step_loop import StepLoop
 from vericache.engine.requests import ALLOWED, State
+from vericache.engine.engine import Engine
 from vericache.engine.runner import ModelRunner
 from vericache.engine.memory import BlockPool, OutOfBlocks
 from vericache.kv.full import FullKVCache
@@ -27,7 +28,7 @@ def serving_prompts(llm):
 
 @pytest.fixture(scope="session")
 def serving_reference(llm, serving_prompts):
-    runner = llm.runner
+    runner = llm.engine
     p = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return [runner.generate([runner.new_sequence(i, ids, p)], "full")[0].token_ids for i, ids in enumerate(serving_prompts)]
 
@@ -324,13 +325,13 @@ def test_the_server_reports_phases_without_emptying_the_engines_rates(llm, servi
     from vericache.serving.trace import TraceFile, read_trace, tee
 
     events, trace, t0 = [], TraceFile(str(tmp_path / "trace.jsonl")), time.time()
-    svc = BackgroundService(StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"),
-                                        device_budget=1 << 30), metrics=tee(lambda e, f: events.append((e, f)), trace))
+    svc = BackgroundService(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", device_budget_gb=1,
+                                   tiered=True), metrics=tee(lambda e, f: events.append((e, f)), trace))
     try:
         stream = svc.submit(serving_prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
         while not stream.get(timeout=60).finished:
             pass
-        inst = svc.loop.instruments
+        inst = svc.engine.instruments
         phases = [f for e, f in events if e == "phase"]
         assert inst.draft_step_s() is not None and len(inst.intervals) > 0
         assert len(phases) == len(inst.intervals)   # each forward reported once

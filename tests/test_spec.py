@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vericache import SamplingParams
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 from vericache.sampling import Sequence
 from vericache.drafting.round import DraftLengthPolicy
 
@@ -18,7 +18,7 @@ SPEC = "snapkv:ratio=0.1"
 
 
 def _gen(llm, mode, prompt_ids, params, eos=None, draft_len=32, spec=SPEC):
-    runner = ModelRunner(llm.loaded, mode=mode, compressor=spec, draft_len=draft_len)
+    runner = Engine(llm.loaded, mode=mode, compressor=spec, draft_len=draft_len)
     seq = Sequence(0, prompt_ids, params, llm.tokenizer, eos if eos is not None else llm.tokenizer.eos_token_ids)
     return runner.generate([seq])[0]
 
@@ -87,11 +87,11 @@ def test_adaptive_policy_grows_and_falls_back():
 
 def test_fallback_rounds_keep_identity(llm, long_ids):
     """A policy that always collapses (patience 1) mixes plain full-KV steps with drafting."""
-    runner = ModelRunner(llm.loaded, mode="vericache", compressor="streaming:ratio=0.05", draft_len="auto")
+    runner = Engine(llm.loaded, mode="vericache", compressor="streaming:ratio=0.05", draft_len="auto")
     runner.policy = DraftLengthPolicy(patience=1, cooldown=3, start=4)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     veri = runner.generate([runner.new_sequence(0, long_ids, params)])[0]
-    full = ModelRunner(llm.loaded).generate([runner.new_sequence(0, long_ids, params)])[0]
+    full = Engine(llm.loaded, mode="full").generate([runner.new_sequence(0, long_ids, params)])[0]
     assert veri.token_ids == full.token_ids
 
 
@@ -119,7 +119,7 @@ def test_sampling_is_lossless_in_distribution(llm, code_prompts):
     prompt = llm.tokenizer.encode(code_prompts["medium"])
     params = dict(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)  # t0, one drafted t1, bonus
     exact = _exact_two_token_distribution(llm, prompt, SamplingParams(**{**params, "max_tokens": 2}))
-    runner = ModelRunner(llm.loaded, mode="vericache", compressor="streaming:ratio=0.1,window=4", draft_len=1)
+    runner = Engine(llm.loaded, mode="vericache", compressor="streaming:ratio=0.1,window=4", draft_len=1)
     n, counts, drafted, accepted = 0, Counter(), 0, 0
     for chunk in range(4):
         seqs = [runner.new_sequence(i, prompt, SamplingParams(seed=1000 * chunk + i, **params)) for i in range(100)]

@@ -19,8 +19,8 @@ KINDS = {"full decode": ("full", "decode"), "lossy decode": ("lossy", "decode"),
          "vericache draft": ("vericache", "draft"), "vericache verification": ("vericache", "verify")}
 
 
-def traced_step(loop: StepLoop) -> tuple[str, set[str]]:
-    """One ``loop.step()``: its kinds (the instruments' record) and the library modules it ran code in."""
+def traced(call):
+    """``call()``'s result and the library modules it ran code in (this thread)."""
     modules: set[str] = set()
 
     def profile(frame, event, arg) -> None:
@@ -30,9 +30,14 @@ def traced_step(loop: StepLoop) -> tuple[str, set[str]]:
                 modules.add(name.removeprefix("vericache."))
     sys.setprofile(profile)
     try:
-        loop.step()
+        return call(), modules
     finally:
         sys.setprofile(None)
+
+
+def traced_step(loop: StepLoop) -> tuple[str, set[str]]:
+    """One ``loop.step()``: its kinds (the instruments' record) and the library modules it ran code in."""
+    _, modules = traced(loop.step)
     return loop.instruments.steps[-1].kinds, modules
 
 
@@ -74,3 +79,56 @@ def test_issue_31_module_targets_hold(step_modules):
     """At most 10 modules in a full decode step, 12 in a draft step, 13 in a verification."""
     limits = {"full decode": 10, "vericache draft": 12, "vericache verification": 13}
     assert {k: len(step_modules[k]) for k in limits} == {k: min(len(step_modules[k]), n) for k, n in limits.items()}
+
+
+def test_the_server_verifies_on_the_native_path():
+    """Through the real gateway over real HTTP, built as ``vericache serve`` builds it (``build_service``
+    with the config's defaults but the test's model and round length): a VeriCache request's
+    verification step runs the same modules as the library's, the native step among them, and no
+    link is made (the full KV stays where the CPU reads it)."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from vericache.engine.config import EngineConfig
+    from vericache.serving.build import build_service
+    from vericache_gateway.app import create_app
+
+    service = build_service(EngineConfig(model="tiny", device="cpu", dtype="float32", draft_len=4,
+                                         compressor="snapkv:ratio=0.25"))
+    engine, steps = service.engine, []
+    loop, plain_step = engine.loop, engine.loop.step
+
+    def server_step() -> list:   # runs in the server's engine thread, so it is traced there
+        n = loop.instruments.n_steps
+        outs, modules = traced(plain_step)
+        if loop.instruments.n_steps > n:    # it ran a forward
+            steps.append((loop.instruments.steps[-1].kinds, modules))
+        return outs
+
+    assert engine.config.mode == "vericache" and not engine.tiered
+    server = uvicorn.Server(uvicorn.Config(create_app(service, model_name="tiny"), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    try:
+        loop.step = server_step
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        prompt = "def add(a, b):\n    return a + b\n" * 20
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0})
+        assert r.status_code == 200 and r.json()["vericache"]["rounds"] >= 1
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        service.shutdown(drain_timeout=5)
+    verifies = [mods for kinds, mods in steps if kinds == "verify"]
+    assert verifies, [k for k, _ in steps]
+    assert loop.link is None
+    assert all(mods == design_lists()["vericache verification"] for mods in verifies), verifies[0]
+    assert all("model.native_step" in mods for mods in verifies)
+

@@ -224,12 +224,12 @@ def loop_reaches(source: str, name: str = "") -> list[str]:
 
 def test_no_stage_holds_or_receives_the_step_loop():
     """The engine's stages (scheduler, runner, offload policy, remote half, request table, memory) are
-    joined by plain data and the objects they need, never the loop (issue 31)."""
+    joined by plain data and the objects they need, never the loop (issue 31); only the ``Engine``
+    (engine.py, the one door) holds one, and the runner neither builds nor imports one (issue 39)."""
     engine = PACKAGES["vericache"] / "engine"
-    stages = [p for p in sorted(engine.glob("*.py")) if p.name not in ("step_loop.py", "runner.py", "__init__.py")]
-    assert len(stages) >= 6
+    stages = [p for p in sorted(engine.glob("*.py")) if p.name not in ("step_loop.py", "engine.py", "__init__.py")]
+    assert len(stages) >= 7 and "runner.py" in [p.name for p in stages]
     assert [f for p in stages for f in loop_reaches(p.read_text(), p.name)] == []
-    # the runner builds a loop in ``generate`` (the library's front) but its ``execute`` never sees one
     runner = ast.parse((engine / "runner.py").read_text())
     execute = next(n for n in ast.walk(runner) if isinstance(n, ast.FunctionDef) and n.name == "execute")
     assert [a.arg for a in execute.args.args] == ["self", "plan"]
@@ -251,3 +251,43 @@ def test_no_two_packages_import_each_other():
     below train and eval, the reports below bench and sim, kernels below kv)."""
     assert package_ties({"vericache.a.x": {"vericache.b.y"}, "vericache.b.y": {"vericache.a.z"}}) == [("a", "b")]
     assert package_ties(import_graph()) == []
+
+
+# ---------------------------------------------------------------- the engine's one door (issue 39)
+FRONT_ENDS = [PACKAGES["vericache"] / "serving", PACKAGES["vericache"] / "remote", PACKAGES["vericache_gateway"],
+              ROOT / "model_repository"]
+ENGINE_INTERNALS = {"loop", "runner", "requests", "seq", "round", "opts"}   # the loop, the runner, a Request's fields
+INTERNAL_MODULES = ("vericache.engine.step_loop", "vericache.engine.runner", "vericache.engine.requests",
+                    "vericache.engine.scheduler", "vericache.engine.memory", "vericache.engine.offload")
+
+
+def engine_reach_ins(source: str, where: str) -> list[str]:
+    """Attribute reads of the engine's internals and imports of its internal modules in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+            found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(INTERNAL_MODULES):
+            found.append(f"{where}:{node.lineno} imports {node.module}")
+    return found
+
+
+def constructions(name: str) -> set[str]:
+    """The library modules that call ``name(...)``."""
+    return {module_name(p) for p in library_files() for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name}
+
+
+def test_front_ends_reach_into_no_engine_internals():
+    """serving/, remote/, the gateway and the Triton model use the ``Engine``'s API only."""
+    files = [p for d in FRONT_ENDS for p in sorted(d.rglob("*.py"))]
+    assert len(files) > 20
+    found = [f for p in files for f in engine_reach_ins(p.read_text(), str(p.relative_to(ROOT)))]
+    assert found == []
+    # the check finds what it looks for
+    assert len(engine_reach_ins("svc.loop.runner.check_request(x)\nreq.seq.text()\n"
+                                "from vericache.engine.step_loop import StepLoop", "x")) == 4
+
+
+def test_the_step_loop_and_the_model_runner_are_built_in_one_module():
+    assert constructions("StepLoop") == constructions("ModelRunner") == {"vericache.engine.engine"}

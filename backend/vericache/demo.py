@@ -6,7 +6,7 @@ shared by the three modes, so their tok/s compare decoding alone."""
 
 from __future__ import annotations
 
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 from vericache.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
@@ -45,14 +45,14 @@ def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str |
           f"   (tok/s: both tasks decoded as one batch)")
     outs = {}
     params = [SamplingParams(max_tokens=t.max_tokens) for t in tasks]
-    prefills = [llm.runner.shared_prefill(llm.runner.new_sequence(i, t.prompt_ids, p))
+    prefills = [llm.engine.shared_prefill(llm.engine.new_sequence(i, t.prompt_ids, p))
                 for i, (t, p) in enumerate(zip(tasks, params))]
     draft_weights = "auto" if llm.loaded.device.type == "cpu" else "fp32"
     for mode in ("full", "lossy", "vericache"):
-        runner = ModelRunner(llm.loaded, mode=mode, compressor=compressor,
-                     draft_weights=draft_weights if mode == "vericache" else "fp32")
-        seqs = [runner.new_sequence(i, t.prompt_ids, p) for i, (t, p) in enumerate(zip(tasks, params))]
-        outs[mode] = runner.generate(seqs, prefills=prefills)
+        engine = Engine(llm.loaded, llm.engine.config, mode=mode, compressor=compressor,
+                        draft_weights=draft_weights if mode == "vericache" else "fp32")
+        seqs = [engine.new_sequence(i, t.prompt_ids, p) for i, (t, p) in enumerate(zip(tasks, params))]
+        outs[mode] = engine.generate(seqs, prefills=prefills)
     speed = {mode: batch_tokens_per_s(res) for mode, res in outs.items()}
     for mode, (ans, comp) in outs.items():
         same = [o.token_ids == f.token_ids for o, f in zip(outs[mode], outs["full"])]

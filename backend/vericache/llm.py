@@ -5,35 +5,39 @@ from __future__ import annotations
 import torch
 
 from vericache.compress.base import Compressor
-from vericache.engine.runner import DEFAULT_COMPRESSOR, ModelRunner
-from vericache.model.loader import load_model
-from vericache.model.registry import DEFAULT_MODEL
+from vericache.engine.config import DEFAULTS
+from vericache.engine.engine import Engine
 from vericache.model.tokenizer import Tokenizer
 from vericache.sampling import RequestOutput, SamplingParams
 
 
 class LLM:
     """Load a model (a name such as "smollm2-135m" or "tiny", a Hugging Face directory or a .gguf
-    file) and generate.
+    file) and generate. Every argument's default is ``EngineConfig``'s (``engine.config``), the
+    same the server and the benches run.
 
-    mode: "full" (full-KV decoding), "lossy" (decode from the compressed KV: the lossy
-    baselines) or "vericache" (draft from the compressed KV, verify with the full KV: lossless).
-    compressor: a spec string such as "snapkv:ratio=0.25" or "snapkv:ratio=0.25+kivi:bits=4".
+    mode: "vericache" (draft from the compressed KV, verify with the full KV: lossless), "full"
+    (full-KV decoding) or "lossy" (decode from the compressed KV: the lossy baselines).
+    compressor: a spec string such as "snapkv:ratio=0.125" or "snapkv:ratio=0.25+kivi:bits=4".
     draft_len: tokens drafted per round, or "auto" (adapts per request).
-    draft_weights: what drafts read: "fp32" (the exact weights), "int8" or "int4" (CPU; verification exact).
-    kv_dtype: what the full KV holds: "float16" (the CPU's default), "bfloat16" or "float32".
+    draft_weights: what drafts read: "auto", "fp32" (the exact weights), "q8", "int8" or "int4" (CPU;
+    verification exact). kv_dtype: what the full KV holds: "float16" (the CPU's default), "bfloat16"
+    or "float32". kernels: what the forward runs on ("native" CPU ops, "triton", "torch").
+    ``settings``: any other ``EngineConfig`` field (``prefill_chunk``, ``device_budget_gb``, ``tiered`` ...).
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, mode: str = "full",
-                 compressor: str | Compressor = DEFAULT_COMPRESSOR, draft_len: int | str = "auto",
-                 draft_weights: str = "fp32", kv_dtype: str | torch.dtype | None = None,
-                 kernels: str | None = None) -> None:
-        """``kernels``: what the forward runs on ("native" CPU ops, "triton", "torch"; ``load_model``)."""
-        self.runner = None
+    def __init__(self, model: str = DEFAULTS.model, device: str | torch.device | None = DEFAULTS.device,
+                 dtype: str | torch.dtype | None = DEFAULTS.dtype, mode: str = DEFAULTS.mode,
+                 compressor: str | Compressor = DEFAULTS.compressor, draft_len: int | str = DEFAULTS.draft_len,
+                 draft_weights: str = DEFAULTS.draft_weights, kv_dtype: str | torch.dtype | None = DEFAULTS.kv_dtype,
+                 kernels: str | None = DEFAULTS.kernels, **settings) -> None:
+        self.engine = None
+        config = DEFAULTS.replace(model=model, mode=mode, compressor=compressor, draft_len=draft_len,
+                                  draft_weights=draft_weights, kernels=kernels, **settings)
+        from vericache.model.loader import load_model   # torch dtypes and devices are accepted here too
+
         self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels)
-        self.runner = ModelRunner(self.loaded, mode=mode, compressor=compressor, draft_len=draft_len,
-                             draft_weights=draft_weights)
+        self.engine = Engine(self.loaded, config)
         self._next_id = 0
 
     @property
@@ -52,6 +56,6 @@ class LLM:
         for i, p in enumerate(prompts):
             if not isinstance(p, str) or not p:
                 raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
-            seqs.append(self.runner.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
+            seqs.append(self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
         self._next_id += len(prompts)
-        return self.runner.generate(seqs)
+        return self.engine.generate(seqs)

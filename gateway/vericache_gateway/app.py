@@ -222,7 +222,7 @@ async def serve_request(gw: Gateway, request: Request, body, prompt: str, max_to
     ids = backend.tokenizer.encode(prompt)
     try:
         params = SamplingParams(max_tokens=max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
-                                top_k=body.top_k, seed=body.seed, stop=body.stop)
+                                top_k=body.top_k, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
         backend.check(ids, params)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None

@@ -14,8 +14,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
-from vericache.engine.options import RequestOptions, ResolvedOptions
-from vericache.model.registry import DEFAULT_MODEL
+from vericache.engine.config import DEFAULTS, EngineConfig
+from vericache.engine.options import RequestOptions, ResolvedOptions, check_prompt, context_limit
 from vericache.sampling import SamplingParams
 from vericache.serving.service import Delta, BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
@@ -27,14 +27,13 @@ class BackendUnavailable(RuntimeError):
 class EmbeddedBackend:
     def __init__(self, service: BackgroundService) -> None:
         self.service = service
-        runner = service.loop.runner
-        self.tokenizer, self.mode = runner.tokenizer, runner.mode
-        self.compressor = runner.compressor.spec() if runner.mode != "full" else ""
-        self.defaults = runner.defaults
-        self.max_context = runner.max_context
+        engine = service.engine
+        self.tokenizer, self.defaults, self.max_context = engine.tokenizer, engine.defaults, engine.max_context
+        self.mode = self.defaults.mode
+        self.compressor = self.defaults.compressor_label
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
-        self.service.loop.runner.check_request(ids, params)
+        self.service.engine.check_request(ids, params)
 
     async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
                        disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
@@ -61,13 +60,7 @@ class EmbeddedBackend:
         return self.service.healthy()
 
     def gauges(self) -> dict:
-        loop = self.service.loop
-        link = loop.link
-        return {"running": self.service.num_running(), "waiting": self.service.num_waiting(),
-                "kv_device": loop.device.used_bytes, "kv_host": loop.host.used_bytes,
-                "kv_usage": loop.device.usage(), "link": None if link is None else
-                (link.kind, link.stats.bytes_moved, link.stats.busy_s),
-                "weight_bytes": self.service.weight_bytes}
+        return self.service.gauges()
 
     def set_metrics_sink(self, sink) -> None:
         self.service.metrics = sink
@@ -79,33 +72,28 @@ class EmbeddedBackend:
 class TritonBackend:
     """Streams from the ``vericache`` model of a Triton server with ``tritonclient.grpc.aio``."""
 
-    def __init__(self, url: str, model: str = DEFAULT_MODEL, triton_model: str = "vericache", mode: str = "vericache",
-                 compressor: str = "snapkv:ratio=0.125", draft_len: int | str = "auto") -> None:
+    def __init__(self, url: str, config: EngineConfig = DEFAULTS, triton_model: str = "vericache") -> None:
+        """``config``: what the Triton model runs (its config.pbtxt parameters; labels and the defaults
+        per-request options are filled from)."""
         import tritonclient.grpc.aio as grpcclient
 
         from vericache.compress.registry import parse_compressor
-        from vericache.model.loader import load_model
         from vericache.drafting.round import DraftLengthPolicy
+        from vericache.model.loader import load_tokenizer
 
         self._grpc = grpcclient
         self.url = url
         self._client = None  # made inside the serving event loop (gRPC aio channels belong to one loop)
         self.triton_model = triton_model
-        # the tokenizer and limits are read locally: validation and token counts need no round trip
-        lm = load_model(model, device="cpu", dtype="float32")
-        self.tokenizer = lm.tokenizer
-        self.max_context = lm.config.max_position_embeddings
-        self.mode, self.compressor = mode, compressor
-        # what the Triton model runs when a request leaves an option out (its config.pbtxt parameters)
-        self.defaults = ResolvedOptions(mode, parse_compressor(compressor), DraftLengthPolicy.from_arg(draft_len))
+        # the tokenizer and limits are read locally (no weights): validation and token counts need no round trip
+        self.tokenizer, model_config = load_tokenizer(config.model)
+        self.max_context, self.vocab_size = context_limit(model_config), model_config.vocab_size
+        self.defaults = ResolvedOptions(config.mode, parse_compressor(config.compressor),
+                                        DraftLengthPolicy.from_arg(config.draft_len))
+        self.mode, self.compressor = config.mode, self.defaults.compressor_label
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: it encodes to 0 tokens")
-        total = len(ids) + params.max_tokens
-        if total > self.max_context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                             f"the model's context limit of {self.max_context} tokens")
+        check_prompt(ids, params, self.max_context, self.vocab_size)
 
     def _inputs(self, text: str, params: SamplingParams, options: RequestOptions | None) -> list:
         g = self._grpc

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from vericache.cli_args import add_mode_args, add_model_args
+from vericache.engine.config import EngineConfig, add_engine_args
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    config = EngineConfig.from_args(args)
     if args.role == "verifier":
         from vericache.serving.verifier_role import run_verifier
 
-        run_verifier(args.model, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
-                     args.metrics_port, args.device, args.dtype, trace=args.trace, kv_dtype=args.kv_dtype)
+        run_verifier(config, args.host, args.grpc_port, args.prefix_store, args.store_prefixes,
+                     args.metrics_port, trace=args.trace)
         return 0
     if args.role == "drafter" and not args.verifier:
         raise ValueError("--role drafter needs --verifier grpc://host:port")
@@ -20,14 +21,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from vericache_gateway.server import serve
     except ImportError as exc:
         raise ValueError(f"the gateway needs the 'serve' extra (pip install 'vericache[serve]'): {exc}") from None
-    serve(host=args.host, port=args.port, model=args.model, api_key=args.api_key, backend=args.backend,
-          triton_url=args.triton_url, mode=args.mode,
-          compressor=args.compressor, draft_len=args.draft_len, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-          device_budget=int(args.device_budget_gb * (1 << 30)), max_queue=args.max_queue,
-          prefix_store=args.prefix_store, prefix_link=args.prefix_link,
+    serve(config, host=args.host, port=args.port, api_key=args.api_key, backend=args.backend,
+          triton_url=args.triton_url, prefix_store=args.prefix_store, prefix_link=args.prefix_link,
           verifier=args.verifier if args.role == "drafter" else None, prefix_model_id=args.prefix_model_id,
-          prefill_chunk=args.prefill_chunk, draft_weights=args.draft_weights, trace=args.trace,
-          max_per_key=args.max_concurrent_per_key)
+          trace=args.trace, max_per_key=args.max_concurrent_per_key)
     return 0
 
 
@@ -35,16 +32,12 @@ def add_serve_parser(sub) -> None:
     """``vericache serve``: added to the library's command line through the "vericache.commands"
     entry point (pyproject.toml), so the library never imports the gateway."""
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway over the engine")
-    add_model_args(sv)
-    add_mode_args(sv)
-    sv.set_defaults(mode="vericache", compressor="snapkv:ratio=0.125")
+    add_engine_args(sv)   # every engine flag, with EngineConfig's defaults
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--backend", default="embedded", choices=["embedded", "triton"])
     sv.add_argument("--triton-url", default="127.0.0.1:8001", help="gRPC address of the Triton server")
     sv.add_argument("--api-key", default=None, help="require this bearer key (or set VERICACHE_API_KEY)")
-    sv.add_argument("--device-budget-gb", type=float, default=4.0, help="device KV budget in GiB")
-    sv.add_argument("--max-queue", type=int, default=64)
     sv.add_argument("--max-concurrent-per-key", type=int, default=0,
                     help="generations one API key may have running at once; more get 429 + Retry-After (0: no limit)")
     sv.add_argument("--role", default="single", choices=["single", "drafter", "verifier"],
@@ -58,8 +51,6 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--prefix-model-id", default=None,
                     help="the id the store and verifier know this model's KV by (default: name-dtype-kvdtype); "
                          "a drafter in another dtype than its verifier gives the verifier's")
-    sv.add_argument("--prefill-chunk", type=int, default=512,
-                    help="prompt tokens prefilled per engine step (smaller: other requests wait less)")
     sv.add_argument("--grpc-port", type=int, default=50051, help="verifier role: the gRPC port")
     sv.add_argument("--metrics-port", type=int, default=0, help="verifier role: Prometheus port (0: none)")
     sv.add_argument("--trace", default=None, help="also write the engine's events to this JSON-lines file "

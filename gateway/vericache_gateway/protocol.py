@@ -34,6 +34,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False      # vLLM's extension: decode max_tokens whatever the model ends with (benchmarks)
     user: str | None = Field(default=None, max_length=256)
     vericache: VeriCacheOptions | None = None
 

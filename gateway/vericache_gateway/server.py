@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 
-from vericache.model.registry import DEFAULT_MODEL
+from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.serving.build import build_service
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL, api_key: str | None = None,
+def serve(config: EngineConfig = DEFAULTS, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           backend: str = "embedded", triton_url: str = "127.0.0.1:8001", trace: str | None = None,
-          max_per_key: int = 0, **engine_kwargs) -> None:
+          max_per_key: int = 0, **remote) -> None:
+    """``config``: the engine (embedded) or what the Triton model runs (``backend="triton"``: labels,
+    limits and option defaults); ``remote``: ``build_service``'s prefix store and verifier settings."""
     import logging
 
     import uvicorn
@@ -21,12 +23,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str = DEFAULT_MODEL,
     from vericache_gateway.backends import EmbeddedBackend, TritonBackend
 
     if backend == "triton":
-        be = TritonBackend(triton_url, model=model, mode=engine_kwargs.get("mode", "vericache"),
-                           compressor=engine_kwargs.get("compressor", "snapkv:ratio=0.125"),
-                           draft_len=engine_kwargs.get("draft_len", "auto"))
+        be = TritonBackend(triton_url, config)
     else:
-        be = EmbeddedBackend(build_service(model, **engine_kwargs))
-    app = create_app(be, model_name=model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"), trace=trace,
+        be = EmbeddedBackend(build_service(config, **remote))
+    app = create_app(be, model_name=config.model, api_key=api_key or os.environ.get("VERICACHE_API_KEY"), trace=trace,
                      max_per_key=max_per_key)
     app.router.on_shutdown.append(be.close)  # drains in-flight requests before the process exits
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -44,7 +44,7 @@ def _best_ms(fn, repeats: int) -> float:
 def run_attention(model: str, context: int, compressors: list[str], repeats: int = 10, dtype: str | None = None,
                   device: str | None = None, log=print, kv_dtype: str | None = None) -> dict:
     llm = LLM(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
-    runner, cfg, loaded = llm.runner, llm.loaded.config, llm.loaded
+    runner, cfg, loaded = llm.engine, llm.loaded.config, llm.loaded
     prompt = code_prompt(llm.tokenizer, context)
     t0 = time.perf_counter()
     shared = runner.shared_prefill(runner.new_sequence(0, prompt, SamplingParams(max_tokens=1)))

@@ -13,9 +13,9 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, runner_for, shared_prefills
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
 from vericache.report import markdown_table
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.engine import Engine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache.sim import roofline
@@ -33,7 +33,7 @@ def distinct_prompts(tokenizer, n: int, context: int) -> list[list[int]]:
     return [ids[997 * i : 997 * i + context] for i in range(n)]
 
 
-def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True,
+def decode_all(engine: Engine, seqs, opts, prefills, log, label: str, from_first_tokens: bool = True,
                until: float | None = None) -> dict:
     """Add every sequence with its shared prefill, step to the end; time and peak resident bytes.
 
@@ -42,35 +42,42 @@ def decode_all(loop: StepLoop, seqs, opts, prefills, log, label: str, from_first
     way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode.
     ``until`` (a ``time.perf_counter()`` deadline): past it the requests left are aborted and the
     result says ``cut`` (the tokens decoded by then are what is timed)."""
-    rids = [loop.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
+    rids = [engine.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
+    errors: dict[int, str] = {}
+
+    def step() -> None:
+        errors.update((o.request_id, o.error) for o in engine.step() if o.error)
+
     t_load = time.perf_counter()
-    while from_first_tokens and loop.has_unfinished() and not all(s.output_ids for s in seqs):
-        loop.step()
+    while from_first_tokens and engine.has_unfinished() and not all(s.output_ids for s in seqs):
+        step()
     before = sum(len(s.output_ids) for s in seqs)
     t0, last, steps, peak = time.perf_counter(), time.perf_counter(), 0, 0
     cut = False
-    while loop.has_unfinished():
+    while engine.has_unfinished():
         if until is not None and time.perf_counter() > until:
             cut = True
             for rid in rids:
-                loop.abort(rid)
+                engine.abort(rid)
+            engine.collect()
             break
-        loop.step()
+        step()
         steps += 1
-        peak = max(peak, sum(r.resident_bytes() for r in loop.requests if not r.done))
+        peak = max(peak, engine.resident_bytes())
         if time.perf_counter() - last > 15:
             done = sum(len(s.output_ids) for s in seqs)
             log(f"  {label}: {done} tokens after {time.perf_counter() - t0:.0f} s")
             last = time.perf_counter()
     t_end = time.perf_counter()
-    failed = [loop.requests[r].error for r in rids if loop.requests[r].error]
+    failed = [errors[r] for r in rids if r in errors]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0]}")
     # loading shared prefills inside the timed span (requests admitted later) is prefill work too
-    load_in_span = sum(e - s for s, e, k in loop.instruments.intervals if k == "load" and s >= t0)
+    instruments = engine.instruments
+    load_in_span = sum(e - s for s, e, k in instruments.intervals if k == "load" and s >= t0)
     return {"decode_s": t_end - t0 - load_in_span, "steps": steps, "kv_resident_bytes": peak, "cut": cut,
             "load_s": t0 - t_load + load_in_span, "decoded": sum(len(s.output_ids) for s in seqs) - before,
-            "step_records": [s for s in loop.instruments.steps if s.start >= t0]}
+            "step_records": [s for s in instruments.steps if s.start >= t0]}
 
 
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
@@ -80,23 +87,21 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype)
-    runner, tok, runners = llm.runner, llm.tokenizer, {}
+    engine, tok, engines = llm.engine, llm.tokenizer, {}
     prompts = distinct_prompts(tok, n_requests, context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each, {llm.loaded.name} "
         f"(weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}) on {llm.loaded.device}; compressor {compressor}")
     t0 = time.perf_counter()
-    prefills = shared_prefills(runner, prompts, params, log)
+    prefills = shared_prefills(engine, prompts, params, log)
     prefill_s = time.perf_counter() - t0
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     predictor = RowPredictor(llm, context, roof.weights_s, log) if roof is not None else None
     rows, reference, runs = [], None, {}
     for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
-        mode_runner, base = runner_for(llm, mode, runners)
-        seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
-        opts = mode_runner.resolve(None)
-        loop = StepLoop(mode_runner, offload=False)
-        res = decode_all(loop, seqs, opts, prefills, log, mode)
+        mode_engine, base = engine_for(llm, mode, engines)
+        seqs = [engine.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+        res = decode_all(mode_engine, seqs, None, prefills, log, mode)
         runs[mode] = (base, res["step_records"])
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
@@ -108,10 +113,10 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
                "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
                "identical_to_full": outs == reference if reference is not None else None,
                "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-               "compressor": "" if base == "full" else mode_runner.compressor.spec()}
+               "compressor": mode_engine.defaults.compressor_label}
         if predictor is not None:
             per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
-            row["predicted_tokens_per_s"] = round(predictor(mode_runner, base, n_requests, *per_round), 2)
+            row["predicted_tokens_per_s"] = round(predictor(mode_engine, base, n_requests, *per_round), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from vericache.cli_args import add_kv_dtype_arg, draft_len, ints, progress
+from vericache.engine.config import DEFAULTS
 from vericache.model.registry import DEFAULT_MODEL
 
 
@@ -36,15 +37,13 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
 
 def _add_decode(bsub) -> None:
-    from vericache.engine.runner import DEFAULT_COMPRESSOR
-
     b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--modes", default="full",
                    help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
                          "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
-    b.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
-    b.add_argument("--draft-len", default="auto", type=draft_len)
+    b.add_argument("--compressor", default=DEFAULTS.compressor)
+    b.add_argument("--draft-len", default=DEFAULTS.draft_len, type=draft_len)
     b.add_argument("--context", type=ints, default=[1024, 4096, 16384])
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
@@ -104,7 +103,7 @@ def _add_throughput(bsub) -> None:
     add_kv_dtype_arg(t)
     t.add_argument("--calibration", default=None,
                    help="calibration file from `vericache sim --calibrate` (default: the cache dir's)")
-    t.add_argument("--compressor", default="snapkv:ratio=0.125")
+    t.add_argument("--compressor", default=DEFAULTS.compressor)
     t.add_argument("--modes", default="full,lossy,vericache-naive,vericache-staggered,vericache-grouped",
                    help="comma-separated, among full, lossy, vericache-naive, vericache-staggered, vericache-grouped")
     t.add_argument("--resident-layers", type=int, default=0,
@@ -150,7 +149,7 @@ def _add_prefix(bsub) -> None:
     px.add_argument("--slow-gbps", type=float, default=1.0)
     px.add_argument("--rtt-ms", type=float, default=20.0)
     px.add_argument("--fast-gbps", type=float, default=25.0)
-    px.add_argument("--compressor", default="snapkv:ratio=0.125")
+    px.add_argument("--compressor", default=DEFAULTS.compressor)
     px.add_argument("--modes", default="recompute,full-remote,full-remote-all,lossy-remote,vericache")
     px.add_argument("--threads-per-device", type=int, default=1,
                     help="threads of each engine (full-remote's, the drafter, the verifier): one device each; "
@@ -264,8 +263,8 @@ def _add_batch(bsub) -> None:
     bt.add_argument("--modes", default="full,lossy,vericache",
                     help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
                          "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
-    bt.add_argument("--compressor", default="snapkv:ratio=0.125")
-    bt.add_argument("--draft-len", default="auto", type=draft_len)
+    bt.add_argument("--compressor", default=DEFAULTS.compressor)
+    bt.add_argument("--draft-len", default=DEFAULTS.draft_len, type=draft_len)
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; attention stays fp32)")
     add_kv_dtype_arg(bt)
     bt.add_argument("--device", default=None)
@@ -337,14 +336,41 @@ def _add_serve(bsub) -> None:
     sv.add_argument("--rss-bound-mb", type=float, default=64.0, help="soak: allowed RSS growth after the warm-up")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--server-pid", type=int, default=None, help="sample this process's RSS during the run")
-    sv.add_argument("--plot", default=None, help="PNG of the server's RSS and KV bytes over the run")
+    sv.add_argument("--plot", default=None, help="PNG of the server's RSS and KV bytes over the run (with "
+                                                 "--prompt-tokens: each mode's throughput and TTFT)")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--record", default=None)
+    long = sv.add_argument_group("long contexts (--prompt-tokens): every request at once, each mode, beside bench batch")
+    long.add_argument("--prompt-tokens", type=int, default=None,
+                      help="send --concurrency distinct prompts of this many tokens of code (bench batch's)")
+    long.add_argument("--modes", default="full,lossy,vericache", help="comma-separated modes to run")
+    long.add_argument("--compressor", default=DEFAULTS.compressor, help="the server's compressor (and batch's)")
+    long.add_argument("--no-batch", action="store_true", help="skip bench batch at the same load")
     sv.set_defaults(func=_serve_defaults)
+
+
+def _cmd_serve_long(args: argparse.Namespace) -> int:
+    from vericache.bench.serve_long import COLUMNS, plot_serve_long, run_serve_long
+    from vericache.report import markdown_table, record
+
+    modes = [m for m in args.modes.split(",") if m]
+    if args.prompt_tokens < 1 or args.concurrency < 1:
+        raise ValueError(f"--prompt-tokens and --concurrency must be >= 1, got {args.prompt_tokens}, {args.concurrency}")
+    res = run_serve_long(args.model, args.prompt_tokens, args.concurrency, args.max_tokens, modes, args.compressor,
+                         url=args.url and args.url.rstrip("/"), batch=not args.no_batch, log=progress(args))
+    text = f"{res['cpu']}.\n\n" + markdown_table(res["rows"], COLUMNS)
+    if args.plot:
+        plot_serve_long(res, args.plot)
+        text += f"\n\n![serve]({Path(args.plot).name})"
+    print(json.dumps(res) if args.json else text)
+    record(args.record, f"Serving {args.concurrency} x {args.prompt_tokens} tokens", text, args.argv)
+    return 0
 
 
 def _serve_defaults(args: argparse.Namespace) -> int:
     """The soak's mix unless given: a tenth hang up, three tenths want a whole body, one in twenty is bad."""
+    if args.prompt_tokens is not None:
+        return _cmd_serve_long(args)
     soak = args.soak is not None
     for name, soak_default in (("cancel_prob", 0.1), ("nonstream_prob", 0.3), ("bad_prob", 0.05)):
         if getattr(args, name) is None:

@@ -26,18 +26,18 @@ def label_parts(label: str) -> tuple[str, str, str | None]:
     return mode, weights or "fp32", compressor or None
 
 
-def runner_for(llm, label: str, runners: dict):
-    """A bench mode label's runner and mode (``label_parts``); the runners share ``llm``'s model and
-    are made once per label."""
+def engine_for(llm, label: str, engines: dict):
+    """A bench mode label's engine and mode (``label_parts``): ``llm``'s settings with the label's
+    mode, draft weights and compressor, every cache in one memory (no tier, no budget: a bench
+    compares decoding, not admission); the engines share ``llm``'s model and are made once per label."""
     mode, weights, compressor = label_parts(label)
-    if label not in runners:
-        from vericache.engine.runner import ModelRunner
+    if label not in engines:
+        from vericache.engine.engine import Engine
 
-        e = llm.runner
-        draft_len = "auto" if e.policy.fixed is None else e.policy.fixed
-        runners[label] = ModelRunner(llm.loaded, mode=mode, compressor=compressor or e.compressor, draft_len=draft_len,
-                                 prefill_chunk=e.prefill_chunk, draft_weights=weights)
-    return runners[label], mode
+        config = llm.engine.config
+        engines[label] = Engine(llm.loaded, config, mode=mode, compressor=compressor or config.compressor,
+                                draft_weights=weights, tiered=False, device_budget_gb=None)
+    return engines[label], mode
 
 
 def cpu_model() -> str:
@@ -73,10 +73,11 @@ class RowPredictor:
                      f"one compression move {self.moves[key] * 1e3:.1f} ms")
         return self.costs[key], self.moves[key]
 
-    def __call__(self, runner, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
+    def __call__(self, engine, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
         from vericache.model.draft_weights import measured_choice
         from vericache.drafting.cost import predict_tokens_per_s
 
+        runner = engine.runner   # the draft weights' measured times are the runner's
         comp, matmuls = runner.compressor, None
         if mode == "vericache" and runner.draft_weights != "fp32":
             runner.draft_kind(1)   # builds the copies
@@ -88,7 +89,7 @@ class RowPredictor:
 
 
 def shared_prefills(base, prompts: list[list[int]], params, log) -> list:
-    """Each prompt prefilled once, exactly, on ``base`` (a ``ModelRunner``): every mode of a bench
+    """Each prompt prefilled once, exactly, on ``base`` (an ``Engine``): every mode of a bench
     loads the same prefills. Progress through ``log``."""
     t0, prefills = time.perf_counter(), []
     for i, p in enumerate(prompts):

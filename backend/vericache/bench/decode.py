@@ -12,10 +12,8 @@ import time
 import torch
 
 from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, runner_for
+from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for
 from vericache.report import markdown_table
-from vericache.engine.options import RequestOptions
-from vericache.engine.step_loop import StepLoop
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache.sim import roofline
@@ -41,16 +39,12 @@ def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype:
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
-def generate_with_steps(runner, mode: str, prompt: list[int], params: SamplingParams) -> tuple:
-    """``runner.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
-    loop = StepLoop(runner, offload=False, prefill_chunk=runner.prefill_chunk)
-    seq = runner.new_sequence(0, prompt, params)
-    rid = loop.add_sequence(seq, runner.resolve(RequestOptions(mode=mode)))
-    while loop.has_unfinished():
-        loop.step()
-    if loop.requests[rid].error:
-        raise RuntimeError(f"{mode}: {loop.requests[rid].error}")
-    return seq.to_output(), list(loop.instruments.steps)
+def generate_with_steps(engine, mode: str, prompt: list[int], params: SamplingParams) -> tuple:
+    """``engine.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
+    n = engine.instruments.n_steps
+    out = engine.generate([engine.new_sequence(0, prompt, params)], mode)[0]
+    steps = list(engine.instruments.steps)
+    return out, steps[len(steps) - min(engine.instruments.n_steps - n, len(steps)):]
 
 
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
@@ -61,15 +55,15 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     # Long: one bench run read top to bottom (per context: every mode on the same prompt, side by side,
     # then the baselines); the modes share the prompt, prefill and reference outputs.
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype)
-    runner, runners = llm.runner, {}
+    engine, engines = llm.engine, {}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    runner.generate([runner.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
+    engine.generate([engine.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
     rows, roof_rows, runs = [], [], {}
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
-        results = {m: generate_with_steps(*runner_for(llm, m, runners), prompt, params) for m in modes}
-        bases = {m: runner_for(llm, m, runners)[1] for m in modes}
+        results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
+        bases = {m: engine_for(llm, m, engines)[1] for m in modes}
         predictor = RowPredictor(llm, ctx, roof.weights_s, log) if roof is not None else None
         ref = results["full"][0] if "full" in results else None
         for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
@@ -86,7 +80,7 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             if predictor is not None:
                 rounds = st.get("rounds", 0)
                 per_round = ((len(out.token_ids) - 1) / rounds, st["drafted_tokens"] / rounds) if rounds else (1.0, 0.0)
-                row["predicted_tokens_per_s"] = round(predictor(runner_for(llm, mode, runners)[0], bases[mode], 1,
+                row["predicted_tokens_per_s"] = round(predictor(engine_for(llm, mode, engines)[0], bases[mode], 1,
                                                                 *per_round), 1)
                 row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
             if roof is not None:

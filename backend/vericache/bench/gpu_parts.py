@@ -11,8 +11,8 @@ import torch
 
 from vericache.config import ModelConfig
 from vericache.engine.options import RequestOptions
-from vericache.engine.runner import ModelRunner, SharedPrefill
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.engine import Engine
+from vericache.engine.runner import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.kv.packed import KeyPart, attend_packed
@@ -128,15 +128,16 @@ def decode_rows(loaded: LoadedModel, kernels: str, prefills: list[SharedPrefill]
 
     use_gpu_kernels(loaded.model, kernels)
     loaded.kernels = kernels
-    runner = ModelRunner(loaded, compressor=compressor, draft_len=draft_len)
+    engine = Engine(loaded, mode="full", compressor=compressor, draft_len=draft_len, draft_weights="fp32",
+                    tiered=False, device_budget_gb=None)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rows, reference = [], None
     for mode in modes:
         if time.perf_counter() > until:
             rows.append({"kernels": kernels, "mode": mode, "skipped": "out of time"})
             continue
-        seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
-        res = decode_all(StepLoop(runner, offload=False), seqs, runner.resolve(RequestOptions(mode=mode)),
+        seqs = [engine.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+        res = decode_all(engine, seqs, engine.resolve(RequestOptions(mode=mode)),
                          prefills, log, f"{kernels}/{mode}", until=until)
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
@@ -180,12 +181,12 @@ def identity_rows(make_model: Callable[[str], LoadedModel], kernel_sets: list[st
     rows = []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for kernels in kernel_sets:
-        runner = ModelRunner(make_model(kernels))
+        engine = Engine(make_model(kernels), mode="full", draft_weights="fp32", tiered=False, device_budget_gb=None)
 
         def run(mode: str, compressor: str | None = None) -> tuple[list[list[int]], int]:
-            seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
-            opts = runner.resolve(RequestOptions(mode=mode, compressor=compressor))
-            decode_all(StepLoop(runner, offload=False), seqs, opts, [None] * len(seqs), log, f"{kernels}/{mode}")
+            seqs = [engine.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+            opts = engine.resolve(RequestOptions(mode=mode, compressor=compressor))
+            decode_all(engine, seqs, opts, [None] * len(seqs), log, f"{kernels}/{mode}")
             return [s.output_ids for s in seqs], sum(s.stats.get("rounds", 0) for s in seqs)
 
         reference, _ = run("full")

@@ -27,7 +27,7 @@ def measure_remote_costs(llm, compressor, context: int, n: int, tail: int, k: fl
     """Time each forward the model needs on real caches of ``context`` positions (random K/V): the n
     tails' prefill, decode rows over full and compressed caches, draft rows on the draft weights and
     verification chunks of k + 1 rows, at 1, 2 .. n sessions (interpolated between)."""
-    from vericache.engine.runner import ModelRunner
+    from vericache.engine.engine import Engine
     from vericache.kv.compressed import CompressedKVCache
     from vericache.kv.full import FullKVCache
 
@@ -53,7 +53,7 @@ def measure_remote_costs(llm, compressor, context: int, n: int, tail: int, k: fl
         extra = {"n_draft": m * rows} if draft else {}
         return best_seconds(lambda: model(toks, [start] * m, [rows] * m, caches, logits_index=last, **extra), times)
 
-    drafter = ModelRunner(llm.loaded, mode="vericache", compressor=compressor, draft_weights=draft_kind)
+    drafter = Engine(llm.loaded, mode="vericache", compressor=compressor, draft_weights=draft_kind).runner
     sessions = sorted({1, 2, n} & set(range(1, n + 1)))
     table: dict[str, list[float]] = {"full": [], "comp": [], "draft": [], "verify": []}
     for m in sessions:

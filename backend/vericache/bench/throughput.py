@@ -13,8 +13,7 @@ import torch
 
 from vericache.bench.batch import decode_all, distinct_prompts
 from vericache.bench.common import shared_prefills
-from vericache.engine.runner import ModelRunner
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.engine import Engine
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
@@ -43,7 +42,7 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
     log(f"{n_requests} requests x {context} tokens, {max_tokens} new each; full KV of all: {all_full / 1e9:.2f} GB; "
         f"device budget {budget / 1e9:.2f} GB; link {link_gbps} Gbit/s ({'real PCIe' if cuda else 'emulated'})")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    base = ModelRunner(llm.loaded, mode="full", compressor=compressor)
+    base = Engine(llm.loaded, mode="full", compressor=compressor, device_budget_gb=None)
     prefills = shared_prefills(base, prompts, params, log)
     cal_path = calibration or default_path(llm.loaded.name, str(llm.loaded.dtype).removeprefix("torch."))
     cal = load(Path(cal_path)) if not cuda else None
@@ -59,11 +58,12 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
         link = None
         if engine_mode == "vericache":
             link = CudaLink(llm.loaded.device) if cuda else EmulatedLink(link_gbps)
-        runner = ModelRunner(llm.loaded, mode=engine_mode, compressor=compressor)
-        loop = StepLoop(runner, device_budget=budget, scheduler=scheduler, link=link, resident_layers=resident)
-        seqs = [runner.new_sequence(i, p, params) for i, p in enumerate(prompts)]
+        # the paper's long-context scenario: the full KV tiered behind the link, the device budget binding
+        engine = Engine(llm.loaded, mode=engine_mode, compressor=compressor, draft_weights="fp32", link=link,
+                        tiered=True, device_budget_gb=budget / (1 << 30), scheduler=scheduler, resident_layers=resident)
+        seqs = [engine.new_sequence(i, p, params) for i, p in enumerate(prompts)]
         try:
-            res = decode_all(loop, seqs, None, prefills, log, mode, from_first_tokens=False)
+            res = decode_all(engine, seqs, None, prefills, log, mode, from_first_tokens=False)
         except ValueError as exc:  # e.g. one request's verification buffer exceeds the budget
             rows.append({"mode": mode, "tokens_per_s": 0.0, "error": str(exc)})
             log(f"{mode}: cannot run: {exc}")
@@ -72,9 +72,9 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
             torch.cuda.synchronize()
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
-        row = mode_row(mode, res, seqs, loop, link, outs == reference if reference is not None else None)
+        row = mode_row(mode, res, seqs, engine, link, outs == reference if reference is not None else None)
         if cal is not None and not resident:
-            comp = runner.compressor
+            comp = engine.defaults.compressor
             kept = comp.nominal_ratio(llm.loaded.kv_dtype.itemsize) if comp.evicts else 1.0
             rounds, drafted = row["rounds"], sum(s.stats.get("drafted_tokens", 0) for s in seqs)
             row["predicted_tokens_per_s"] = round(predict_offloaded(
@@ -86,8 +86,9 @@ def run_throughput(model: str, n_requests: int, context: int, max_tokens: int, d
         log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
             f"identical={row['identical_to_full']}, link {row['link_utilization']:.0%}, "
             f"compute {row['compute_utilization']:.0%}")
-        t_start = loop.instruments.intervals[0][0] if loop.instruments.intervals else 0.0
-        timelines[mode] = (t_start, loop.instruments.intervals, list(link.stats.intervals) if link is not None else [])
+        intervals = engine.instruments.intervals
+        t_start = intervals[0][0] if intervals else 0.0
+        timelines[mode] = (t_start, intervals, list(link.stats.intervals) if link is not None else [])
         if link is not None:
             link.close()
     add_ratios(rows)
@@ -104,8 +105,9 @@ def add_ratios(rows: list[dict]) -> None:
             r["x_naive"] = round(r["tokens_per_s"] / by_mode["vericache-naive"], 2)
 
 
-def mode_row(mode: str, res: dict, seqs: list, loop: StepLoop, link, identical: bool | None) -> dict:
-    """One mode's figures from its decode run (``decode_all``'s result) and its step loop's instruments."""
+def mode_row(mode: str, res: dict, seqs: list, engine: Engine, link, identical: bool | None) -> dict:
+    """One mode's figures from its decode run (``decode_all``'s result) and its engine's instruments."""
+    instruments = engine.instruments
     wall, outs = res["decode_s"], [s.output_ids for s in seqs]
     decoded = sum(len(o) - 1 for o in outs)
     rounds = sum(s.stats.get("rounds", 0) for s in seqs)
@@ -114,12 +116,12 @@ def mode_row(mode: str, res: dict, seqs: list, loop: StepLoop, link, identical: 
     return {"mode": mode, "tokens_per_s": round(res["decoded"] / wall, 2), "wall_s": round(wall, 2),
             "identical_to_full": identical,
             "link_utilization": round(link_busy / wall, 3),
-            "compute_utilization": round(loop.instruments.busy_s() / wall, 3),
+            "compute_utilization": round(instruments.busy_s() / wall, 3),
             "link_bytes": link.stats.bytes_moved if link is not None else 0,
             "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-            "mean_groups": round(loop.offload.mean_groups, 2) if mode.endswith("-grouped") else None,
-            "early_verifies": loop.instruments.early_verifies if vericache else None,
-            "preemptions": loop.instruments.preemptions, "rounds": rounds,
+            "mean_groups": round(engine.stats()["mean_groups"], 2) if mode.endswith("-grouped") else None,
+            "early_verifies": instruments.early_verifies if vericache else None,
+            "preemptions": instruments.preemptions, "rounds": rounds,
             "kv_resident_bytes": res["kv_resident_bytes"]}
 
 

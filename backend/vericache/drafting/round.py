@@ -10,7 +10,8 @@ A round for a request whose last token x (at position n) is not yet in any cache
           the full-KV K/V of the accepted positions, so the drafter tracks the full model.
 
 The engine (``engine.step_loop``) decides *when* each step of a round runs (and packs the rows of
-many requests into one forward); this module decides *what* a step does to one request.
+many requests into one forward); this module decides *what* a step does to one request, and how
+long a round is (``DraftPlanner``, the one owner of the draft length).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from vericache.drafting.cost import DraftCost
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.sampling import (
@@ -230,3 +232,52 @@ class DraftLengthPolicy:
         if st.failed_rounds >= self.patience:
             st.cooldown, st.failed_rounds = self.cooldown, 0
             st.fallbacks += 1
+
+
+class DraftPlanner:
+    """The one owner of a round's draft length. The scheduler asks it when a round starts
+    (``new_round``) and, for the grouped link schedule, whether a complete draft waiting for its
+    group's turn may draft on (``extend_waiting``); nothing else sets a length. In this order:
+    1. the request's policy (``DraftLengthPolicy``): a fixed length, or "auto"'s length adapted to the
+       request's acceptance (0 while it cools down after failed rounds: plain full steps);
+    2. "auto" with the full KV here (in place): the fitted step costs (``drafting.cost``), the k that
+       maximises tokens per second at this acceptance, this many requests and these caches;
+    3. "auto" with the full KV behind a link (tiered): the link's backlog (``engine.offload``'s
+       staggered and grouped schedules): a request that would only wait for the link drafts meanwhile,
+       so its transfer buys more tokens; a grouped request whose complete draft waits for its group's
+       turn drafts on while its drafts are mostly accepted (P2)."""
+
+    def __init__(self, offload, is_offloaded: Callable[[object], bool], n_active: Callable[[], int],
+                 instruments) -> None:
+        """``offload``: the engine's ``Offload``; ``is_offloaded(request)``: its full KV is behind the link;
+        ``n_active()``: requests drafting or decoding now; ``instruments``: the measured steps."""
+        self.offload, self.is_offloaded, self.n_active, self.instruments = offload, is_offloaded, n_active, instruments
+        self.cost = DraftCost()   # draft lengths from this engine's fitted step costs
+
+    def new_round(self, r) -> int:
+        """The draft length of ``r``'s next round (0: a plain full-KV step)."""
+        policy = r.opts.policy
+        k = policy.next_len(r.policy_state, r.seq.remaining)
+        if self.is_offloaded(r):
+            if k and policy.fixed is None and self.offload.stretches:
+                k = max(k, min(self.offload.draft_to_cover_link(), policy.max_len, r.seq.remaining - 1))
+            self.offload.on_new_round(r, k)
+        elif k > 0 and policy.fixed is None and r.full is not None and r.session is None:
+            k = self._cost_len(r, k)   # full KV here: the local step costs decide
+        return k
+
+    def extend_waiting(self, r) -> None:
+        """A complete draft waiting for its group's turn on the link: one more token while its drafts are
+        mostly accepted (P2; "auto" only, within the policy's maximum and the request's budget)."""
+        policy, rs = r.opts.policy, r.round
+        if rs.k and rs.complete and policy.fixed is None and r.policy_state.ema_accepted >= 0.75 * rs.k:
+            rs.k = min(rs.k + 1, policy.max_len, max(r.seq.remaining - 1, rs.k))
+
+    def _cost_len(self, r, k: int) -> int:
+        """The draft length the fitted step costs call for; the policy's ``k`` until fitted."""
+        pos, k_max = r.position, min(r.opts.policy.max_len, r.seq.remaining - 1)
+        n = self.n_active()
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
+        choice = self.cost.choose(r.policy_state.acceptance(), n, r.draft.attention_cost(pos, 1),
+                                  lambda j: r.full.attention_cost(pos, j + 1), k_max)
+        return k if choice is None else choice

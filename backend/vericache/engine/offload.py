@@ -1,18 +1,19 @@
 """The offload policy (offloaded VeriCache: full KV in the host tier): when each complete draft's full
 KV goes on the link, when its verification may start, and how long drafts run meanwhile. One object
-(``Offload``) the scheduler asks (``new_round``, ``may_draft``, ``can_verify``) and the loop tells to
-move (``start_transfers``); it reads the requests and the measured rates, never the loop. All lossless.
+(``Offload``) the scheduler asks (``may_draft``, ``can_verify``), the draft planner tells of new rounds
+(``on_new_round``) and the loop tells to move (``start_transfers``); it reads the requests and the
+measured rates, never the loop. The draft lengths are the planner's (``drafting.round.DraftPlanner``). All lossless.
 
 The link schedules (P1):
 - ``naive``: everyone drafts, then every request is transferred and verified (the control; its
   verification still reads layer i while layer i+1 is in flight).
 - ``staggered``: a request whose draft is complete queues its transfer at once and the others keep
-  drafting; with ``draft_len="auto"`` a new draft is stretched to cover the link's measured backlog,
-  so requests fall into phase-shifted groups of one.
+  drafting; with ``draft_len="auto"`` the planner stretches a new draft to cover the link's measured
+  backlog (``stretches``), so requests fall into phase-shifted groups of one.
 - ``grouped``: explicit phase groups, ``G`` planned from the measured link rate and draft-step time
   (``group_count``, re-planned every round); one group at a time is on the link and its members start
   their transfers together, so each group is verified in one batch; a member waiting for its group's
-  turn drafts on while its drafts are mostly accepted (P2).
+  turn drafts on while its drafts are mostly accepted (P2: the planner's ``extend_waiting``).
 
 How many groups (``group_count``): the link moves one group's full KV while compute runs the other
 groups' draft steps. With ``n`` requests in ``G`` groups, one group's transfer takes ``(n / G) * t_x``
@@ -31,9 +32,11 @@ from vericache.engine.memory import KVMemory
 from vericache.engine.requests import Instruments, Request, RequestTable, State
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import CudaLink, EmulatedLink
+from vericache.model.loader import LoadedModel
 
 SCHEDULERS = ("naive", "staggered", "grouped")
 MakeRoom = Callable[[int, tuple, Request], None]   # (bytes, device key, for whom): preempts to fit
+Extend = Callable[[Request], None]                 # the draft planner's ``extend_waiting``
 
 
 def group_count(n: int, transfer_s: float, draft_step_s: float, draft_len: int) -> int:
@@ -50,13 +53,14 @@ def group_count(n: int, transfer_s: float, draft_step_s: float, draft_len: int) 
 
 
 class Offload:
-    def __init__(self, schedule: str, runner, memory: KVMemory, requests: RequestTable,
-                 instruments: Instruments, make_room: MakeRoom, link=None) -> None:
+    def __init__(self, schedule: str, loaded: LoadedModel, memory: KVMemory, requests: RequestTable,
+                 instruments: Instruments, make_room: MakeRoom, extend: Extend, link=None) -> None:
         if schedule not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {schedule!r}")
         self.schedule = {"naive": Naive, "staggered": Staggered, "grouped": Grouped}[schedule]()
-        self.cfg, self.loaded = runner.cfg, runner.loaded
+        self.cfg, self.loaded = loaded.config, loaded
         self.memory, self.requests, self.instruments, self.make_room = memory, requests, instruments, make_room
+        self.extend = extend
         self.link = link  # made on first use when None (``ensure_link``)
 
     def ensure_link(self) -> None:
@@ -66,9 +70,14 @@ class Offload:
             self.link = CudaLink(dev) if dev.type == "cuda" else EmulatedLink(gbps=32)
 
     # ------------------------------------------------------------------ what the scheduler asks
-    def new_round(self, req: Request, k: int) -> int:
-        """The draft length of an offloaded request's new round (the policy's ``k``, stretched or grouped)."""
-        return self.schedule.new_round(self, req, k)
+    @property
+    def stretches(self) -> bool:
+        """Whether a new "auto" draft is stretched to cover the link's backlog (not under naive)."""
+        return self.schedule.stretches
+
+    def on_new_round(self, req: Request, k: int) -> None:
+        """An offloaded request starts a round of ``k`` drafts (the grouped schedule assigns its group)."""
+        self.schedule.on_new_round(self, req, k)
 
     def may_draft(self, req: Request) -> bool:
         return self.schedule.may_draft(self, req)
@@ -155,13 +164,14 @@ class Offload:
 
 class Naive:
     verifies_in_turn = True   # nothing else runs meanwhile: verify layer by layer, one request at a time
+    stretches = False
 
     def may_draft(self, off: Offload, req: Request) -> bool:
         """Naive: nobody drafts while verifications are pending (all draft, then all verify)."""
         return not off.requests.in_state(State.TRANSFERRING)
 
-    def new_round(self, off: Offload, req: Request, k: int) -> int:
-        return k
+    def on_new_round(self, off: Offload, req: Request, k: int) -> None:
+        pass
 
     def start_transfers(self, off: Offload, drafting: list[Request]) -> None:
         complete = [r for r in drafting if r.round.complete]
@@ -172,15 +182,10 @@ class Naive:
 
 class Staggered(Naive):
     verifies_in_turn = False
+    stretches = True
 
     def may_draft(self, off: Offload, req: Request) -> bool:
         return True
-
-    def new_round(self, off: Offload, req: Request, k: int) -> int:
-        policy = req.opts.policy
-        if k and policy.fixed is None:
-            k = max(k, min(off.draft_to_cover_link(), policy.max_len, req.seq.remaining - 1))
-        return k
 
     def start_transfers(self, off: Offload, drafting: list[Request]) -> None:
         for r in drafting:  # the link works (and queues) while the others keep drafting
@@ -198,18 +203,14 @@ class Grouped(Staggered):
         total, plans = self.plans
         return total / plans if plans else 0.0
 
-    def new_round(self, off: Offload, req: Request, k: int) -> int:
-        k = super().new_round(off, req, k)
+    def on_new_round(self, off: Offload, req: Request, k: int) -> None:
         req.group = req.id % self._plan(off, k)
-        return k
 
     def start_transfers(self, off: Offload, drafting: list[Request]) -> None:
         """Put the next group whose drafts are all complete on the link, unless another group's
         transfers are still in flight (one group on the link while the others draft)."""
         for r in drafting:  # waiting for its group's turn, drafts mostly accepted: draft on (P2)
-            policy, rs = r.opts.policy, r.round
-            if rs.k and rs.complete and policy.fixed is None and r.policy_state.ema_accepted >= 0.75 * rs.k:
-                rs.k = min(rs.k + 1, policy.max_len, max(r.seq.remaining - 1, rs.k))
+            off.extend(r)
         on_link = {r.group for r in off.requests.in_state(State.TRANSFERRING) if not r.transfer.ready()}
         groups: dict[int, list[Request]] = {}
         for r in drafting:

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vericache.compress.base import Compressor
+from vericache.config import ModelConfig
 from vericache.compress.registry import parse_compressor
 from vericache.drafting.round import DraftLengthPolicy
+from vericache.sampling import SamplingParams
 
 MODES = ("full", "lossy", "vericache")
 
@@ -76,3 +78,22 @@ def resolve_options(options: RequestOptions | None, default: ResolvedOptions) ->
     except ValueError as exc:
         raise InvalidOption("draft_len", str(exc)) from None
     return ResolvedOptions(mode, compressor, policy)
+
+
+def context_limit(cfg: ModelConfig) -> int:
+    """Positions a request may use: the model's, inside its sliding window (we attend densely)."""
+    limit = cfg.max_position_embeddings
+    return min(limit, cfg.sliding_window) if cfg.sliding_window else limit
+
+
+def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int, vocab_size: int) -> None:
+    """A request's prompt and budget against the model's limits: ValueError saying what is wrong."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty: it encodes to 0 tokens")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_context:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                         f"the model's context limit of {max_context} tokens")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

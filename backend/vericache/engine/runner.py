@@ -1,8 +1,8 @@
-"""The engine's front and its model runner: a loaded model, the default options, request checks,
-``generate``, and ``execute``, which runs one step's plan as one forward.
+"""The model runner: a loaded model, the default options, request checks, ``prefill`` and
+``execute``, which runs one step's plan as one forward. It only runs the model: the requests and
+the step loop are the ``Engine``'s (``engine.engine``), the one place that builds a runner.
 
-``generate`` adds the requests to a ``StepLoop`` (the one step loop the server and the benches
-drive too) with every cache in one memory, and steps until all are done. ``execute`` takes a
+``execute`` takes a
 ``StepPlan`` (plain rows, ``engine.scheduler``) and returns a ``StepResult`` (logits of the sampled
 rows) and a ``StepRecord`` (its time and the work the roofline charges); it holds no request state.
 """
@@ -18,24 +18,25 @@ import torch
 from vericache.compress.base import Compressor
 from vericache.compress.registry import parse_compressor
 from vericache.drafting.round import DraftLengthPolicy
+from vericache.engine.config import DEFAULTS
 from vericache.engine.options import (
     MODES,
     RequestOptions,
     ResolvedOptions,
     check_mode,
+    check_prompt,
+    context_limit,
     resolve_options,
 )
 from vericache.engine.requests import StepRecord
 from vericache.engine.scheduler import RowKind, StepPlan, StepResult
-from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.draft_weights import check_draft_weights, measured_choice
 from vericache.model.loader import LoadedModel
-from vericache.sampling import RequestOutput, SamplingParams, Sequence
+from vericache.sampling import SamplingParams, Sequence
 
-__all__ = ["MODES", "DEFAULT_COMPRESSOR", "ModelRunner", "SharedPrefill"]
-DEFAULT_COMPRESSOR = "snapkv:ratio=0.25"
+__all__ = ["MODES", "ModelRunner", "SharedPrefill"]
 AUTO_DRAFT_KINDS = ("q8",)   # what "auto" measures beside the exact weights (no copies: int8/int4 are asked for by name)
 
 
@@ -67,8 +68,9 @@ class SharedPrefill:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULT_COMPRESSOR,
-                 draft_len: int | str = "auto", prefill_chunk: int = 2048, draft_weights: str = "fp32") -> None:
+    def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULTS.compressor,
+                 draft_len: int | str = DEFAULTS.draft_len, prefill_chunk: int = DEFAULTS.prefill_chunk,
+                 draft_weights: str = "fp32") -> None:
         """``draft_weights``: what draft rows read, "fp32" (the exact weights), "q8" (integer dots on
         the stored weights), "int8" or "int4" copies (``model.draft_weights``), or "auto": on CPU the
         exact weights and "q8" (no copies), each step's draft rows on the one measured faster for their
@@ -156,42 +158,13 @@ class ModelRunner:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""
         return resolve_options(options, self.defaults)
 
-    def generate(self, seqs: list[Sequence], mode: str | None = None,
-                 prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
-        """Run requests to completion in ``mode`` (default: the engine's); ``prefills[i]``, when
-        given, is seqs[i]'s prompt already prefilled (``shared_prefill``), reused instead of redone."""
-        if prefills is not None and len(prefills) != len(seqs):
-            raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
-        opts = self.resolve(RequestOptions(mode=check_mode(mode or self.mode)))
-        loop = StepLoop(self, offload=False, prefill_chunk=self.prefill_chunk)
-        rids = [loop.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
-        while loop.has_unfinished():
-            loop.step()
-        for seq, rid in zip(seqs, rids):
-            if loop.requests[rid].error:
-                raise RuntimeError(f"request {seq.request_id} failed: {loop.requests[rid].error}")
-        return [s.to_output() for s in seqs]
-
     # ------------------------------------------------------------------ limits
     @property
     def max_context(self) -> int:
-        limit = self.cfg.max_position_embeddings
-        if self.cfg.sliding_window:  # we attend densely, so stay inside the window
-            limit = min(limit, self.cfg.sliding_window)
-        return limit
+        return context_limit(self.cfg)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty: it encodes to 0 tokens")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's context limit of {self.max_context} tokens"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        check_prompt(prompt_ids, params, self.max_context, self.cfg.vocab_size)
 
     def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
                      checked: bool = False) -> Sequence:

@@ -8,8 +8,8 @@ The stages of a step are joined by plain data, as in vLLM v1: ``plan()`` returns
 - plan: a verification chunk per request whose full KV is in place (or has landed over the link),
   prefill chunks within ``prefill_chunk`` tokens, a decode row per full/lossy request, a draft row per
   VeriCache request still drafting, and a local verification per complete draft; a request is in at
-  most one row. A new round's draft length comes from the request's policy, then the offload policy
-  (``engine.offload``: offloaded KV) or the fitted step costs (``drafting.cost``: full KV here).
+  most one row. A new round's draft length is the draft planner's (``drafting.round.DraftPlanner``:
+  the request's policy, then the link's backlog or the fitted step costs).
 - update: prefill chunks advance and, at the prompt's end, compress it and pick the first token;
   decode rows append their token; draft rows add theirs to the round; verifications end the round
   (``drafting.round.finish_round``). Then each request finishes, or is charged for what it holds now.
@@ -26,8 +26,7 @@ from enum import StrEnum
 
 import torch
 
-from vericache.drafting.cost import DraftCost
-from vericache.drafting.round import add_draft, finish_round, verify_for_drafter
+from vericache.drafting.round import DraftPlanner, add_draft, finish_round, verify_for_drafter
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.remote_rounds import RemoteRounds
@@ -35,6 +34,7 @@ from vericache.engine.requests import DONE, Instruments, Request, RequestTable, 
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import StreamedKV
 from vericache.kv.tee import TeeCache
+from vericache.model.loader import LoadedModel
 from vericache.sampling import choose_token
 
 log = logging.getLogger("vericache.engine")
@@ -84,14 +84,17 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, runner, memory: KVMemory, requests: RequestTable, instruments: Instruments,
+    def __init__(self, loaded: LoadedModel, memory: KVMemory, requests: RequestTable, instruments: Instruments,
                  schedule: str = "staggered", link=None, prefill_chunk: int = 512, max_running: int = 64,
                  prefix=None, verifier=None) -> None:
-        self.runner, self.memory, self.requests, self.instruments = runner, memory, requests, instruments
+        """``loaded``: the model (compressors score prompts with it); the rest: the loop's parts."""
+        self.loaded, self.memory, self.requests, self.instruments = loaded, memory, requests, instruments
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
-        self.draft_cost = DraftCost()   # draft lengths from this engine's fitted step costs
-        self.offload = Offload(schedule, runner, memory, requests, instruments, self.make_room, link)
-        self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, runner.loaded.device,
+        self.offload = Offload(schedule, loaded, memory, requests, instruments, self.make_room,
+                               lambda r: self.planner.extend_waiting(r), link)
+        self.planner = DraftPlanner(self.offload, memory.is_offloaded,   # every draft length
+                                    lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments)
+        self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
                                    self.charge) if prefix is not None or verifier is not None else None
 
     # ------------------------------------------------------------------ admit
@@ -141,27 +144,13 @@ class Scheduler:
         """A drafting request's row: its next draft token, or its verification once the draft is complete."""
         rs, offloaded = r.round, self.memory.is_offloaded(r)
         if not rs.started:  # a new round
-            k = r.opts.policy.next_len(r.policy_state, r.seq.remaining)
-            if offloaded:
-                k = self.offload.new_round(r, k)
-            elif k > 0 and r.opts.policy.fixed is None and r.full is not None and r.session is None:
-                k = self._cost_len(r, k, r.seq.remaining)   # full KV here: the local step costs decide
-            rs.start(k)
+            rs.start(self.planner.new_round(r))
         remote_verified = r.session is not None  # a complete round goes out in RemoteRounds.send_verifies
         if not rs.complete and (not offloaded or self.offload.may_draft(r)):
             tok = rs.drafts[-1] if rs.drafts else r.last_token
             plan.add(r, RowKind.DRAFT, [tok], r.position + len(rs.drafts), r.draft)
         elif rs.complete and not remote_verified and not offloaded:  # full KV here: verify in place
             plan.add(r, RowKind.VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
-
-    def _cost_len(self, r: Request, k: int, remaining: int) -> int:
-        """The draft length the fitted step costs call for (``drafting/cost.py``); ``k`` until fitted."""
-        pos, k_max = r.position, min(r.opts.policy.max_len, remaining - 1)
-        n = len(self.requests.in_state(State.DRAFTING, State.DECODING))
-        self.draft_cost.refit(self.instruments.steps, self.instruments.n_steps)
-        choice = self.draft_cost.choose(r.policy_state.acceptance(), n, r.draft.attention_cost(pos, 1),
-                                        lambda j: r.full.attention_cost(pos, j + 1), k_max)
-        return k if choice is None else choice
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Add the request's next prefill chunk; returns the tokens planned."""
@@ -230,8 +219,8 @@ class Scheduler:
             comp = req.opts.compressor
             # a prompt partly loaded from the prefix store has no whole-prompt context here
             whole = req.draft.prefill_context()
-            scores = None if whole is None else comp.on_prefill(self.runner.model, context or whole, req.prefill_ids,
-                                                                self.runner.tokenizer)
+            scores = None if whole is None else comp.on_prefill(self.loaded.model, context or whole, req.prefill_ids,
+                                                                self.loaded.tokenizer)
             req.draft.set_prefill_scores(scores, n)
             # compression starts once the whole prompt is in (an exact prefill); beside a full
             # cache the draft cache takes the prompt's K/V from it

@@ -30,6 +30,7 @@ from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
 from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput
+from vericache.engine.runner import ModelRunner
 from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
 from vericache.kv.full import FullKVCache
 from vericache.sampling import SamplingParams, Sequence
@@ -39,7 +40,7 @@ log = logging.getLogger("vericache.engine")
 
 
 class StepLoop:
-    def __init__(self, runner, device_budget: int | None = None, host_budget: int | None = None,
+    def __init__(self, runner: ModelRunner, device_budget: int | None = None, host_budget: int | None = None,
                  scheduler: str = "staggered", link=None, prefill_chunk: int = 512, max_running: int = 64,
                  resident_layers: int = 0, offload: bool = True, prefix=None, verifier=None) -> None:
         n_layers = runner.cfg.num_hidden_layers
@@ -58,7 +59,7 @@ class StepLoop:
         self.requests = RequestTable(self.memory.free, self.instruments)
         # admission, planning, update, preemption; it asks the offload policy (P1: when complete drafts'
         # full KV goes on the link) and the remote half (a prefix store's fetcher, a verifier elsewhere)
-        self.scheduler = Scheduler(runner, self.memory, self.requests, self.instruments, scheduler, link,
+        self.scheduler = Scheduler(runner.loaded, self.memory, self.requests, self.instruments, scheduler, link,
                                    prefill_chunk, max_running, prefix, verifier)
         self.offload, self.remote = self.scheduler.offload, self.scheduler.remote
         self.prefix, self.verifier = prefix, verifier   # the server drains their events

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from vericache.engine.runner import ModelRunner
+from vericache.engine.engine import Engine
 from vericache.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
@@ -60,7 +60,7 @@ class _Saved:
 def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, n: int = 20, lo: int = 2048,
                   hi: int = 6144, batch: int = 20, checkpoint: str | None = None, log=print,
                   draft_weights: str = "fp32") -> list[dict]:
-    """``draft_weights``: what VeriCache's drafts read (``ModelRunner``); full and lossy rows are exact."""
+    """``draft_weights``: what VeriCache's drafts read (``EngineConfig.draft_weights``); full and lossy rows are exact."""
     llm = LLM(model, device="cpu", dtype="float32")
     tasks = build_tasks(llm.tokenizer, n, lo, hi)
     configs = configs or FULL_GRID
@@ -81,14 +81,14 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
         if not todo:
             continue
         part = tasks[b : b + batch]
-        runner = ModelRunner(llm.loaded)
-        shared = [runner.shared_prefill(s) for s in _sequences(runner, part)]
+        base = Engine(llm.loaded, mode="full", device_budget_gb=None)
+        shared = [base.shared_prefill(s) for s in _sequences(base, part)]
         log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + 1}-{b + len(part)}: prefilled once "
             f"({sum(p.seconds for p in shared):.0f} s), {len(todo)} configs to run")
         for label in todo:
             mode, _, spec = label.partition(" ")
-            e = ModelRunner(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25",
-                            draft_weights=draft_weights if mode == "vericache" else "fp32")
+            e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25", device_budget_gb=None,
+                       draft_weights=draft_weights if mode == "vericache" else "fp32")
             t = time.perf_counter()
             res = e.generate(_sequences(e, part), mode, prefills=shared)
             rec = {"model": model, "n": n, "contexts": [lo, hi], "draft_weights": draft_weights, "batch": b, "config": label,
@@ -102,7 +102,7 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
     return [_row(label, tasks, labels, done, batch) for label in labels]
 
 
-def _sequences(runner: ModelRunner, tasks: list[lt.LongTask]) -> list:
+def _sequences(runner: Engine, tasks: list[lt.LongTask]) -> list:
     return [runner.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(tasks)]
 
 

@@ -138,6 +138,14 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels)
 
 
+def load_tokenizer(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:
+    """A model's tokenizer and config without its weights (a front end that only validates and counts
+    tokens: the gateway in front of a Triton server)."""
+    path = resolve_model(name_or_path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    return Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg)), cfg
+
+
 def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str,
             stored: dict | None = None) -> Transformer:
     """A model's weights in place -> ready to run on ``kernels`` (``parse_kernels``'s result): RoPE

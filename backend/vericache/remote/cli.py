@@ -26,12 +26,12 @@ def _prompt_ids(args, loaded) -> list[int]:
 
 
 def _cmd_prefix(args: argparse.Namespace) -> int:
-    from vericache.engine.runner import ModelRunner
+    from vericache.engine.engine import Engine
     from vericache.remote.prefixes import describe, put_prompt
 
     loaded, store = _store(args)
     if args.action == "put":
-        out = put_prompt(ModelRunner(loaded), store, _prompt_ids(args, loaded), args.compressor or [])
+        out = put_prompt(Engine(loaded, mode="full"), store, _prompt_ids(args, loaded), args.compressor or [])
     elif args.action == "get":
         out = describe(store, _prompt_ids(args, loaded), args.compressor or [])
     elif args.action == "ls":

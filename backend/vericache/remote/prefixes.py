@@ -24,21 +24,22 @@ def model_id(loaded) -> str:
 
 @torch.inference_mode()
 def put_prompt(engine, store: PrefixStore, token_ids: list[int], compressors: list[str]) -> dict:
-    """Prefill ``token_ids`` exactly and store the full form of every whole block, plus each
-    compressor's form; returns the index entry (with the seconds it took)."""
+    """Prefill ``token_ids`` exactly on ``engine`` (an ``Engine``) and store the full form of every whole
+    block, plus each compressor's form; returns the index entry (with the seconds it took)."""
     bt = store.block_tokens
     nb = len(token_ids) // bt
     if nb == 0:
         raise ValueError(f"a prefix needs at least {bt} tokens (one whole block); got {len(token_ids)}")
     t0 = time.perf_counter()
-    cfg = engine.cfg
-    full = FullKVCache(cfg, engine.loaded.device, engine.loaded.kv_dtype, capacity=nb * bt)
+    loaded = engine.loaded
+    cfg = loaded.config
+    full = FullKVCache(cfg, loaded.device, loaded.kv_dtype, capacity=nb * bt)
     recorder = QueryRecorder(cfg.num_hidden_layers, 64)
     engine.prefill(token_ids[: nb * bt], [TeeCache(full, recorder)])
     forms = {"full": full_forms(full, nb, bt)}
     for spec in compressors:
         comp = parse_compressor(spec)
-        scores = comp.on_prefill(engine.model, full, token_ids[: nb * bt], engine.tokenizer)
+        scores = comp.on_prefill(loaded.model, full, token_ids[: nb * bt], loaded.tokenizer)
         forms[comp.spec()] = compressed_forms(comp, full, recorder.queries, nb, bt, scores)
     entry = store.put(token_ids[: nb * bt], forms)
     entry.pop("hashes", None)

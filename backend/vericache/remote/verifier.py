@@ -7,9 +7,9 @@ verifier's token (correction or bonus) and the exact K/V of positions n .. n+m, 
 cache tracks the full model. ``close`` frees the session's KV. Greedy only: the drafter sends
 token ids, not distributions.
 
-It runs the engine's one step loop (``engine.step_loop``): a session is a request in state
-``serving`` (``StepLoop.add_session``) whose verification rows come from the network instead of
-from local drafts (``engine.requests.Served``), and the round's end is ``drafting.round``'s
+It runs an ``Engine`` (full mode, every cache in one memory): a session is a request in state
+``serving`` (``Engine.add_session``) whose verification rows come from the network instead of
+from local drafts (``Served``), and the round's end is ``drafting.round``'s
 ``verify_for_drafter``. One worker thread owns the loop: callers' opens, verifications and closes
 are queued to it, and each step carries the next ``prefill_chunk`` tokens of every open's tail
 prefill and every queued verification, so the weights are read once per step, opens that land
@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.engine.requests import Served, State
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.engine import Engine, Served
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder
 from vericache.remote.forms import compressed_forms, full_forms
@@ -59,7 +58,7 @@ class Session:
 
 
 class VerifierCore:
-    def __init__(self, engine, store: PrefixStore | None = None, store_prefixes: bool = False,
+    def __init__(self, loaded, store: PrefixStore | None = None, store_prefixes: bool = False,
                  max_sessions: int = 256, autostart: bool = True, prefill_chunk: int = 64) -> None:
         """``autostart=False``: the worker waits for ``start()`` (work queued before it shares its turn).
         ``prefill_chunk``: tail tokens per session per forward; small, so opens that land while
@@ -67,7 +66,7 @@ class VerifierCore:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        self.runner, self.store, self.store_prefixes = engine, store, store_prefixes
+        self.store, self.store_prefixes = store, store_prefixes
         self.max_sessions = max_sessions
         self.sessions: dict[int, Session] = {}
         self.events: list[tuple[str, dict]] = []      # drained by the metrics exporter
@@ -75,8 +74,10 @@ class VerifierCore:
         self._work: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # the step budget admits every session's chunk: each is capped per session (``Served.chunk``)
-        self.loop = StepLoop(engine, offload=False, prefill_chunk=1 << 30, max_running=max_sessions)
+        # full mode, the sessions' KV in one memory; the step budget admits every session's chunk: each
+        # is capped per session (``Served.chunk``)
+        self.engine = Engine(loaded, mode="full", prefill_chunk=1 << 30, max_running=max_sessions, tiered=False,
+                             device_budget_gb=None)
         self._answers: list[tuple[Future, object]] = []   # results of this step, given after its events
         self._thread = threading.Thread(target=self._work_loop, name="vericache-verifier", daemon=True)
         if autostart:
@@ -92,14 +93,14 @@ class VerifierCore:
     # ------------------------------------------------------------------ callers (any thread)
     def open(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> tuple[Session, int]:
         """A new session over ``prompt_ids``; returns it and the first generated token."""
-        self.runner.check_request(prompt_ids, SamplingParams(max_tokens=max_tokens))
+        self.engine.check_request(prompt_ids, SamplingParams(max_tokens=max_tokens))
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 raise RuntimeError(f"verifier is full: {self.max_sessions} sessions open")
             sess = Session(next(self._ids), list(prompt_ids), max_tokens, compressor)
             self.sessions[sess.id] = sess
-        runner = self.runner
-        full = FullKVCache(runner.cfg, runner.loaded.device, runner.loaded.kv_dtype,
+        loaded = self.engine.loaded
+        full = FullKVCache(loaded.config, loaded.device, loaded.kv_dtype,
                            capacity=positions_needed(len(prompt_ids), max_tokens))
         if self.store is not None:
             limit = (len(prompt_ids) - 1) // self.store.block_tokens  # the last token is always computed
@@ -169,37 +170,38 @@ class VerifierCore:
                     self._step()
                 except Exception as exc:  # noqa: BLE001 - the loop itself broke: fail what it holds, go on
                     log.exception("verifier step failed")
-                    self.loop.fail_unfinished(f"{type(exc).__name__}: {exc}")
+                    self.engine.fail_unfinished(f"{type(exc).__name__}: {exc}")
                     for sess in list(self.sessions.values()):
                         self._fail(sess, exc)
 
     def _busy(self) -> bool:
         """Some session is prefilling or has a verification queued."""
-        return any(r.served.inbox or r.state in (State.WAITING, State.PREFILL) for r in self.loop.requests)
+        return self.engine.sessions_busy()
 
     def _take(self, kind: str, sess: Session, arg) -> None:
         if kind == "open":
             self._add_session(sess, arg)
         elif kind == "close":   # its KV goes now; an open or a verification still waiting gets an error
             if sess.request_id >= 0:
-                self.loop.abort(sess.request_id)
-                self.loop.requests.forget(sess.request_id)
+                self.engine.abort(sess.request_id)
+                self.engine.forget(sess.request_id)
             self._fail(sess, ValueError(f"session {sess.id} is closed"))
-        elif sess.closed or sess.request_id < 0 or self.loop.requests[sess.request_id].done:
-            arg[2].set_exception(ValueError(f"session {sess.id} is closed"))
         else:
             start, tokens, fut = arg
             sess.replies.append(fut)
-            self.loop.requests[sess.request_id].served.inbox.append((start, tokens, self._reply(sess, fut)))
+            if sess.closed or sess.request_id < 0 or not self.engine.queue_verification(
+                    sess.request_id, start, tokens, self._reply(sess, fut)):
+                sess.replies.remove(fut)
+                fut.set_exception(ValueError(f"session {sess.id} is closed"))
 
     def _add_session(self, sess: Session, full: FullKVCache) -> None:
         sess.hit_tokens = full.length
         if self.store_prefixes and self.store is not None:
-            sess.recorder = QueryRecorder(self.runner.cfg.num_hidden_layers, 64)
-        seq = self.runner.new_sequence(sess.id, sess.prompt_ids, SamplingParams(max_tokens=sess.max_tokens), checked=True)
+            sess.recorder = QueryRecorder(self.engine.loaded.config.num_hidden_layers, 64)
+        seq = self.engine.new_sequence(sess.id, sess.prompt_ids, SamplingParams(max_tokens=sess.max_tokens), checked=True)
         served = Served(lambda token: self._opened(sess, full, token), self.prefill_chunk, sess.recorder)
         try:
-            sess.request_id = self.loop.add_session(seq, full, served)
+            sess.request_id = self.engine.add_session(seq, full, served)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             sess.opened.set_exception(exc)
 
@@ -212,12 +214,13 @@ class VerifierCore:
     def _step(self) -> None:
         """One step of the loop; its forward's events; then its answers (so a caller that reads the
         events sees this step's); any session its step failed gets the error."""
-        n = self.loop.instruments.n_steps
+        instruments = self.engine.instruments
+        n = instruments.n_steps
         try:
             with torch.inference_mode():
-                self.loop.step()
-            if self.loop.instruments.n_steps > n:
-                rec = self.loop.instruments.steps[-1]
+                self.engine.step()
+            if instruments.n_steps > n:
+                rec = instruments.steps[-1]
                 seconds, by_kind = rec.end - rec.start, rec.by_kind
                 if "prefill" in by_kind:
                     rows, tokens = by_kind["prefill"]
@@ -231,9 +234,9 @@ class VerifierCore:
                 if not fut.done():
                     fut.set_result(result)
         for sess in list(self.sessions.values()):
-            req = self.loop.requests.get(sess.request_id)
-            if req is not None and req.state == State.FAILED:
-                self._fail(sess, RuntimeError(f"session {sess.id}: {req.error}"))
+            error = self.engine.failure(sess.request_id)
+            if error is not None:
+                self._fail(sess, RuntimeError(f"session {sess.id}: {error}"))
 
     @staticmethod
     def _fail(sess: Session, exc: Exception) -> None:

@@ -59,6 +59,9 @@ class Metrics:
         self.verifier_rtt = h("verifier_rtt_seconds", "Round trip of a draft to the remote verifier and back")
         for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt):
             self.lab(metric)  # exported (as zero) before the first event, so dashboards show them
+        for kind in ("emulated", "pcie"):   # zero while the full KV is not tiered (the CPU's default)
+            self.lab(self.link_bytes, link=kind)
+            self.lab(self.link_busy, link=kind)
         for link in ("local", "slow", "fast"):
             self.lab(self.prefix_fetch, link=link)
             for tier in ("full", "compressed"):

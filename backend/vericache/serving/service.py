@@ -1,7 +1,7 @@
 """The engine as a service: a background step loop, a bounded queue, per-request delta streams.
 
 No Triton or HTTP imports: the gateway's embedded backend and the Triton model both drive this.
-Threading model: one thread owns the ``StepLoop`` and runs ``step()``; other threads only
+Threading model: one thread owns the ``Engine`` and runs ``step()``; other threads only
 put commands (submit, abort) on a queue that the loop drains between steps, and read deltas from
 each request's own queue. Aborting frees the request's KV at the next loop turn (milliseconds).
 """
@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vericache.engine.requests import State
+from vericache.engine.engine import Engine, EngineOutput
 from vericache.engine.options import RequestOptions
-from vericache.engine.step_loop import StepLoop
 from vericache.sampling import SamplingParams
 
 log = logging.getLogger("vericache.service")
@@ -59,17 +58,17 @@ MetricsSink = Callable[[str, dict], None]  # (event, fields): "request_done", "s
 
 
 class BackgroundService:
-    def __init__(self, loop: StepLoop, max_queue: int = 64, metrics: MetricsSink | None = None) -> None:
+    def __init__(self, engine: Engine, max_queue: int | None = None, metrics: MetricsSink | None = None) -> None:
+        """``max_queue``: waiting requests accepted before ``QueueFull`` (default: the engine config's)."""
         from vericache.model.exact_linear import resident_weight_bytes
 
-        self.loop = loop
-        self.weight_bytes = resident_weight_bytes(loop.runner.model)   # for the weight-bytes gauge
-        self.tokenizer = loop.runner.tokenizer
-        self.max_queue = max_queue
+        self.engine = engine
+        self.weight_bytes = resident_weight_bytes(engine.loaded.model)   # for the weight-bytes gauge
+        self.tokenizer = engine.tokenizer
+        self.max_queue = engine.config.max_queue if max_queue is None else max_queue
         self.metrics = metrics or (lambda event, fields: None)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[int, RequestStream] = {}
-        self._texts: dict[int, str] = {}
         self._arrival: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -88,8 +87,8 @@ class BackgroundService:
         if self._stop.is_set() or self._draining:
             raise ServiceStopped("the engine is shutting down")
         if not checked:
-            self.loop.runner.check_request(prompt_ids, params)  # bad input fails here, before queueing
-        opts = self.loop.runner.resolve(options)
+            self.engine.check_request(prompt_ids, params)  # bad input fails here, before queueing
+        opts = self.engine.resolve(options)
         with self._lock:
             if self.num_waiting() + self._commands.qsize() >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
@@ -106,10 +105,14 @@ class BackgroundService:
         self._commands.put(("abort", rid))
 
     def num_running(self) -> int:
-        return self.loop.requests.counts()[0]
+        return self.engine.counts()[0]
 
     def num_waiting(self) -> int:
-        return self.loop.requests.counts()[1]
+        return self.engine.counts()[1]
+
+    def gauges(self) -> dict:
+        """The engine's gauges and the resident weights."""
+        return {**self.engine.stats(), "weight_bytes": self.weight_bytes}
 
     def healthy(self) -> bool:
         """False only when the engine cannot go on (its thread is gone or its steps keep failing)."""
@@ -119,50 +122,46 @@ class BackgroundService:
         """Stop accepting, let in-flight requests finish (up to ``drain_timeout``), then stop."""
         self._draining = True
         deadline = time.time() + drain_timeout
-        while self.loop.has_unfinished() and time.time() < deadline:
+        while self.engine.has_unfinished() and time.time() < deadline:
             time.sleep(0.02)
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.loop.link is not None:
-            self.loop.link.close()
+        self.engine.close()
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_commands()
-            if not self.loop.has_unfinished():
+            if not self.engine.has_unfinished():
                 try:  # idle: sleep until a command arrives
                     self._handle(self._commands.get(timeout=0.05))
                 except queue.Empty:
                     pass
                 continue
             try:
-                outs = self.loop.step()
+                outs = self.engine.step()
                 self._step_errors = 0
             except Exception:  # noqa: BLE001 - the engine's own bookkeeping broke: fail what runs, go on
                 log.exception("engine step failed")
                 self._step_errors += 1
-                outs = self.loop.fail_unfinished("the engine step failed; see the server log")
+                outs = self.engine.fail_unfinished("the engine step failed; see the server log")
                 if self._step_errors >= 3:  # it keeps failing: the engine cannot go on (/health: 503)
                     self._broken = True
                     self._stop.set()
-            phases, rounds, rtts = self.loop.instruments.take_events()
-            now, wall = time.perf_counter(), time.time()
-            for start, end, kind in phases:   # ``end``: wall-clock, so traces of several processes line up
-                self.metrics("phase", {"kind": kind, "seconds": end - start, "end": wall - (now - end)})
-            for rid, drafted, accepted in rounds:
-                self.metrics("round", {"drafted": drafted, "accepted": accepted, **self._labels(rid)})
-            for rtt in rtts:
-                self.metrics("verifier_rtt", {"seconds": rtt})
-            self._drain_remote_events()
+            self._emit(self.engine.take_events())
             for o in outs:
                 self._deliver(o)
 
-    def _drain_remote_events(self) -> None:
-        """Prefix fetches and store outages (``remote.fetch``) as metrics events."""
-        prefix = self.loop.prefix
-        while prefix is not None and prefix.events:
-            event, fields = prefix.events.pop(0)
+    def _emit(self, events: dict) -> None:
+        """The step's events as metrics: phases, rounds, verifier round trips, prefix fetches."""
+        now, wall = time.perf_counter(), time.time()
+        for start, end, kind in events["phases"]:   # ``end``: wall-clock, so traces of several processes line up
+            self.metrics("phase", {"kind": kind, "seconds": end - start, "end": wall - (now - end)})
+        for labels, drafted, accepted in events["rounds"]:
+            self.metrics("round", {"drafted": drafted, "accepted": accepted, **labels})
+        for rtt in events["rtts"]:
+            self.metrics("verifier_rtt", {"seconds": rtt})
+        for event, fields in events["prefix"]:   # fetches and store outages (``remote.fetch``)
             self.metrics(event, fields)
 
     def _drain_commands(self) -> None:
@@ -176,53 +175,24 @@ class BackgroundService:
         if cmd[0] == "submit":
             _, prompt_ids, params, opts, holder, done = cmd
             try:
-                rid = self.loop.add_request(prompt_ids, params, opts, checked=True)  # submit checked it
+                rid = self.engine.add_request(prompt_ids, params, opts, checked=True)  # submit checked it
                 holder["stream"] = self._streams[rid] = RequestStream(rid, len(prompt_ids))
-                self._texts[rid] = ""
                 self._arrival[rid] = time.perf_counter()
             except ValueError as exc:
                 holder["error"] = exc
             done.set()
         elif cmd[0] == "abort":
-            self.loop.abort(cmd[1])
-            for o in self.loop.collect_outputs():  # report the abort at once, even when idle
+            self.engine.abort(cmd[1])
+            for o in self.engine.collect():  # report the abort at once, even when idle
                 self._deliver(o)
 
-    def _labels(self, rid: int) -> dict:
-        """The request's mode and compressor (metric labels and response stats)."""
-        req = self.loop.requests.get(rid)
-        if req is None:
-            return {}
-        return {"mode": req.opts.mode, "compressor": req.opts.compressor_label}
-
-    def _deliver(self, o) -> None:
+    def _deliver(self, o: EngineOutput) -> None:
         stream = self._streams.get(o.request_id)
         if stream is None:
             return
-        req = self.loop.requests[o.request_id]
-        prev = self._texts[o.request_id]
+        stats = o.stats
         if o.finished:
-            text_delta = req.seq.text()[len(prev):] if req.state == State.FINISHED else ""
-        else:
-            text = self.tokenizer.decode(req.seq.output_ids)
-            # hold back what could still become a stop string (it is cut from the final text) and a
-            # trailing partial UTF-8 character, so streamed text is always a prefix of the final text
-            hold = max((len(s) - 1 for s in req.seq.params.stop_list), default=0)
-            safe = len(text) - hold
-            while safe > 0 and text[safe - 1] == "\ufffd":
-                safe -= 1
-            text_delta = text[len(prev):max(safe, len(prev))]
-        self._texts[o.request_id] = prev + text_delta
-        stats = {}
-        if o.finished:
-            rs = req.round   # the engine's own stats (``request_stats``, made when it ended) and the server's
-            stats = {**req.seq.stats, **self._labels(o.request_id), "rounds": rs.rounds, "drafted_tokens": rs.drafted,
-                     "accepted_tokens": rs.accepted, "prompt_tokens": len(req.seq.prompt_ids),
-                     "completion_tokens": len(req.seq.output_ids),
-                     "e2e_s": time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())}
-            if o.error:
-                stats["error"], stats["status"] = o.error, req.error_status
+            stats["e2e_s"] = time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())
             self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
-            del self._streams[o.request_id], self._texts[o.request_id]
-            self.loop.requests.forget(o.request_id)  # finished requests are not kept forever
-        stream.put(Delta(o.new_token_ids, text_delta, o.finished, o.finish_reason, stats))
+            del self._streams[o.request_id]
+        stream.put(Delta(o.token_ids, o.text, o.finished, o.finish_reason, stats))

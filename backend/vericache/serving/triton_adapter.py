@@ -16,8 +16,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from vericache.engine.config import EngineConfig
 from vericache.engine.options import RequestOptions
-from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.service import BackgroundService, RequestStream
 
@@ -57,25 +57,14 @@ class Job:
 class TritonAdapter:
     def __init__(self, service: BackgroundService) -> None:
         self.service = service
-        self.runner = service.loop.runner
+        self.engine = service.engine
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "TritonAdapter":
-        """Build from config.pbtxt parameters (model, mode, compressor, draft_len, device, dtype, max_queue)."""
+        """Build from config.pbtxt parameters: ``EngineConfig``'s fields by name, "" for its default."""
         from vericache.serving.build import build_service
 
-        def get(k, d):
-            v = params.get(k, "")
-            return v if v not in ("", None) else d
-
-        draft = get("draft_len", "auto")
-        service = build_service(model=get("model", DEFAULT_MODEL), mode=get("mode", "vericache"),
-                                compressor=get("compressor", "snapkv:ratio=0.125"),
-                                draft_len=draft if draft == "auto" else int(draft),
-                                device=get("device", None), dtype=get("dtype", None), kv_dtype=get("kv_dtype", None),
-                                device_budget=int(float(get("device_budget_gb", 4)) * (1 << 30)),
-                                max_queue=int(get("max_queue", 64)))
-        return cls(service)
+        return cls(build_service(EngineConfig.from_parameters(params)))
 
     @staticmethod
     def _options(inputs: dict) -> RequestOptions:
@@ -98,10 +87,10 @@ class TritonAdapter:
                                     seed=None if seed is None else int(seed), stop=_strings(inputs, "stop_words") or None)
         except (ValueError, TypeError) as exc:
             raise InvalidInput(str(exc)) from None
-        ids = self.runner.tokenizer.encode(text)
+        ids = self.engine.tokenizer.encode(text)
         try:
-            self.runner.check_request(ids, params)
-            self.runner.resolve(options)
+            self.engine.check_request(ids, params)
+            self.engine.resolve(options)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         return ids, params, options, bool(_scalar(inputs, "stream", False))

@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from vericache.engine.runner import ModelRunner
+from vericache.engine.config import EngineConfig
 from vericache.model.loader import load_model
 from vericache.remote.prefixes import model_id
 from vericache.remote.server import start_server
@@ -18,16 +18,17 @@ from vericache.serving.trace import TraceFile, tee
 log = logging.getLogger("vericache.verifier")
 
 
-def run_verifier(model: str, host: str, port: int, prefix_store: str | None = None, store_prefixes: bool = False,
-                 metrics_port: int = 0, device: str | None = None, dtype: str | None = None,
-                 ready: threading.Event | None = None, trace: str | None = None, kv_dtype: str | None = None) -> None:
-    """``trace``: also write the verifier's events (fetches, prefills, verifications) to this
+def run_verifier(config: EngineConfig, host: str, port: int, prefix_store: str | None = None,
+                 store_prefixes: bool = False, metrics_port: int = 0, ready: threading.Event | None = None,
+                 trace: str | None = None) -> None:
+    """``config``: the model and where it runs (the verifier decodes in full mode). ``trace``: also write the verifier's events (fetches, prefills, verifications) to this
     JSON-lines file (``serving.trace``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
+    loaded = load_model(config.model, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
+                        kernels=config.kernels)
     mid = model_id(loaded)
     store = PrefixStore(prefix_store, mid) if prefix_store else None
-    core = VerifierCore(ModelRunner(loaded, mode="full"), store, store_prefixes)
+    core = VerifierCore(loaded, store, store_prefixes)
     server = start_server(core, mid, f"{host}:{port}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

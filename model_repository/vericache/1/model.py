@@ -108,8 +108,9 @@ class TritonPythonModel:
             # under the IPC lock like every call into Triton: unserialized, these sets raced the
             # streams' sends and crashed tritonserver when a client died (1 run in ~10 of the kill test)
             with self.ipc:
-                self.kv_device.set(service.loop.device.used_bytes)
-                self.kv_host.set(service.loop.host.used_bytes)
+                gauges = service.gauges()
+                self.kv_device.set(gauges["kv_device"])
+                self.kv_host.set(gauges["kv_host"])
                 self.running.set(service.num_running())
             time.sleep(0.1)
 

@@ -1,0 +1,189 @@
+"""``EngineConfig``: every engine default, written once (nano-vllm's one Config).
+
+``LLM``, ``vericache serve``, the Triton model, the verifier role and every bench build their
+engine from one of these; the command line (``add_engine_args``), Triton's config.pbtxt parameters
+(``from_parameters``) and keyword arguments (``EngineConfig(**kwargs)`` / ``replace``) are the only
+three ways in, and each reads its defaults from the dataclass's fields, so ``--help``, the model
+repository and the docs cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+
+from vericache.engine.offload import SCHEDULERS
+from vericache.engine.options import MODES
+from vericache.model.draft_weights import DRAFT_WEIGHTS
+from vericache.model.registry import DEFAULT_MODEL
+
+KV_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # the model and where it runs
+    model: str = DEFAULT_MODEL      # a registry name, a Hugging Face directory or a .gguf file
+    device: str | None = None       # None: cuda when present, else cpu
+    dtype: str | None = None        # weights; None: bf16 on CUDA, fp32 on the CPU
+    kv_dtype: str | None = None     # the full KV; None: float16 on the CPU, the weights' dtype on CUDA
+    kernels: str | None = None      # native | triton | torch; None: native on the CPU, Triton on a GPU
+    # what a request gets when it asks for nothing
+    mode: str = "vericache"
+    compressor: str = "snapkv:ratio=0.125"   # a spec (or a ``Compressor``): eviction[+quantization]
+    draft_len: int | str = "auto"   # tokens a round, or "auto" (the cost model decides per round)
+    draft_weights: str = "auto"     # what drafts read on the CPU: auto (fp32 or q8, measured), fp32, q8, int8, int4
+    # the step loop
+    prefill_chunk: int = 512        # prompt tokens a request prefills per step (others wait at most one chunk)
+    max_running: int = 64
+    max_queue: int = 64             # waiting requests a server accepts before answering 429
+    device_budget_gb: float | None = 4.0   # KV the device tier may hold (None: no limit)
+    # the full KV in a host tier, brought over a link for each verification (P1). None: only where the
+    # device is not the host (CUDA); on the CPU the full KV is already in host memory and verification
+    # reads it in place, so every row kind runs the native step
+    tiered: bool | None = None
+    scheduler: str = "staggered"    # the link schedule when tiered
+    resident_layers: int = 0        # tiered: leading layers of the full KV kept on the device
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            bad("model", "must be a model name or path")
+        if self.mode not in MODES:
+            bad("mode", f"must be one of {', '.join(MODES)}")
+        if not (isinstance(self.compressor, str) and self.compressor) and not hasattr(self.compressor, "spec"):
+            bad("compressor", "must be a spec such as 'snapkv:ratio=0.125' (or a Compressor)")
+        if self.draft_len != "auto" and (isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int)
+                                         or self.draft_len < 1):
+            bad("draft_len", "must be an integer >= 1 or 'auto'")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            bad("draft_weights", f"must be one of {', '.join(DRAFT_WEIGHTS)}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            bad("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}")
+        for name in ("prefill_chunk", "max_running", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(name, "must be an integer >= 1")
+        if self.device_budget_gb is not None and not (isinstance(self.device_budget_gb, (int, float))
+                                                      and self.device_budget_gb > 0):
+            bad("device_budget_gb", "must be > 0 GiB or None")
+        if self.tiered not in (None, True, False):
+            bad("tiered", "must be true, false or None (auto)")
+        if self.scheduler not in SCHEDULERS:
+            bad("scheduler", f"must be one of {', '.join(SCHEDULERS)}")
+        if isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int) or self.resident_layers < 0:
+            bad("resident_layers", "must be an integer >= 0")
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with ``changes`` (validated again); an unknown name is a TypeError naming it."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {sorted(unknown)}; known: {[f.name for f in fields(self)]}")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def device_budget(self) -> int | None:
+        """The device tier's budget in bytes (None: unlimited)."""
+        return None if self.device_budget_gb is None else int(self.device_budget_gb * (1 << 30))
+
+    def is_tiered(self, device_type: str) -> bool:
+        """Whether the full KV lives in a host tier behind a link, on a device of ``device_type``."""
+        return device_type != "cpu" if self.tiered is None else self.tiered
+
+    # ------------------------------------------------------------------ the other two ways in
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
+        """From Triton's config.pbtxt parameters (strings; "" or absent: the default). Names are the
+        fields'; ``device_budget_gb`` "none" means no limit; ``draft_len`` 0 means "auto"."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(k for k, v in params.items() if v not in ("", None)) - set(known) - IGNORED_PARAMETERS
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+        values = {}
+        for name, text in params.items():
+            if name in known and text not in ("", None):
+                values[name] = _parse_field(name, str(text))
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """From the flags ``add_engine_args`` added (``--device-budget-gb 0``: no limit)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if values.get("device_budget_gb") == 0:
+            values["device_budget_gb"] = None
+        return cls(**values)
+
+
+IGNORED_PARAMETERS = {"EXECUTION_ENV_PATH"}   # Triton's own parameters, beside ours in config.pbtxt
+
+
+def _parse_field(name: str, text: str):
+    """One config.pbtxt string as the field's type."""
+    if name == "draft_len":
+        return "auto" if text in ("auto", "0") else int(text)
+    if name == "tiered":
+        return {"true": True, "false": False, "auto": None}[text.lower()]
+    if name == "device_budget_gb":
+        return None if text.lower() == "none" else float(text)
+    if name in ("prefill_chunk", "max_running", "max_queue", "resident_layers"):
+        return int(text)
+    return text
+
+
+DEFAULTS = EngineConfig()
+
+
+ARG_GROUPS = ("model", "mode", "loop")
+
+
+def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:
+    """The engine's flags, each default the config's: "model" (--model --device --dtype --kv-dtype
+    --kernels), "mode" (--mode --compressor --draft-len --draft-weights), "loop" (--prefill-chunk
+    --max-queue --device-budget-gb --tiered --scheduler). ``EngineConfig.from_args`` reads them back."""
+    d = DEFAULTS
+    if "model" in groups:
+        p.add_argument("--model", default=d.model, help="model name (see `vericache models`), Hugging Face "
+                                                        f"directory or .gguf file (default: {d.model})")
+        p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+        p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+        add_kv_dtype_arg(p)
+        p.add_argument("--kernels", default=d.kernels, choices=["native", "triton", "torch"],
+                       help="what the forward runs on (default: native on the CPU, Triton on a GPU)")
+    if "mode" in groups:
+        p.add_argument("--mode", default=d.mode, choices=MODES, help=f"what a request gets when it does not ask "
+                                                                     f"(default: {d.mode})")
+        p.add_argument("--compressor", default=d.compressor,
+                       help=f"e.g. snapkv:ratio=0.25 or h2o:ratio=0.125+kivi:bits=4 (default: {d.compressor})")
+        p.add_argument("--draft-len", default=d.draft_len, type=draft_len_arg, help="tokens per draft round, or auto")
+        p.add_argument("--draft-weights", default=d.draft_weights, choices=DRAFT_WEIGHTS,
+                       help="weights the drafts read (CPU): fp32 (exact), q8 (int8 activations x the stored blocks), "
+                            "int8, int4, or auto (per step, fp32 or q8, whichever measured faster here for its draft "
+                            "rows; fp32 off CPU); verification is exact either way")
+    if "loop" in groups:
+        p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                       help="prompt tokens a request prefills per engine step (smaller: other requests wait less)")
+        p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests accepted before 429")
+        p.add_argument("--device-budget-gb", type=float, default=d.device_budget_gb,
+                       help="KV the device tier may hold, GiB (0: no limit)")
+        p.add_argument("--tiered", default=d.tiered, action=argparse.BooleanOptionalAction,
+                       help="full KV in a host tier, brought over a link per verification (default: only on CUDA)")
+        p.add_argument("--scheduler", default=d.scheduler, choices=SCHEDULERS, help="the link schedule when tiered")
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-dtype: what the full KV caches hold (attention computes in fp32 on the CPU either way)."""
+    p.add_argument("--kv-dtype", default=DEFAULTS.kv_dtype, choices=KV_DTYPES,
+                   help="the full KV cache's dtype (default: float16 on the CPU, as llama.cpp; the weights' on CUDA)")
+
+
+def draft_len_arg(text: str) -> int | str:
+    """``--draft-len``: an integer, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-len must be an integer or 'auto', got {text!r}") from None

@@ -1,0 +1,264 @@
+"""``Engine``: the engine core, the one door every front end goes through (vLLM v1's EngineCore).
+
+It is the only place that builds a ``ModelRunner`` (runs the model) and a ``StepLoop`` (owns the
+requests); ``LLM``, the background service behind the gateway and the Triton model, the verifier
+role and every bench hold an ``Engine`` and call only this API:
+
+- ``add_request(prompt ids, params, options) -> id``, ``abort(id)``;
+- ``step() -> list[EngineOutput]``: new token ids, the text they add (detokenized here, held back
+  where a stop string or a partial UTF-8 character could still change it), the finish reason and,
+  on the last output, the request's stats;
+- ``stats()`` (gauges), ``take_events()`` (rounds, phases, round trips, prefix fetches for metrics);
+- ``generate(seqs)``: run sequences to completion (the library and the benches);
+- for the verifier role, its session calls (``add_session``, ``queue_verification``, ...).
+
+Where the full KV lives follows ``EngineConfig.tiered``: by default only a CUDA device gets the host
+tier and the link (P1); on the CPU the full KV is already in host memory and verification reads it in
+place, so every row kind of a step runs the native step, the same path ``bench batch`` measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vericache.engine.config import DEFAULTS, EngineConfig
+from vericache.engine.options import RequestOptions, ResolvedOptions, check_mode
+from vericache.engine.requests import Served, State, StepOutput
+from vericache.engine.runner import ModelRunner, SharedPrefill
+from vericache.engine.step_loop import StepLoop
+from vericache.kv.full import FullKVCache
+from vericache.model.loader import LoadedModel, load_model
+from vericache.model.tokenizer import Tokenizer
+from vericache.sampling import RequestOutput, SamplingParams, Sequence
+
+__all__ = ["Engine", "EngineConfig", "EngineOutput", "Served"]
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request (plain data: the front ends never see a ``Request``)."""
+    request_id: int
+    token_ids: list[int]
+    text: str                      # the text these tokens add ("" for requests added without detokenize)
+    finished: bool
+    finish_reason: str | None = None   # "stop", "length", "abort" or "error"
+    error: str | None = None
+    error_status: int = 500        # the HTTP status an error maps to (503: a remote part is gone)
+    stats: dict = field(default_factory=dict)   # on the last output: rounds, tokens, mode, compressor...
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel | None = None, config: EngineConfig | None = None, *,
+                 prefix=None, verifier=None, link=None, **settings) -> None:
+        """``loaded``: a model already loaded (engines may share one), else ``config.model`` is loaded.
+        ``settings`` change single fields of ``config`` (``EngineConfig`` names). ``prefix`` (a
+        ``remote.fetch.PrefixFetcher``) and ``verifier`` (a ``remote.client.VerifierClient``): the
+        drafter side of remote prefix caching; ``link``: the tiered KV's link (made when needed)."""
+        config = config or DEFAULTS
+        self.config = config.replace(**settings) if settings else config
+        c = self.config
+        self.loaded = loaded if loaded is not None else load_model(c.model, device=c.device, dtype=c.dtype,
+                                                                   kv_dtype=c.kv_dtype, kernels=c.kernels)
+        self.runner = ModelRunner(self.loaded, mode=c.mode, compressor=c.compressor, draft_len=c.draft_len,
+                                  prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights)
+        self.tiered = c.is_tiered(self.loaded.device.type)
+        self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
+                             prefill_chunk=c.prefill_chunk, max_running=c.max_running,
+                             resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
+        self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
+
+    # ------------------------------------------------------------------ what it serves
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    @property
+    def defaults(self) -> ResolvedOptions:
+        """What a request that asks for nothing gets (mode, compressor, draft length policy)."""
+        return self.runner.defaults
+
+    @property
+    def instruments(self):
+        """The loop's measurements (step records, intervals, rates): read-only, for benches and traces."""
+        return self.loop.instruments
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming what is wrong (empty prompt, over the context limit, ids outside the vocabulary)."""
+        self.runner.check_request(prompt_ids, params)
+
+    def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
+        """A request's options filled from the defaults (``InvalidOption``, a ValueError, if invalid)."""
+        return self.runner.resolve(options)
+
+    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
+                     checked: bool = False) -> Sequence:
+        return self.runner.new_sequence(request_id, prompt_ids, params, checked)
+
+    def prefill(self, ids: list[int], caches: list) -> None:
+        """Run ``ids`` (positions 0..) exactly into each of ``caches`` (storing a prefix, tests)."""
+        self.runner.prefill(ids, caches)
+
+    def shared_prefill(self, seq: Sequence) -> SharedPrefill:
+        """``seq``'s prompt prefilled once, exactly, for ``add_sequence(prefill=)`` in every mode."""
+        return self.runner.shared_prefill(seq)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, options: RequestOptions | None = None,
+                    checked: bool = False, detokenize: bool = True) -> int:
+        """Queue a request; its outputs carry text deltas when ``detokenize``. ``checked``: the caller
+        ran ``check_request`` already. Raises ValueError/TypeError for bad input (nothing queued)."""
+        rid = self.loop.add_request(prompt_ids, params, options, checked=checked)
+        if detokenize:
+            self._texts[rid] = ""
+        return rid
+
+    def add_sequence(self, seq: Sequence, options: RequestOptions | ResolvedOptions | None = None,
+                     prefill: SharedPrefill | None = None) -> int:
+        """Queue a caller's ``Sequence`` (its tokens and final output are read from it), optionally
+        over a ``shared_prefill`` of its prompt."""
+        return self.loop.add_sequence(seq, options, prefill=prefill)
+
+    def abort(self, rid: int) -> None:
+        """Stop a request and free its KV now; its last output (finish reason "abort") comes from ``step``
+        or ``collect``."""
+        self.loop.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.loop.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        """One step of the loop (schedule -> run -> update) and what it produced."""
+        return self._outputs(self.loop.step())
+
+    def collect(self) -> list[EngineOutput]:
+        """Outputs not yet reported without stepping (an abort's final output, at once)."""
+        return self._outputs(self.loop.collect_outputs())
+
+    def fail_unfinished(self, error: str) -> list[EngineOutput]:
+        """Fail every request not yet done (the loop itself broke) and report them."""
+        return self._outputs(self.loop.fail_unfinished(error))
+
+    def generate(self, seqs: list[Sequence], mode: str | None = None,
+                 prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
+        """Run ``seqs`` to completion together in ``mode`` (default: the engine's); ``prefills[i]``,
+        when given, is seqs[i]'s prompt already prefilled (``shared_prefill``). RuntimeError if one fails."""
+        if prefills is not None and len(prefills) != len(seqs):
+            raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
+        opts = self.resolve(RequestOptions(mode=check_mode(mode or self.config.mode)))
+        rids = [self.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
+        errors = {}
+        while self.has_unfinished():
+            errors.update((o.request_id, o.error) for o in self.step() if o.error)
+        errors.update((o.request_id, o.error) for o in self.collect() if o.error)
+        for seq, rid in zip(seqs, rids):
+            if rid in errors:
+                raise RuntimeError(f"request {seq.request_id} failed: {errors[rid]}")
+        return [s.to_output() for s in seqs]
+
+    # ------------------------------------------------------------------ gauges and events
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return self.loop.requests.counts()
+
+    def resident_bytes(self) -> int:
+        """Bytes the unfinished requests' caches hold."""
+        return sum(r.resident_bytes() for r in self.loop.requests if not r.done)
+
+    def stats(self) -> dict:
+        """Gauges: requests, KV bytes per tier and the device tier's use, the link's bytes and busy time,
+        the grouped schedule's mean group count."""
+        running, waiting = self.counts()
+        link = self.loop.link
+        return {"running": running, "waiting": waiting, "kv_device": self.loop.device.used_bytes,
+                "kv_host": self.loop.host.used_bytes, "kv_usage": self.loop.device.usage(),
+                "link": None if link is None else (link.kind, link.stats.bytes_moved, link.stats.busy_s),
+                "mean_groups": self.loop.offload.mean_groups}
+
+    def take_events(self) -> dict[str, list]:
+        """Events since the last call, for metrics: "phases" (start, end, kinds), "rounds" (labels,
+        drafted, accepted), "rtts" (verifier round trips, s), "prefix" ((event, fields) of fetches)."""
+        phases, rounds, rtts = self.loop.instruments.take_events()
+        prefix, events = self.loop.prefix, []
+        while prefix is not None and prefix.events:
+            events.append(prefix.events.pop(0))
+        return {"phases": phases, "rounds": [(self._labels(rid), d, a) for rid, d, a in rounds], "rtts": rtts,
+                "prefix": events}
+
+    def close(self) -> None:
+        if self.loop.link is not None:
+            self.loop.link.close()
+
+    # ------------------------------------------------------------------ the verifier role's sessions
+    def add_session(self, seq: Sequence, full: FullKVCache, served: Served) -> int:
+        """A verifier session: a full-mode request whose prompt may be partly in ``full`` (blocks from
+        the prefix store); once prefilled it verifies the rounds queued with ``queue_verification``."""
+        return self.loop.add_session(seq, full, served)
+
+    def queue_verification(self, rid: int, start: int, tokens: list[int], reply) -> bool:
+        """Queue [x, d1 .. dk] at ``start`` on session ``rid``; False if the session is gone or done."""
+        req = self.loop.requests.get(rid)
+        if req is None or req.done or req.served is None:
+            return False
+        req.served.inbox.append((start, tokens, reply))
+        return True
+
+    def sessions_busy(self) -> bool:
+        """Some session is waiting, prefilling or has a verification queued."""
+        return any((r.served is not None and r.served.inbox) or r.state in (State.WAITING, State.PREFILL)
+                   for r in self.loop.requests)
+
+    def failure(self, rid: int) -> str | None:
+        """Why request ``rid`` failed, if it did (None while it runs, when it ended otherwise, or is gone)."""
+        req = self.loop.requests.get(rid)
+        return req.error if req is not None and req.state == State.FAILED else None
+
+    def forget(self, rid: int) -> None:
+        """Drop a finished request's record."""
+        self.loop.requests.forget(rid)
+
+    # ------------------------------------------------------------------ outputs
+    def _labels(self, rid: int) -> dict:
+        req = self.loop.requests.get(rid)
+        return {} if req is None else {"mode": req.opts.mode, "compressor": req.opts.compressor_label}
+
+    def _outputs(self, outs: list[StepOutput]) -> list[EngineOutput]:
+        return [self._output(o) for o in outs]
+
+    def _output(self, o: StepOutput) -> EngineOutput:
+        req = self.loop.requests[o.request_id]
+        out = EngineOutput(o.request_id, o.new_token_ids, self._text_delta(req, o), o.finished, o.finish_reason,
+                           o.error, req.error_status)
+        if o.finished:
+            rs = req.round   # the engine's own stats (``request_stats``, made when it ended)
+            out.stats = {**req.seq.stats, **self._labels(o.request_id), "rounds": rs.rounds,
+                         "drafted_tokens": rs.drafted, "accepted_tokens": rs.accepted,
+                         "prompt_tokens": len(req.seq.prompt_ids), "completion_tokens": len(req.seq.output_ids)}
+            if o.error:
+                out.stats["error"], out.stats["status"] = o.error, req.error_status
+            self._texts.pop(o.request_id, None)
+            if req.served is None:   # a long-running engine keeps no finished request (sessions: their owner's)
+                self.loop.requests.forget(o.request_id)
+        return out
+
+    def _text_delta(self, req, o: StepOutput) -> str:
+        """The text the new tokens add. Held back: what could still become a stop string (cut from the
+        final text) and a trailing partial UTF-8 character, so streamed text is always a prefix of
+        the final text."""
+        prev = self._texts.get(o.request_id)
+        if prev is None:
+            return ""
+        if o.finished:
+            delta = req.seq.text()[len(prev):] if req.state == State.FINISHED else ""
+        else:
+            text = self.tokenizer.decode(req.seq.output_ids)
+            hold = max((len(s) - 1 for s in req.seq.params.stop_list), default=0)
+            safe = len(text) - hold
+            while safe > 0 and text[safe - 1] == "\ufffd":
+                safe -= 1
+            delta = text[len(prev):max(safe, len(prev))]
+        self._texts[o.request_id] = prev + delta
+        return delta
