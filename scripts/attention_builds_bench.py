@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from vericache.bench.common import cpu_model
+from vericache_lab.bench.common import cpu_model
 from vericache.kernels import packed_kernels
 from vericache.kernels.linear_op import supported_isas
 from vericache.kv.attention import merge

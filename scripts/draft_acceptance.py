@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from vericache import LLM, SamplingParams
-from vericache.bench.common import code_prompt, cpu_model
+from vericache_lab.bench.common import code_prompt, cpu_model
 from vericache.engine.engine import Engine
 from vericache.model.draft_weights import Q8Linear
 

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from vericache.bench.common import cpu_model
+from vericache_lab.bench.common import cpu_model
 from vericache.llm import LLM
 from vericache.model.draft_weights import QUANTIZERS, weight_matrices
 from vericache.timing import best_seconds

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from vericache.bench.common import cpu_model
+from vericache_lab.bench.common import cpu_model
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.llm import LLM

@@ -84,10 +84,10 @@ def main() -> None:
                 assert got.count == args.blocks, got.reason
             print(f"{name:28s} {nbytes * 8 / best / 1e9:6.2f} Gbit/s  ({nbytes / 1e6:.0f} MB in {best:.3f} s)")
         host = args.url.removeprefix("redis://").split(":")[0]
-        probe = subprocess.Popen([sys.executable, "-m", "vericache.remote.netprobe", "serve", host, "6409"],
+        probe = subprocess.Popen([sys.executable, "-m", "vericache_lab.netprobe", "serve", host, "6409"],
                                  stdout=subprocess.PIPE, text=True)
         probe.stdout.readline()
-        raw = subprocess.run([sys.executable, "-m", "vericache.remote.netprobe", "send", host, "6409", str(nbytes)],
+        raw = subprocess.run([sys.executable, "-m", "vericache_lab.netprobe", "send", host, "6409", str(nbytes)],
                              capture_output=True, text=True).stdout.strip()
         print(f"{'raw TCP stream (netprobe)':28s} {raw}")
     finally:

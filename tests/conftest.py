@@ -40,7 +40,7 @@ def llm() -> vericache.LLM:
 @pytest.fixture(scope="session")
 def code_prompts(llm) -> dict[str, str]:
     """A short, a medium and a ~1K-token prompt of real (held-out) standard-library code."""
-    from vericache.bench.common import code_prompt
+    from vericache_lab.bench.common import code_prompt
 
     ids = code_prompt(llm.tokenizer, 1100)
     return {"short": "def add(a, b):\n    return", "medium": llm.tokenizer.decode(ids[:200]),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vericache.drafting.round import DraftLengthPolicy
-from vericache.drafting.cost import CostsAt, DraftCost, StepCosts, best_draft_len, expected_tokens, predict_offloaded
+from vericache.drafting.cost import CostsAt, DraftCost, StepCosts, best_draft_len, expected_tokens
+from vericache_lab.predict import predict_offloaded
 from vericache.engine.requests import StepRecord
 
 

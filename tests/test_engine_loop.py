@@ -20,7 +20,7 @@ RUNNING = (State.PREFILL, State.DECODING, State.DRAFTING, State.TRANSFERRING)
 
 @pytest.fixture(scope="module")
 def pool(llm):
-    from vericache.bench.common import code_prompt
+    from vericache_lab.bench.common import code_prompt
 
     ids = code_prompt(llm.tokenizer, 2400)
     return [ids[i : i + n] for i, n in zip(range(0, 2400, 300), (60, 250, 120, 300, 90, 200, 160, 280))]

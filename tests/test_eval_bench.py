@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from vericache.cli import main
-from vericache.eval.long_tasks import function_parses
+from vericache_lab.eval.long_tasks import function_parses
 
 
 def test_function_parses_judges_the_function_only():

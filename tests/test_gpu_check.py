@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vericache.bench.gpu_check import DRY_SIZES, KERNEL_SETS
+from vericache_lab.bench.gpu_check import DRY_SIZES, KERNEL_SETS
 from vericache.model.random_model import SHAPES, random_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def test_the_dry_run_decodes_every_mode_on_both_kernel_sets(dry_run):
 
 
 def test_only_the_batch_invariant_kernels_fail_the_check(capsys):
-    from vericache.bench.gpu_check import not_identical
+    from vericache_lab.bench.gpu_check import not_identical
 
     report = {"identity": [{"kernels": "torch", "identical_to_full": False}, {"kernels": "triton", "identical_to_full": True}],
               "decode": {"skipped": "out of time"}}
@@ -91,7 +91,7 @@ def test_only_the_batch_invariant_kernels_fail_the_check(capsys):
 def test_a_part_that_raises_is_recorded_and_fails_the_check_without_stopping_it(tmp_path, monkeypatch):
     """One run on a lent device: a part that raises (an out-of-memory, a kernel that does not compile)
     is written into the report, the parts after it still run, and the exit status is 1."""
-    from vericache.bench import gpu_check, gpu_parts
+    from vericache_lab.bench import gpu_check, gpu_parts
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for you")
@@ -110,7 +110,7 @@ def test_a_part_that_raises_is_recorded_and_fails_the_check_without_stopping_it(
 
 
 def test_gpu_check_without_a_gpu_or_dry_run_says_so(monkeypatch, capsys):
-    from vericache.bench.gpu_check import main
+    from vericache_lab.bench.gpu_check import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main([]) == 0

@@ -52,8 +52,8 @@ def kv_loaded(request, llm):
 
 @pytest.fixture(scope="session")
 def identity_prompts(llm, code_prompts) -> list[list[int]]:
-    from vericache.eval.model_quality import build_prompt
-    from vericache.data.tasks import retrieval_task
+    from vericache_lab.eval.model_quality import build_prompt
+    from vericache_lab.data.tasks import retrieval_task
 
     tok = llm.tokenizer
     rng = random.Random(11)
@@ -105,7 +105,7 @@ def test_vericache_with_quantized_draft_weights_equals_full(kv_loaded, identity_
 
 @pytest.fixture(scope="session")
 def lossy_prompts(llm) -> list[list[int]]:
-    from vericache.bench.common import code_prompt
+    from vericache_lab.bench.common import code_prompt
 
     ids = code_prompt(llm.tokenizer, 4800)
     return [ids[i * 1200 : (i + 1) * 1200] for i in range(4)]

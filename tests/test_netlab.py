@@ -6,7 +6,7 @@ import os
 
 import pytest
 from conftest import system_command
-from vericache.remote import netlab
+from vericache_lab import netlab
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")

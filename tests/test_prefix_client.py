@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vericache.bench import prefix_client
+from vericache_lab.bench import prefix_client
 
 
 class Stalling(BaseHTTPRequestHandler):

@@ -17,8 +17,8 @@ FAMILIES = ["snapkv:ratio=0.125", "kivi:bits=2", "snapkv:ratio=0.125+kivi:bits=2
 
 @pytest.fixture(scope="module")
 def prompts(smollm) -> list[list[int]]:
-    from vericache.bench.common import code_prompt
-    from vericache.eval.long_tasks import needle_tasks
+    from vericache_lab.bench.common import code_prompt
+    from vericache_lab.eval.long_tasks import needle_tasks
 
     return [code_prompt(smollm.tokenizer, 2000), needle_tasks(smollm.tokenizer, 1, 1900, 2100)[0].prompt_ids]
 

@@ -10,7 +10,7 @@ from vericache.engine.requests import StepRecord
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import TeeCache
-from vericache.sim.roofline import Roofline, step_kind, summarize
+from vericache_lab.sim.roofline import Roofline, step_kind, summarize
 
 
 def test_full_cache_cost_counts_every_position_read_and_causal_pairs(llm):

@@ -20,7 +20,7 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="session")
 def serving_prompts(llm):
-    from vericache.bench.common import code_prompt
+    from vericache_lab.bench.common import code_prompt
 
     ids = code_prompt(llm.tokenizer, 3000)
     return [ids[:700], ids[700:1000], ids[1000:1900], ids[1900:2100], ids[2100:2900]]

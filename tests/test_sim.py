@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vericache.cli import main
-from vericache.sim.cost_model import GPUS, MODELS, PCIE, SimConfig, simulate
+from vericache_lab.sim.cost_model import GPUS, MODELS, PCIE, SimConfig, simulate
 
 
 def _cfg(**kw):
@@ -90,7 +90,7 @@ def test_step_cost_model_composes_measured_step_costs(llm):
     something measured, and the predictions follow from them: drafts over a compressed cache beat
     full, cheaper draft matmuls raise VeriCache, and one sequence's round is k drafts then a verification."""
     from vericache.compress.registry import parse_compressor
-    from vericache.drafting.cost import measure_step_costs, predict_tokens_per_s
+    from vericache_lab.predict import measure_step_costs, predict_tokens_per_s
 
     weights = lambda rows: 0.002 + 0.0001 * rows  # noqa: E731
     c = measure_step_costs(llm, parse_compressor("snapkv:ratio=0.125"), 600, weights, repeats=2)
@@ -114,19 +114,19 @@ def _at(c0=0.01, t_seq=0.004, t_byte=1e-9, t_pair=1e-6, weights=lambda rows: 0.0
 
 
 def _costs(**kw):
-    from vericache.sim.remote_prefix import costs_from_steps
+    from vericache_lab.sim.remote_prefix import costs_from_steps
     return costs_from_steps(_at(**kw), n=4, tail=120, k=8.0)
 
 
 def _setting(**kw):
-    from vericache.sim.remote_prefix import RemoteSetting
+    from vericache_lab.sim.remote_prefix import RemoteSetting
     base = dict(n=4, prefix=6000, tail=120, max_tokens=64, slow_Bps=1e9 / 8, rtt_s=0.02, store_Bps=1e9,
                 full_bytes=270e6, comp_bytes=37e6, kv_pos_bytes=46e3, tokens_per_round=6.0, drafted=8.0)
     return RemoteSetting(**{**base, **kw})
 
 
 def test_remote_prefix_model_charges_each_link_where_it_is_crossed():
-    from vericache.sim.remote_prefix import predict_remote
+    from vericache_lab.sim.remote_prefix import predict_remote
     p, slower = predict_remote(_setting(), _costs()), predict_remote(_setting(slow_Bps=0.5e9 / 8), _costs())
     # full-remote's TTFT is its fetch over the slow link; VeriCache's first token comes from the verifier
     assert slower["full-remote"]["ttft_s"] > 1.9 * p["full-remote"]["ttft_s"] - 1
@@ -160,7 +160,7 @@ def test_sim_remote_prefix_command(capsys):
 
 
 def test_prefix_bench_reads_traces_into_busy_shares_and_fetch_rates():
-    from vericache.bench.prefix_timeline import busy_share, fetch_rate_gbps, link_rates, spans
+    from vericache_lab.bench.prefix_timeline import busy_share, fetch_rate_gbps, link_rates, spans
     t0 = 1000.0
     records = [{"event": "phase", "kind": "draft", "seconds": 0.5, "end": t0 + 1.0},
                {"event": "prefill", "seconds": 2.0, "end": t0 + 3.0},
@@ -178,7 +178,7 @@ def test_prefix_bench_reads_traces_into_busy_shares_and_fetch_rates():
 
 
 def test_remote_costs_are_measured_at_the_bench_geometry(llm):
-    from vericache.bench.prefix_model import measure_remote_costs
+    from vericache_lab.bench.prefix_model import measure_remote_costs
     from vericache.compress.registry import parse_compressor
     c = measure_remote_costs(llm, parse_compressor("snapkv:ratio=0.25"), context=300, n=2, tail=16, k=3.0,
                              draft_kind="int8", repeats=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from vericache.bench.serve import soak_verdict
+from vericache_lab.bench.serve import soak_verdict
 from vericache.cli import main
 
 

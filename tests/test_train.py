@@ -8,9 +8,9 @@ import shutil
 import torch
 
 from vericache.model.loader import load_model
-from vericache.data import corpus
-from vericache.data.tasks import HELDOUT_LAYOUTS, TRAIN_LAYOUTS, retrieval_task, tool_call_task
-from vericache.train.trainer import TrainConfig, train
+from vericache_lab.data import corpus
+from vericache_lab.data.tasks import HELDOUT_LAYOUTS, TRAIN_LAYOUTS, retrieval_task, tool_call_task
+from vericache_lab.train.trainer import TrainConfig, train
 
 
 def test_heldout_split_is_deterministic_and_small():
@@ -73,7 +73,7 @@ def test_training_resumes_and_exports(tmp_path, llm):
 def test_training_documents_mark_exactly_what_must_be_copied(llm):
     """Repeat documents mark their second copy, task documents their answers; each marked span
     occurs earlier in the document (it can be copied), and every document fills its window."""
-    from vericache.train.trainer import DataSource
+    from vericache_lab.train.trainer import DataSource
 
     code = llm.tokenizer.encode(corpus.read_split(heldout=True)[0] * 3)
     data = DataSource(llm.tokenizer, code, seed=3, repeat_share=1.0)

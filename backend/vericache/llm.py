@@ -7,8 +7,13 @@ import torch
 from vericache.compress.base import Compressor
 from vericache.engine.config import DEFAULTS
 from vericache.engine.engine import Engine
+from vericache.model.loader import load_model
 from vericache.model.tokenizer import Tokenizer
 from vericache.sampling import RequestOutput, SamplingParams
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class LLM:
@@ -33,11 +38,11 @@ class LLM:
                  kernels: str | None = DEFAULTS.kernels, **settings) -> None:
         self.engine = None
         config = DEFAULTS.replace(model=model, mode=mode, compressor=compressor, draft_len=draft_len,
-                                  draft_weights=draft_weights, kernels=kernels, **settings)
-        from vericache.model.loader import load_model   # torch dtypes and devices are accepted here too
-
+                                  draft_weights=draft_weights, **settings)   # validated before the load
         self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels)
-        self.engine = Engine(self.loaded, config)
+        lm = self.loaded   # torch dtypes and devices are accepted above: the config names what was loaded
+        self.engine = Engine(lm, config.replace(device=str(lm.device), dtype=dtype_name(lm.dtype),
+                                                kv_dtype=dtype_name(lm.kv_dtype), kernels=lm.kernels))
         self._next_id = 0
 
     @property

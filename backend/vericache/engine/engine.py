@@ -107,8 +107,9 @@ class Engine:
         return self.runner.shared_prefill(seq)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, options: RequestOptions | None = None,
-                    checked: bool = False, detokenize: bool = True) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    options: RequestOptions | ResolvedOptions | None = None, checked: bool = False,
+                    detokenize: bool = True) -> int:
         """Queue a request; its outputs carry text deltas when ``detokenize``. ``checked``: the caller
         ran ``check_request`` already. Raises ValueError/TypeError for bad input (nothing queued)."""
         rid = self.loop.add_request(prompt_ids, params, options, checked=checked)

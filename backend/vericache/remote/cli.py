@@ -1,4 +1,4 @@
-"""``vericache prefix put|get|ls|rm`` and ``vericache netlab up|down|status``."""
+"""``vericache prefix put|get|ls|rm``."""
 
 from __future__ import annotations
 
@@ -60,30 +60,5 @@ def _add_prefix(sub) -> None:
     p.set_defaults(func=_cmd_prefix)
 
 
-def _cmd_netlab(args: argparse.Namespace) -> int:
-    from vericache.remote import netlab
-
-    if args.action == "up":
-        lab = netlab.up(netlab.Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps))
-        print(json.dumps({"namespaces": netlab.NAMESPACES, "endpoints": lab.endpoints,
-                          "measured": netlab.measure(lab)}, indent=2))
-    elif args.action == "down":
-        netlab.down()
-        print("netlab down")
-    else:
-        print(json.dumps(netlab.status(), indent=2))
-    return 0
-
-
-def _add_netlab(sub) -> None:
-    n = sub.add_parser("netlab", help="a shaped network on this machine: namespaces, veth pairs, tc (root)")
-    n.add_argument("action", choices=["up", "down", "status"])
-    n.add_argument("--slow-gbps", type=float, default=1.0)
-    n.add_argument("--rtt-ms", type=float, default=20.0)
-    n.add_argument("--fast-gbps", type=float, default=25.0)
-    n.set_defaults(func=_cmd_netlab)
-
-
 def add_remote_parsers(sub) -> None:
     _add_prefix(sub)
-    _add_netlab(sub)

@@ -16,15 +16,15 @@ import time
 
 import torch
 
-from vericache.bench.common import code_prompt, cpu_model
-from vericache.report import markdown_table
+from vericache_lab.bench.common import code_prompt, cpu_model
+from vericache_lab.report import markdown_table
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.attention import merge
 from vericache.kv.packed import torch_part, attend_packed
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
-from vericache.sim import roofline
+from vericache_lab.sim import roofline
 
 COLUMNS = ["compressor", "bytes_per_token", "x_full_bytes", "attention_ms", "x_full_attention", "achieved_GBps",
            "x_read_bandwidth", "step_ms", "roofline_ms", "x_roofline", "kept_tokens"]

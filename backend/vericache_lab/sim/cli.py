@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from vericache.cli_args import ints, progress
-from vericache.sim.cost_model import (
+from vericache_lab.sim.cost_model import (
     GPUS,
     MODELS,
     PCIE,
@@ -88,7 +88,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from vericache.model.registry import DEFAULT_MODEL
-    from vericache.sim.calibrate import calibrate, default_path, save
+    from vericache_lab.sim.calibrate import calibrate, default_path, save
 
     model = args.calib_model or DEFAULT_MODEL
     dtype = args.calib_dtype or "float32"
@@ -101,8 +101,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_remote_prefix(args: argparse.Namespace) -> int:
     """The paper's remote prefix-caching setting, predicted (``sim.remote_prefix.paper_table``)."""
-    from vericache.report import markdown_table, record
-    from vericache.sim.remote_prefix import paper_table
+    from vericache_lab.report import markdown_table, record
+    from vericache_lab.sim.remote_prefix import paper_table
 
     if not 0 < args.ratio <= 1:
         raise ValueError(f"--ratio must be in (0, 1], got {args.ratio}")
@@ -122,7 +122,7 @@ def _cmd_remote_prefix(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from vericache.report import markdown_table
+    from vericache_lab.report import markdown_table
 
     if args.calibrate:
         return _cmd_calibrate(args)
@@ -141,7 +141,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0
-    from vericache.report import record
+    from vericache_lab.report import record
 
     table = markdown_table(rows, ["model", "gpus", "context", "mode", "batch", "tokens_per_s", "x_full",
                                   "link_utilization", "resident_fraction"])

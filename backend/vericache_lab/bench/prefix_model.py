@@ -9,7 +9,7 @@ import bisect
 
 import torch
 
-from vericache.sim.remote_prefix import RemoteCosts, RemoteSetting, predict_remote
+from vericache_lab.sim.remote_prefix import RemoteCosts, RemoteSetting, predict_remote
 from vericache.timing import best_seconds
 
 

@@ -14,9 +14,9 @@ from vericache.model.registry import DEFAULT_MODEL
 def _cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache.report import record
-    from vericache.bench.decode import decode_markdown, plot_decode, run_decode_bench
-    from vericache.sim.roofline import Roofline, plot_roofline
+    from vericache_lab.report import record
+    from vericache_lab.bench.decode import decode_markdown, plot_decode, run_decode_bench
+    from vericache_lab.sim.roofline import Roofline, plot_roofline
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,12 +61,12 @@ def _add_decode(bsub) -> None:
 def _cmd_throughput(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache.report import markdown_table, record
-    from vericache.bench.throughput import plot_timeline, run_throughput
+    from vericache_lab.report import markdown_table, record
+    from vericache_lab.bench.throughput import plot_timeline, run_throughput
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from vericache.bench.throughput import MODES
+    from vericache_lab.bench.throughput import MODES
 
     budget = args.device_budget_gb * 1e9 if args.device_budget_gb is not None else args.device_budget
     modes = [m for m in args.modes.split(",") if m]
@@ -117,10 +117,10 @@ def _add_throughput(bsub) -> None:
 
 
 def _cmd_prefix(args) -> int:
-    from vericache.report import record
-    from vericache.bench.prefix import prefix_markdown, run_prefix_bench
-    from vericache.bench.prefix_timeline import plot_prefix
-    from vericache.remote.netlab import Shape
+    from vericache_lab.report import record
+    from vericache_lab.bench.prefix import prefix_markdown, run_prefix_bench
+    from vericache_lab.bench.prefix_timeline import plot_prefix
+    from vericache_lab.netlab import Shape
 
     try:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
@@ -165,8 +165,8 @@ def _add_prefix(bsub) -> None:
 def _cmd_attention(args) -> int:
     import torch
 
-    from vericache.bench.attention import attention_markdown, plot_attention, run_attention
-    from vericache.report import record
+    from vericache_lab.bench.attention import attention_markdown, plot_attention, run_attention
+    from vericache_lab.report import record
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,8 +200,8 @@ def _add_attention(bsub) -> None:
 def _cmd_linear(args) -> int:
     import torch
 
-    from vericache.report import record
-    from vericache.bench.linear import linear_markdown, plot_linear, run_linear
+    from vericache_lab.report import record
+    from vericache_lab.bench.linear import linear_markdown, plot_linear, run_linear
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -232,9 +232,9 @@ def _add_linear(bsub) -> None:
 def _cmd_batch(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache.bench.batch import batch_markdown, run_batch
-    from vericache.report import record
-    from vericache.sim.roofline import Roofline, plot_roofline
+    from vericache_lab.bench.batch import batch_markdown, run_batch
+    from vericache_lab.report import record
+    from vericache_lab.sim.roofline import Roofline, plot_roofline
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -283,8 +283,8 @@ def _add_batch(bsub) -> None:
 def _cmd_serve_load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from vericache.report import record
-    from vericache.bench.serve import LaunchedServer, plot_soak, run_load, soak_verdict
+    from vericache_lab.report import record
+    from vericache_lab.bench.serve import LaunchedServer, plot_soak, run_load, soak_verdict
 
     soak = args.soak is not None
     if soak:
@@ -350,8 +350,8 @@ def _add_serve(bsub) -> None:
 
 
 def _cmd_serve_long(args: argparse.Namespace) -> int:
-    from vericache.bench.serve_long import COLUMNS, plot_serve_long, run_serve_long
-    from vericache.report import markdown_table, record
+    from vericache_lab.bench.serve_long import COLUMNS, plot_serve_long, run_serve_long
+    from vericache_lab.report import markdown_table, record
 
     modes = [m for m in args.modes.split(",") if m]
     if args.prompt_tokens < 1 or args.concurrency < 1:
@@ -392,7 +392,7 @@ def add_bench_parser(sub) -> None:
 
 
 def _add_gpu_check(bsub) -> None:
-    from vericache.bench.gpu_check import add_arguments, run
+    from vericache_lab.bench.gpu_check import add_arguments, run
 
     g = bsub.add_parser("gpu-check", help="the device check: identity, rates and 16 x 32K decode on one GPU "
                                           "(--dry-run: the same code on the CPU, Triton's interpreter)")

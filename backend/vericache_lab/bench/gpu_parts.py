@@ -124,7 +124,7 @@ def decode_rows(loaded: LoadedModel, kernels: str, prefills: list[SharedPrefill]
     """Each mode's decode of every request over the shared prefills on ``kernels``: tokens/s, and
     VeriCache's tokens against full decoding's on the same kernels. A mode started after ``until`` is
     skipped; one that runs past it is cut (its row says so)."""
-    from vericache.bench.batch import decode_all
+    from vericache_lab.bench.batch import decode_all
 
     use_gpu_kernels(loaded.model, kernels)
     loaded.kernels = kernels
@@ -176,7 +176,7 @@ def identity_rows(make_model: Callable[[str], LoadedModel], kernel_sets: list[st
                   prompts: list[list[int]], max_tokens: int, until: float, log=print) -> list[dict]:
     """On each kernel set: the prompts decoded together in full mode, then with VeriCache for each
     compressor family; a row per family says whether every request's tokens are full decoding's."""
-    from vericache.bench.batch import decode_all
+    from vericache_lab.bench.batch import decode_all
 
     rows = []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -18,7 +18,7 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 
-from vericache.data import corpus
+from vericache_lab.data import corpus
 
 NEEDLE_NAMES = ("SESSION_TIMEOUT_SECONDS", "MAX_UPLOAD_BYTES", "RETRY_LIMIT", "CACHE_TTL", "WORKER_COUNT",
                 "DEFAULT_PORT", "BATCH_SIZE", "QUEUE_DEPTH", "BUFFER_SIZE", "LOCK_TIMEOUT")

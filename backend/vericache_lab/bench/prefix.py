@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vericache.bench.prefix_timeline import (
+from vericache_lab.bench.prefix_timeline import (
     LinkSampler,
     busy_share,
     fetch_rate_gbps,
@@ -38,7 +38,7 @@ from vericache.bench.prefix_timeline import (
     sessions_per_forward,
     spans,
 )
-from vericache.remote import netlab
+from vericache_lab import netlab
 from vericache.serving.trace import read_trace
 
 MODES = ["recompute", "full-remote", "full-remote-all", "lossy-remote", "vericache"]
@@ -46,7 +46,7 @@ MODES = ["recompute", "full-remote", "full-remote-all", "lossy-remote", "vericac
 
 def _prompts(model: str, n: int, prefix_tokens: int) -> tuple[list[str], list[str], list[int], str]:
     """Each request's prefix text and prompt, the prefix's token count, and the model's KV id."""
-    from vericache.eval.run_model_eval import heldout_tokens
+    from vericache_lab.eval.run_model_eval import heldout_tokens
     from vericache.model.loader import load_model
     from vericache.remote.prefixes import model_id
 
@@ -158,7 +158,7 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
         for row in rows:
             row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
         if predict:
-            from vericache.bench.prefix_model import add_predictions
+            from vericache_lab.bench.prefix_model import add_predictions
             add_predictions(rows, model, compressor, measured, requests, prefix_tokens, max_tokens,
                             threads_per_device, cores, log)
         return {"threads_per_device": threads_per_device, "store": f"redis {version}", "network": measured, "model": model, "compressor": compressor,
@@ -175,7 +175,7 @@ def _client_command(work: Path, max_tokens: int) -> list[str]:
     every prompt's prefill on one shared core, so allow ~20 prompt tokens/s (~4 characters a token) for all."""
     prompts = json.loads((work / "prompts.json").read_text())
     timeout_s = 120 + sum(len(p) for p in prompts) / 4 / 20
-    return netlab.exec_in("draft", sys.executable, "-m", "vericache.bench.prefix_client", "http://127.0.0.1:8000",
+    return netlab.exec_in("draft", sys.executable, "-m", "vericache_lab.bench.prefix_client", "http://127.0.0.1:8000",
                           str(work / "prompts.json"), str(max_tokens), str(round(timeout_s)))
 
 
@@ -247,7 +247,7 @@ def _run_mode(mode, procs: Procs, vc, model, compressor, near, far, ep, threads,
 
 
 def prefix_markdown(res: dict) -> str:
-    from vericache.report import markdown_table
+    from vericache_lab.report import markdown_table
 
     net = res["network"]
     links = "; ".join(f"{k}: {v['gbps']} Gbps, RTT {v['rtt_ms']} ms (shaped {v['shaped_gbps']} Gbps"

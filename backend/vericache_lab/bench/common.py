@@ -6,7 +6,7 @@ import platform
 import time
 from pathlib import Path
 
-from vericache.eval.run_model_eval import heldout_tokens
+from vericache_lab.eval.run_model_eval import heldout_tokens
 
 
 def code_prompt(tokenizer, n_tokens: int) -> list[int]:
@@ -62,7 +62,7 @@ class RowPredictor:
         self.costs, self.moves = {}, {}
 
     def _measured(self, comp):
-        from vericache.drafting.cost import measure_step_costs, move_seconds
+        from vericache_lab.predict import measure_step_costs, move_seconds
 
         key = comp.spec()
         if key not in self.costs:
@@ -75,7 +75,7 @@ class RowPredictor:
 
     def __call__(self, engine, mode: str, n: int, tokens_per_round: float, drafted_per_round: float) -> float:
         from vericache.model.draft_weights import measured_choice
-        from vericache.drafting.cost import predict_tokens_per_s
+        from vericache_lab.predict import predict_tokens_per_s
 
         runner = engine.runner   # the draft weights' measured times are the runner's
         comp, matmuls = runner.compressor, None

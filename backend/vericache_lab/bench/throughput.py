@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from vericache.bench.batch import decode_all, distinct_prompts
-from vericache.bench.common import shared_prefills
+from vericache_lab.bench.batch import decode_all, distinct_prompts
+from vericache_lab.bench.common import shared_prefills
 from vericache.engine.engine import Engine
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
-from vericache.drafting.cost import predict_offloaded
-from vericache.sim.calibrate import default_path, load
+from vericache_lab.predict import predict_offloaded
+from vericache_lab.sim.calibrate import default_path, load
 
 MODES = ("full", "lossy", "vericache-naive", "vericache-staggered", "vericache-grouped")
 

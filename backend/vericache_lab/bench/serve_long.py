@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 COLUMNS = ["mode", "server_decode_tokens_per_s", "batch_tokens_per_s", "server_over_batch", "server_x_full",
-           "batch_x_full", "identical_to_full", "ttft_median_s", "ttft_max_s", "window_s", "server_wall_s"]
+           "batch_x_full", "identical_to_full", "tokens_per_round", "batch_tokens_per_round", "ttft_median_s",
+           "ttft_max_s", "window_s", "server_wall_s"]
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Stream:
     sent: float
     chunks: list[tuple[float, int]] = field(default_factory=list)   # (arrival, completion tokens so far)
     text: str = ""
+    stats: dict = field(default_factory=dict)   # the request's engine figures (the last chunk's ``vericache``)
 
     @property
     def ttft(self) -> float:
@@ -53,6 +55,8 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, mode: str
                                              extra_body={"ignore_eos": True, "vericache": {"mode": mode}})
     n = 0
     async for chunk in stream:
+        if (chunk.model_extra or {}).get("vericache"):
+            s.stats = chunk.model_extra["vericache"]
         if chunk.choices and chunk.choices[0].text:
             n += 1   # the gateway streams one chunk per engine delta; usage below gives the exact count
             s.text += chunk.choices[0].text
@@ -82,10 +86,13 @@ def server_rows(url: str, model: str, prompts: list[str], max_tokens: int, modes
         reference = texts if mode == "full" else reference
         seconds, tokens = decode_window(streams)
         ttfts = sorted(s.ttft for s in streams)
+        rounds = sum(s.stats.get("rounds", 0) for s in streams)
+        emitted = sum(s.stats.get("completion_tokens", 0) - 1 for s in streams)
         rows.append({"mode": mode, "server_decode_tokens_per_s": round(tokens / seconds, 2) if seconds else None,
                      "window_s": round(seconds, 1), "window_tokens": tokens, "server_wall_s": round(wall, 1),
                      "ttft_median_s": round(ttfts[len(ttfts) // 2], 2), "ttft_max_s": round(ttfts[-1], 2),
                      "identical_to_full": None if reference is None else texts == reference,
+                     "tokens_per_round": round(emitted / rounds, 2) if rounds else None,
                      "texts_equal_to_full": None if reference is None else sum(a == b for a, b in zip(texts, reference))})
         log(f"  {rows[-1]['server_decode_tokens_per_s']} tok/s while all decode ({tokens} tokens in {seconds:.1f} s), "
             f"TTFT median {rows[-1]['ttft_median_s']} s, texts equal to full {rows[-1]['texts_equal_to_full']}")
@@ -94,9 +101,9 @@ def server_rows(url: str, model: str, prompts: list[str], max_tokens: int, modes
 
 def run_serve_long(model: str, prompt_tokens: int, concurrency: int, max_tokens: int, modes: list[str],
                    compressor: str, url: str | None = None, batch: bool = True, log=print) -> dict:
-    from vericache.bench.batch import distinct_prompts, run_batch
-    from vericache.bench.common import cpu_model
-    from vericache.bench.serve import LaunchedServer
+    from vericache_lab.bench.batch import distinct_prompts, run_batch
+    from vericache_lab.bench.common import cpu_model
+    from vericache_lab.bench.serve import LaunchedServer
     from vericache.model.loader import load_tokenizer
 
     tokenizer, _ = load_tokenizer(model)
@@ -109,9 +116,11 @@ def run_serve_long(model: str, prompt_tokens: int, concurrency: int, max_tokens:
             server.close()
     if batch:
         res = run_batch(model, concurrency, prompt_tokens, max_tokens, modes, compressor, log=log, llamacpp=False)
-        by_mode = {r["mode"]: r["tokens_per_s"] for r in res["rows"]}
+        by_mode = {r["mode"]: r for r in res["rows"]}
         for r in rows:
-            r["batch_tokens_per_s"] = by_mode.get(r["mode"])
+            batch_row = by_mode.get(r["mode"], {})
+            r["batch_tokens_per_s"] = batch_row.get("tokens_per_s")
+            r["batch_tokens_per_round"] = batch_row.get("mean_acceptance_length")
             if r["batch_tokens_per_s"] and r["server_decode_tokens_per_s"]:
                 r["server_over_batch"] = round(r["server_decode_tokens_per_s"] / r["batch_tokens_per_s"], 2)
     full = next((r for r in rows if r["mode"] == "full"), None)

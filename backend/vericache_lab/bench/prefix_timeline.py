@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from vericache.remote import netlab
+from vericache_lab import netlab
 
 # trace events that are forwards of a role's engine (a verification riding in a prefill's forward
 # is in that forward's seconds already)

@@ -172,11 +172,11 @@ def measure(lab: Lab, slow_bytes: int = 25 << 20, fast_bytes: int = 200 << 20) -
     out = {}
     for name, (client, server_role, target, port, nbytes) in paths.items():
         bind = "127.0.0.1" if name != "fast" else target.rsplit(":", 1)[0]
-        server = subprocess.Popen(exec_in(server_role, sys.executable, "-m", "vericache.remote.netprobe", "serve",
+        server = subprocess.Popen(exec_in(server_role, sys.executable, "-m", "vericache_lab.netprobe", "serve",
                                           bind, str(port)), stdout=subprocess.PIPE, text=True)
         server.stdout.readline()  # "ready"
         host, p = target.rsplit(":", 1)
-        r = _sh(*exec_in(client, sys.executable, "-m", "vericache.remote.netprobe", "send", host, p, str(nbytes)))
+        r = _sh(*exec_in(client, sys.executable, "-m", "vericache_lab.netprobe", "send", host, p, str(nbytes)))
         server.wait(timeout=60)
         kind = LINKS[name][3]
         out[name] = {"kind": kind, "shaped_gbps": lab.shape.slow_gbps if kind == "slow" else lab.shape.fast_gbps,

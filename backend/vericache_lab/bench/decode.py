@@ -11,12 +11,12 @@ import time
 
 import torch
 
-from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for
-from vericache.report import markdown_table
+from vericache_lab.bench import llama_cpp_bench
+from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for
+from vericache_lab.report import markdown_table
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
-from vericache.sim import roofline
+from vericache_lab.sim import roofline
 
 
 def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype: torch.dtype) -> float:

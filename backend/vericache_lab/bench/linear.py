@@ -15,12 +15,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vericache.bench.common import cpu_model
-from vericache.report import markdown_table
+from vericache_lab.bench.common import cpu_model
+from vericache_lab.report import markdown_table
 from vericache.kernels.linear_op import LinearOp, supported_isas
 from vericache.model.exact_linear import exact_linears
 from vericache.model.loader import load_model
-from vericache.sim.roofline import read_bandwidth
+from vericache_lab.sim.roofline import read_bandwidth
 
 COLUMNS = ["rows", "contender", "ms", "x_mkl", "x_bytes_floor"]
 

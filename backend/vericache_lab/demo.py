@@ -7,7 +7,7 @@ shared by the three modes, so their tok/s compare decoding alone."""
 from __future__ import annotations
 
 from vericache.engine.engine import Engine
-from vericache.eval import long_tasks as lt
+from vericache_lab.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
@@ -34,7 +34,7 @@ def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str |
     needle = lt.needle_tasks(tok, 1, context - 64, context, seed=3)[0]
     code = lt.code_tasks(tok, 1, context - 64, context, seed=5, max_tokens=CODE_TOKENS)[0]
     tasks = [needle, code]
-    from vericache.bench.common import cpu_model
+    from vericache_lab.bench.common import cpu_model
 
     where = cpu_model() if llm.loaded.device.type == "cpu" else str(llm.loaded.device)
     print(f"model {model} on {where} (weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}); compressor {compressor}")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from vericache.engine.engine import Engine
-from vericache.eval import long_tasks as lt
+from vericache_lab.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams

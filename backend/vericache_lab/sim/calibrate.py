@@ -1,6 +1,6 @@
 """``vericache sim --calibrate``: this machine's terms of the cost model (``drafting.cost.StepCosts``),
 measured with the real model and kernels (the same code the engine runs), and stored for ``bench
-throughput``'s predictions (``drafting.cost.predict_offloaded``):
+throughput``'s predictions (``vericache_lab.predict.predict_offloaded``):
 - c0, t_seq, t_row: forwards with (almost) no KV, fitted as ``c0 + t_seq * seqs + t_row * rows`` from
   one-row sequences (decode) and one many-row sequence (a chunk);
 - t_byte: one-query attention over long KV (the KV read rate); t_pair: a chunk of queries over the
@@ -104,7 +104,7 @@ def calibrate(model: str, dtype: str | None = None, context: int = 4096, log=pri
     eff = (src.nbytes() / (time.perf_counter() - t0)) / link.bytes_per_s
     link.close()
     log(f"link: {eff:.0%} of nominal")
-    from vericache.sim.roofline import measure
+    from vericache_lab.sim.roofline import measure
 
     # two noisy slopes: on a busy machine a chunk's row can time above a whole sequence's, and no
     # cost is negative

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from vericache.sim.cost_model import GPUS, MODELS, GPU, ModelShape, gpu_step_costs, gpus_needed, tensor_parallel
+from vericache_lab.sim.cost_model import GPUS, MODELS, GPU, ModelShape, gpu_step_costs, gpus_needed, tensor_parallel
 from vericache.drafting.cost import CostsAt
 
 

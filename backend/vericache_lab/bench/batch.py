@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from vericache.bench import llama_cpp_bench
-from vericache.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
-from vericache.report import markdown_table
+from vericache_lab.bench import llama_cpp_bench
+from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
+from vericache_lab.report import markdown_table
 from vericache.engine.engine import Engine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
-from vericache.sim import roofline
+from vericache_lab.sim import roofline
 
 COLUMNS = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
            "kv_resident_x_full", "decode_s", "load_s", "steps"]

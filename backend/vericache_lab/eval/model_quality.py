@@ -2,7 +2,7 @@
 
 Used by ``vericache eval-model`` and by the trainer's periodic evaluation.
 Retrieval and tool-call prompts use the *held-out* layouts of
-``vericache.data.tasks`` by default, so the score measures copying from far
+``vericache_lab.data.tasks`` by default, so the score measures copying from far
 back rather than memorised formats.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from vericache.kv.full import FullKVCache
 from vericache.model.llama import Transformer
 from vericache.model.tokenizer import Tokenizer
-from vericache.data.tasks import Task, retrieval_task, tool_call_task
+from vericache_lab.data.tasks import Task, retrieval_task, tool_call_task
 
 
 @torch.no_grad()
