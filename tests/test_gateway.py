@@ -67,6 +67,21 @@ def test_completion_equals_the_engine(llm, client):
     assert r.model_extra["vericache"]["rounds"] >= 1
 
 
+def test_continuous_usage_counts_every_token_of_a_round_and_ignore_eos_decodes_max_tokens(llm, client):
+    """vLLM's extensions: with ``continuous_usage_stats`` each chunk carries the tokens so far (a VeriCache
+    delta may hold a whole round's), so a client can count tokens, not chunks; ``ignore_eos`` decodes
+    ``max_tokens`` past the model's end. The streamed text is the engine's, token for token."""
+    prompt = "def add(a, b):\n    return a + b\n" * 8
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 40 == chunks[-1].usage.completion_tokens
+    assert max(b - a for a, b in zip([0] + counts, counts)) > 1      # a round's tokens came in one chunk
+    ref = llm.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text and len(ref.token_ids) == 40
+
+
 def test_a_request_is_validated_once(server, client, monkeypatch):
     runner, calls = server.service.engine.runner, []
     check = runner.check_request

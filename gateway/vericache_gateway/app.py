@@ -237,7 +237,9 @@ async def serve_request(gw: Gateway, request: Request, body, prompt: str, max_to
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(gw.model_name, _chain(first, deltas), rid, chat, include_usage, len(ids)),
+        continuous = bool(include_usage and body.stream_options.continuous_usage_stats)
+        return StreamingResponse(_sse(gw.model_name, _chain(first, deltas), rid, chat, include_usage, len(ids),
+                                      continuous),
                                  media_type="text/event-stream")
     text, reason, stats, n_out = "", None, {}, 0
     async for delta in _chain(first, deltas):
@@ -285,7 +287,8 @@ async def _deltas(gw: Gateway, key: str, source, labels: dict):
         await source.aclose()  # leaving early aborts the request in the backend
 
 
-async def _sse(model_name: str, deltas, rid: str, chat: bool, include_usage: bool, n_prompt: int):
+async def _sse(model_name: str, deltas, rid: str, chat: bool, include_usage: bool, n_prompt: int,
+               continuous_usage: bool = False):
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model_name}
     first, n_out = True, 0
@@ -299,6 +302,8 @@ async def _sse(model_name: str, deltas, rid: str, chat: bool, include_usage: boo
                 choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
             first = False
             chunk = {**head, "choices": [choice]}
+            if continuous_usage:   # a delta may carry several tokens (a VeriCache round): the count so far
+                chunk["usage"] = _usage({"completion_tokens": n_out}, n_prompt)
             if delta.finished:
                 chunk["vericache"] = delta.stats
             yield f"data: {json.dumps(chunk)}\n\n"

@@ -21,6 +21,7 @@ class VeriCacheOptions(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's extension: every chunk carries the usage so far
 
 
 class SamplingFields(BaseModel):

@@ -40,18 +40,26 @@ class Delta:
 
 
 class RequestStream:
-    """Deltas of one request, in order; ``get`` blocks, ``None`` timeouts raise queue.Empty."""
+    """Deltas of one request, in order. ``get`` blocks (a timeout raises queue.Empty); an event loop
+    instead sets ``on_put`` (called from the engine thread after each delta is queued: hand it to the
+    loop with ``call_soon_threadsafe``) and takes them with ``get_nowait``, holding no thread."""
 
     def __init__(self, rid: int, prompt_tokens: int) -> None:
         self.id = rid
         self.prompt_tokens = prompt_tokens
         self._q: queue.Queue[Delta] = queue.Queue()
+        self.on_put: Callable[[], None] | None = None
 
     def put(self, d: Delta) -> None:
         self._q.put(d)
+        if self.on_put is not None:
+            self.on_put()
 
     def get(self, timeout: float | None = None) -> Delta:
         return self._q.get(timeout=timeout)
+
+    def get_nowait(self) -> Delta:
+        return self._q.get_nowait()
 
 
 MetricsSink = Callable[[str, dict], None]  # (event, fields): "request_done", "step", ...

@@ -50,19 +50,18 @@ def decode_window(streams: list[Stream]) -> tuple[float, int]:
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int, mode: str) -> Stream:
     s = Stream(time.perf_counter())
+    # continuous usage (vLLM's extension): a chunk carries a delta, which may hold several tokens (a
+    # VeriCache round's), so the tokens are counted from the usage each chunk carries, not the chunks
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True, "vericache": {"mode": mode}})
-    n = 0
+                                             stream=True, extra_body={"ignore_eos": True, "vericache": {"mode": mode},
+                                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     async for chunk in stream:
         if (chunk.model_extra or {}).get("vericache"):
             s.stats = chunk.model_extra["vericache"]
-        if chunk.choices and chunk.choices[0].text:
-            n += 1   # the gateway streams one chunk per engine delta; usage below gives the exact count
+        if chunk.choices:
             s.text += chunk.choices[0].text
-            s.chunks.append((time.perf_counter(), n))
-        if chunk.usage is not None and s.chunks:
-            s.chunks[-1] = (s.chunks[-1][0], chunk.usage.completion_tokens)
+            if chunk.usage is not None and chunk.usage.completion_tokens > (s.chunks[-1][1] if s.chunks else 0):
+                s.chunks.append((time.perf_counter(), chunk.usage.completion_tokens))
     return s
 
 
