@@ -66,6 +66,7 @@ class Engine:
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,
                              resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
         self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
+        self._ended: dict[int, dict] = {}   # labels of the requests the last step ended (its round events')
 
     # ------------------------------------------------------------------ what it serves
     @property
@@ -132,7 +133,9 @@ class Engine:
         return self.loop.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
-        """One step of the loop (schedule -> run -> update) and what it produced."""
+        """One step of the loop (schedule -> run -> update) and what it produced. Call ``take_events``
+        after it for the step's events (the labels of requests it ended are kept until the next step)."""
+        self._ended.clear()
         return self._outputs(self.loop.step())
 
     def collect(self) -> list[EngineOutput]:
@@ -224,7 +227,9 @@ class Engine:
     # ------------------------------------------------------------------ outputs
     def _labels(self, rid: int) -> dict:
         req = self.loop.requests.get(rid)
-        return {} if req is None else {"mode": req.opts.mode, "compressor": req.opts.compressor_label}
+        if req is None:
+            return self._ended.get(rid, {})
+        return {"mode": req.opts.mode, "compressor": req.opts.compressor_label}
 
     def _outputs(self, outs: list[StepOutput]) -> list[EngineOutput]:
         return [self._output(o) for o in outs]
@@ -241,6 +246,7 @@ class Engine:
             if o.error:
                 out.stats["error"], out.stats["status"] = o.error, req.error_status
             self._texts.pop(o.request_id, None)
+            self._ended[o.request_id] = self._labels(o.request_id)
             if req.served is None:   # a long-running engine keeps no finished request (sessions: their owner's)
                 self.loop.requests.forget(o.request_id)
         return out
