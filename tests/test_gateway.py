@@ -136,6 +136,10 @@ def test_raw_sse_ends_with_done(server):
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "vericache": {"compressor": "zip"}}, 400, "unknown compressor"),
     ({"model": "tiny", "prompt": "x" * 5, "max_tokens": 70000}, 400, "context limit"),
+    # strict types: what the schema says, nothing pydantic would coerce (0.0 for false, 2.0 for 2)
+    ({"model": "tiny", "prompt": "x", "stream": 0.0}, 400, "stream"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2.0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": 0}}, 400, "include_usage"),
 ])
 def test_errors_are_openai_shaped_400s(server, body, status, needle):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)

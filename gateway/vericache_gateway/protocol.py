@@ -12,19 +12,26 @@ MAX_TOKENS = 1 << 20          # a bound for the schema; each model's context lim
 MAX_SEED = (1 << 63) - 1      # the generator's seed range
 
 
+# Requests are validated strictly: a JSON value of the schema's type only (lax pydantic took 0.0 for false
+# and 2.0 for an integer, which the published schema forbids; the fuzz test found it)
+STRICT = ConfigDict(strict=True)
+
+
 class VeriCacheOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     mode: Literal["full", "lossy", "vericache"] | None = None
     compressor: str | None = Field(default=None, max_length=256)
     draft_len: int | Literal["auto"] | None = Field(default=None)
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's extension: every chunk carries the usage so far
 
 
 class SamplingFields(BaseModel):
+    model_config = STRICT
     model: str = Field(max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -46,6 +53,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=MAX_TEXT)
 
