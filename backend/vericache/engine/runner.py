@@ -71,7 +71,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULTS.compressor,
                  draft_len: int | str = DEFAULTS.draft_len, prefill_chunk: int = DEFAULTS.prefill_chunk,
                  draft_weights: str = "fp32") -> None:
-        """``draft_weights``: what draft rows read, "fp32" (the exact weights), "q8" (integer dots on
+        """Built by ``Engine`` with ``EngineConfig``'s values; the defaults here are a bare runner's (exact
+        full decoding, as unit tests use it), not the product's. ``draft_weights``: what draft rows read, "fp32" (the exact weights), "q8" (integer dots on
         the stored weights), "int8" or "int4" copies (``model.draft_weights``), or "auto": on CPU the
         exact weights and "q8" (no copies), each step's draft rows on the one measured faster for their
         count here (``DraftChoice``), on other devices fp32. Verification,
