@@ -116,6 +116,24 @@ def lossy_prompts(llm) -> list[list[int]]:
 LOSSY_SPECS = registered({"kivi": "bits=2", "int4": "group=64,window=4", "fp8": "window=1"}, skip=frozenset({"int8"}))
 
 
+@pytest.fixture(scope="module")
+def q8_loaded():
+    """The test model in the q8 numerics (its float linears read as Q8_0 blocks times int8 activations)."""
+    from vericache.model.loader import load_model
+
+    return load_model("tiny", device="cpu", dtype="float32", numerics="q8")
+
+
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_vericache_equals_full_in_the_q8_numerics(q8_loaded, identity_prompts, spec):
+    """Full decoding, verification and drafts share the q8 numerics: VeriCache equals full decoding in
+    them too, batched (mixed lengths) at a fixed and an adaptive draft length."""
+    full = _run(q8_loaded, spec, 8, identity_prompts, mode="full")
+    assert [o.token_ids for o in _run(q8_loaded, spec, 8, identity_prompts)] == [o.token_ids for o in full]
+    assert [o.token_ids for o in _run(q8_loaded, spec, "auto", identity_prompts[:2])] == \
+        [o.token_ids for o in full[:2]]
+
+
 @pytest.mark.parametrize("spec", LOSSY_SPECS)
 def test_lossy_mode_is_really_lossy(llm, lossy_prompts, spec):
     """Proof the compressor is live: decoding from the compressed KV alone drifts from full."""
@@ -147,8 +165,7 @@ def test_shared_prefill_equals_own_prefill_in_every_mode(kv_loaded, identity_pro
 
 
 # ---------------------------------------------------------------- near ties: identical by construction
-@pytest.fixture(scope="module", params=KV_DTYPES)
-def near_tie_model(request, tmp_path_factory):
+def near_tie_checkpoint(tmp_path_factory):
     """The bundled model with an untied output head whose rows come in near-duplicate pairs (row 2j+1 =
     row 2j times 1 + 1e-6 noise per element): every greedy choice inside a pair is decided by the
     logits' last bits, so any op whose bits depend on the batch changes the output (MKL's F.linear,
@@ -158,7 +175,6 @@ def near_tie_model(request, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from vericache.model.registry import resolve_model
-    from vericache.model.loader import load_model
 
     src, out = resolve_model("tiny"), tmp_path_factory.mktemp("near_tie")
     for name in ("tokenizer.json", "generation_config.json"):
@@ -172,7 +188,25 @@ def near_tie_model(request, tmp_path_factory):
     head[1::2] = head[0::2] * noise
     state["lm_head.weight"] = head
     save_file(state, str(out / "model.safetensors"))
-    return load_model(out, device="cpu", dtype="float32", kv_dtype=request.param)
+    return out
+
+
+@pytest.fixture(scope="module")
+def near_tie_dir(tmp_path_factory):
+    return near_tie_checkpoint(tmp_path_factory)
+
+
+# (kv dtype, numerics): fp32 numerics with both KV dtypes, the q8 numerics (its linears, the head
+# included, as Q8_0 blocks times int8 activations) with the CPU's default fp16 KV
+NEAR_TIE_VARIANTS = [(kv, "fp32") for kv in KV_DTYPES] + [("float16", "q8")]
+
+
+@pytest.fixture(scope="module", params=NEAR_TIE_VARIANTS, ids=[f"{kv}-{n}" for kv, n in NEAR_TIE_VARIANTS])
+def near_tie_model(request, near_tie_dir):
+    from vericache.model.loader import load_model
+
+    kv_dtype, numerics = request.param
+    return load_model(near_tie_dir, device="cpu", dtype="float32", kv_dtype=kv_dtype, numerics=numerics)
 
 
 def _generate(runner, prompts, max_tokens=MAX_TOKENS, mode=None):
@@ -192,8 +226,22 @@ def near_tie_reference(near_tie_model, identity_prompts):
 def test_near_tie_weights_decode_the_same_alone_and_batched(near_tie_model, near_tie_reference):
     prompts, alone = near_tie_reference
     head = near_tie_model.model.head_exact.weight
-    assert head.fmt == "F32" and head.n == near_tie_model.config.vocab_size
+    want = "Q8_0" if near_tie_model.numerics == "q8" else "F32"
+    assert head.fmt == want and head.n == near_tie_model.config.vocab_size
     assert _generate(Engine(near_tie_model, mode="full"), prompts) == alone
+
+
+def test_near_tie_weights_catch_a_batch_dependent_matmul(near_tie_dir, identity_prompts):
+    """The negative control: the same checkpoint on PyTorch's kernels (MKL's ``F.linear``, whose bits
+    change with the rows in a call) decodes the prompts differently alone and batched, so the test
+    above would catch a linear op that is not batch-invariant."""
+    from vericache.model.loader import load_model
+
+    loaded = load_model(near_tie_dir, device="cpu", dtype="float32", kernels="torch")
+    prompts = [p[-300:] for p in identity_prompts]
+    runner = Engine(loaded, mode="full")
+    alone = [_generate(runner, [p])[0] for p in prompts]
+    assert _generate(runner, prompts) != alone
 
 
 @pytest.mark.parametrize("spec", COMPRESSORS)

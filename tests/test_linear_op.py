@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vericache.kernels.linear_op import BLOCK, FORMATS, LinearOp, StoredWeight, supported_isas
+from vericache.kernels.linear_op import BLOCK, FORMATS, Q8_FORMATS, LinearOp, StoredWeight, supported_isas
 from vericache.kv.full import FullKVCache
 
 QUANTIZED = [f for f in FORMATS if BLOCK[f][1] > 1]
@@ -157,27 +157,115 @@ def test_empty_calls_return_empty_results(ops):
     """A step whose rows are all drafts hands the exact op zero rows (and the reverse): no read at all."""
     w, _ = weight_and_reference("Q4_1", 8, 64)
     for op in ops.values():
-        for fn in (op, op.draft):
+        for fn in (op, op.q8):
             assert fn(torch.empty(0, 64), w).shape == (0, 8)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "F32"])
-def test_draft_dots_are_close_but_not_exact_and_the_same_in_every_build(ops, fmt):
-    """Drafts' integer dots (int8 activations per block of 32 against the stored codes): within 2% of
-    x W^T where there is an integer path (Q4_0/Q4_1/Q8_0), the exact op elsewhere; a row's result
-    does not depend on the call's other rows; integer sums make every build agree."""
-    w, ref = weight_and_reference(fmt, 36, 256, seed=4)
-    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
-    exact = x @ ref.T
+def q8_reference(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    """The q8 numerics' contract (``linear_q8.cpp``'s header) in numpy, written apart from the kernels:
+    int8 activations per block of 32, exact integer block sums, then per output one fma chain over the
+    blocks in order (float32 products and sums, rounded once per fma as the C code's std::fma)."""
+    xs = x.double().numpy().astype(np.float32)
+    m, k = xs.shape
+    nb = k // 32
+    xb = xs.reshape(m, nb, 32)
+    amax = np.abs(xb).max(-1)
+    dx = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    a = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int64)            # [m, nb, 32]
+    sa = a.sum(-1)
+    ds = (dx * sa.astype(np.float32)).astype(np.float32)
+    raw = w.data.numpy().reshape(w.n, nb, -1)
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)                 # [n, nb]
+    if w.fmt == "Q8_0":
+        c, wm = raw[..., 2:].view(np.int8).astype(np.int64), None
+    elif w.fmt in ("Q4_0", "Q4_1"):
+        qs = raw[..., 4:] if w.fmt == "Q4_1" else raw[..., 2:]
+        c = np.concatenate([qs & 0x0F, qs >> 4], -1).astype(np.int64) - (8 if w.fmt == "Q4_0" else 0)
+        wm = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if w.fmt == "Q4_1" else None
+    else:
+        raise ValueError(w.fmt)
+    s = np.einsum("nbe,mbe->mnb", c, a).astype(np.float32)                              # exact integers
+    y = np.zeros((m, w.n), np.float32)
+    fma = lambda p, q, acc: (p.astype(np.float64) * q + acc).astype(np.float32)   # one rounding: exact product
+    for b in range(nb):
+        y = fma(s[:, :, b], (d[None, :, b] * dx[:, None, b]).astype(np.float32), y)
+        if wm is not None:
+            y = fma(wm[None, :, b], ds[:, None, b], y)
+    return torch.from_numpy(y)
+
+
+@pytest.mark.parametrize("fmt", Q8_FORMATS)
+def test_q8_numerics_give_a_row_the_same_bits_in_every_call_thread_count_and_build(ops, fmt):
+    """The q8 numerics: row i alone, inside calls of 1-512 rows (the direct few-row path and the panel
+    path), 1 and 2 threads, every build this CPU runs: one result, within 2% of x W^T."""
+    w, ref = weight_and_reference(fmt, 52, 512, seed=4)
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(52)
     first = None
     for isa, op in ops.items():
-        y = op.draft(x, w)
+        y = op.q8(x, w, bias)
         first = y if first is None else first
-        assert torch.equal(y, first), isa
-        for m in (1, 2, 5):
-            assert torch.equal(op.draft(x[:m], w), y[:m]), (isa, m)
-        if fmt in ("Q4_0", "Q4_1", "Q8_0"):
-            err = ((y - exact).norm() / exact.norm()).item()
-            assert 0 < err < 0.02, (isa, err)
-        else:
-            assert torch.equal(y, op(x, w))
+        assert torch.equal(bits(y), bits(first)), f"{isa} differs from {next(iter(ops))}"
+        for m in (1, 2, 3, 4, 5, 17, 64, 511):
+            for threads in (1, 2):
+                assert torch.equal(bits(op.q8(x[:m], w, bias, threads=threads)), bits(y[:m])), (isa, m, threads)
+        for i in (0, 9, 300, 511):
+            assert torch.equal(bits(op.q8(x[i : i + 1], w, bias)), bits(y[i : i + 1])), (isa, i)
+    exact = x @ ref.T
+    err = ((first - bias - exact).norm() / exact.norm()).item()
+    assert 0 < err < 0.02, err
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q8_numerics_are_the_contract_computed_apart(ops, fmt):
+    """Every build's q8 output equals the contract computed in numpy, bit for bit: the integer sums
+    and the fixed fp32 chain are the whole definition, whichever unit computes them."""
+    w, _ = weight_and_reference(fmt, 24, 256, seed=6)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(7))
+    want = q8_reference(x, w)
+    for isa, op in ops.items():
+        for rows in (x[:1], x):
+            assert torch.equal(bits(op.q8(rows, w)), bits(want[: rows.shape[0]])), isa
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_q8_extremes_never_saturate_maddubs(ops, fmt):
+    """The largest codes times the largest activations (AVX2's ``maddubs`` sums a pair into a saturating
+    int16): weights at their extreme codes (Q8_0: -128 and 127; 4-bit: 0 and 15), activations at
+    +-127 (one large value a block makes the others round to +-127 or 0): every build equals the
+    contract computed in numpy, where nothing saturates."""
+    w, _ = weight_and_reference(fmt, 16, 256, seed=8)
+    raw = w.data.numpy().reshape(16, 8, -1)
+    codes = slice(2, None) if fmt != "Q4_1" else slice(4, None)
+    raw[:8, :, codes] = 0x80 if fmt == "Q8_0" else 0xFF      # -128 / the nibbles 15
+    raw[8:, :, codes] = 0x7F if fmt == "Q8_0" else 0x00      # 127 / 0
+    x = torch.full((4, 256), -1.0)
+    x[1] = 1.0
+    x[2, ::2], x[2, 1::2] = 1.0, -1.0
+    x[3] = torch.where(torch.arange(256) % 3 == 0, 1.0, -1.0)
+    want = q8_reference(x, w)
+    for isa, op in ops.items():
+        assert torch.equal(bits(op.q8(x, w)), bits(want)), isa
+        assert torch.equal(bits(op.q8(x[:1], w)), bits(want[:1])), isa
+
+
+@pytest.mark.parametrize("fmt", list(DENSE))
+def test_q8_numerics_run_float_weights_on_the_fp32_op(ops, fmt):
+    w, _ = weight_and_reference(fmt, 20, 64, seed=9)
+    x = torch.randn(5, 64)
+    for op in ops.values():
+        assert torch.equal(op.q8(x, w), op(x, w))
+        assert op.numerics("fp32") == op and op.numerics("q8") == op.q8
+    with pytest.raises(ValueError, match="numerics must be one of q8, fp32, got 'int3'"):
+        op.numerics("int3")
+
+
+def test_a_float_weight_quantizes_to_the_gguf_q8_0_blocks():
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(3))
+    q = StoredWeight.q8_0(w)
+    assert (q.fmt, q.n, q.k, q.row_bytes) == ("Q8_0", 12, 64, 68)
+    back = LinearOp().dequantize(q)
+    assert ((back - w).abs() <= w.abs().amax() / 127).all()
+    with pytest.raises(ValueError, match=r"k divisible by 32, got \(4, 48\)"):
+        StoredWeight.q8_0(torch.randn(4, 48))

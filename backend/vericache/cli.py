@@ -42,15 +42,16 @@ def _cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"models": rows, "kernels_isa": isa}))
         return 0
-    print(f"kernels (linear op, attention) built for this CPU: {isa} (VERICACHE_ISA overrides); weights: resident bytes")
+    print(f"kernels (linear op, attention) built for this CPU: {isa} (VERICACHE_ISA overrides); weights: resident "
+          f"bytes; numerics: the CPU default (--numerics overrides)")
     print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'weights':>9} {'params':>8} "
-          f"{'context':>7}")
+          f"{'context':>7} {'numerics':>8}")
     for r in rows:
         size = f"{r['size_bytes'] / 1e6:.0f} MB" if r["installed"] else "-"
         params = f"{r['parameters'] / 1e6:.0f}M" if r["parameters"] else "-"
         weights = f"{r['weight_bytes'] / 1e6:.0f} MB" if r.get("weight_bytes") else "-"
         print(f"{r['name']:<14} {','.join(r['aliases']) or '-':<9} {r['source']:<26} {'yes' if r['installed'] else 'no':<9} "
-              f"{size:>9} {weights:>9} {params:>8} {r['context_length'] or '-':>7}")
+              f"{size:>9} {weights:>9} {params:>8} {r['context_length'] or '-':>7} {r['numerics'] or '-':>8}")
         if not r["installed"]:
             print(f"{'':<14} install: {r['install']}")
     return 0
@@ -71,7 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mode=args.mode, compressor=args.compressor,
-              draft_len=args.draft_len, draft_weights=args.draft_weights)
+              draft_len=args.draft_len, draft_weights=args.draft_weights, kernels=args.kernels, numerics=args.numerics)
     out = llm.generate(prompt, params)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),

@@ -28,6 +28,9 @@ class LLM:
     draft_weights: what drafts read: "auto", "fp32" (the exact weights), "q8", "int8" or "int4" (CPU;
     verification exact). kv_dtype: what the full KV holds: "float16" (the CPU's default), "bfloat16"
     or "float32". kernels: what the forward runs on ("native" CPU ops, "triton", "torch").
+    numerics: the CPU linears' arithmetic, the same for full decoding, verification and drafts: "q8"
+    (int8 activations in exact integer dot products with the stored codes; a GGUF model's default) or
+    "fp32" (exact dequantization; a float checkpoint's default).
     ``settings``: any other ``EngineConfig`` field (``prefill_chunk``, ``device_budget_gb``, ``tiered`` ...).
     """
 
@@ -35,14 +38,17 @@ class LLM:
                  dtype: str | torch.dtype | None = DEFAULTS.dtype, mode: str = DEFAULTS.mode,
                  compressor: str | Compressor = DEFAULTS.compressor, draft_len: int | str = DEFAULTS.draft_len,
                  draft_weights: str = DEFAULTS.draft_weights, kv_dtype: str | torch.dtype | None = DEFAULTS.kv_dtype,
-                 kernels: str | None = DEFAULTS.kernels, **settings) -> None:
+                 kernels: str | None = DEFAULTS.kernels, numerics: str | None = DEFAULTS.numerics,
+                 **settings) -> None:
         self.engine = None
         config = DEFAULTS.replace(model=model, mode=mode, compressor=compressor, draft_len=draft_len,
                                   draft_weights=draft_weights, **settings)   # validated before the load
-        self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels)
+        self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels,
+                                 numerics=numerics)
         lm = self.loaded   # torch dtypes and devices are accepted above: the config names what was loaded
         self.engine = Engine(lm, config.replace(device=str(lm.device), dtype=dtype_name(lm.dtype),
-                                                kv_dtype=dtype_name(lm.kv_dtype), kernels=lm.kernels))
+                                                kv_dtype=dtype_name(lm.kv_dtype), kernels=lm.kernels,
+                                                numerics=lm.numerics))
         self._next_id = 0
 
     @property

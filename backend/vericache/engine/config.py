@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import MODES
+from vericache.kernels.linear_op import NUMERICS
 from vericache.model.draft_weights import DRAFT_WEIGHTS
 from vericache.model.registry import DEFAULT_MODEL
 
@@ -29,6 +30,7 @@ class EngineConfig:
     dtype: str | None = None        # weights; None: bf16 on CUDA, fp32 on the CPU
     kv_dtype: str | None = None     # the full KV; None: float16 on the CPU, the weights' dtype on CUDA
     kernels: str | None = None      # native | triton | torch; None: native on the CPU, Triton on a GPU
+    numerics: str | None = None     # the CPU linears': q8 (int8 x the stored codes) | fp32; None: q8 for GGUF integer blocks
     # what a request gets when it asks for nothing
     mode: str = "vericache"
     compressor: str = "snapkv:ratio=0.125"   # a spec (or a ``Compressor``): eviction[+quantization]
@@ -61,6 +63,8 @@ class EngineConfig:
             bad("draft_len", "must be an integer >= 1 or 'auto'")
         if self.draft_weights not in DRAFT_WEIGHTS:
             bad("draft_weights", f"must be one of {', '.join(DRAFT_WEIGHTS)}")
+        if self.numerics is not None and self.numerics not in NUMERICS:
+            bad("numerics", f"must be one of {', '.join(NUMERICS)} or None (auto)")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             bad("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}")
         for name in ("prefill_chunk", "max_running", "max_queue"):
@@ -141,7 +145,7 @@ ARG_GROUPS = ("model", "mode", "loop")
 
 def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:
     """The engine's flags, each default the config's: "model" (--model --device --dtype --kv-dtype
-    --kernels), "mode" (--mode --compressor --draft-len --draft-weights), "loop" (--prefill-chunk
+    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights), "loop" (--prefill-chunk
     --max-queue --device-budget-gb --tiered --scheduler). ``EngineConfig.from_args`` reads them back."""
     d = DEFAULTS
     if "model" in groups:
@@ -152,6 +156,10 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
         add_kv_dtype_arg(p)
         p.add_argument("--kernels", default=d.kernels, choices=["native", "triton", "torch"],
                        help="what the forward runs on (default: native on the CPU, Triton on a GPU)")
+        p.add_argument("--numerics", default=d.numerics, choices=NUMERICS,
+                       help="the CPU linears' numerics, full mode, verification and drafts alike: q8 (int8 "
+                            "activations x the stored integer codes, exact integer sums) or fp32 (exact "
+                            "dequantization); default: q8 for a GGUF model with integer blocks, else fp32")
     if "mode" in groups:
         p.add_argument("--mode", default=d.mode, choices=MODES, help=f"what a request gets when it does not ask "
                                                                      f"(default: {d.mode})")

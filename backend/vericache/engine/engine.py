@@ -57,8 +57,11 @@ class Engine:
         config = config or DEFAULTS
         self.config = config.replace(**settings) if settings else config
         c = self.config
+        if loaded is not None and c.numerics not in (None, loaded.numerics):
+            raise ValueError(f"numerics {c.numerics!r} asked of a model loaded in {loaded.numerics!r} numerics")
         self.loaded = loaded if loaded is not None else load_model(c.model, device=c.device, dtype=c.dtype,
-                                                                   kv_dtype=c.kv_dtype, kernels=c.kernels)
+                                                                   kv_dtype=c.kv_dtype, kernels=c.kernels,
+                                                                   numerics=c.numerics)
         self.runner = ModelRunner(self.loaded, mode=c.mode, compressor=c.compressor, draft_len=c.draft_len,
                                   prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights)
         self.tiered = c.is_tiered(self.loaded.device.type)

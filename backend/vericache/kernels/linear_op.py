@@ -36,7 +36,10 @@ CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=of
 # GGUF (ggml) type names -> the op's format codes; bytes per block and elements per block
 FORMATS = {"F32": 0, "F16": 1, "BF16": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q5_1": 6, "Q8_0": 7,
            "Q4_K": 8, "Q5_K": 9, "Q6_K": 10}
-Q8_FORMATS = ("Q4_0", "Q4_1", "Q8_0")   # formats with an integer draft path (``LinearOp.draft``)
+# formats with integer codes: the q8 numerics' integer dot products (``LinearOp.q8``); F32/F16/BF16
+# weights run the fp32 op in either numerics
+Q8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+NUMERICS = ("q8", "fp32")
 BLOCK = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32),
          "Q5_1": (24, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
@@ -125,6 +128,18 @@ class StoredWeight:
             raise TypeError(f"a dense weight must be a 2-D fp32/fp16/bf16 tensor, got {w.dtype} {tuple(w.shape)}")
         return cls(fmt, w.detach().contiguous(), w.shape[0], w.shape[1])
 
+    @classmethod
+    def q8_0(cls, w: torch.Tensor) -> "StoredWeight":
+        """A dense [n, k] weight as GGUF Q8_0 blocks (the ``gguf`` package's rounding): what a float
+        checkpoint's linears read in the q8 numerics."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        if w.dim() != 2 or w.shape[1] % 32:
+            raise ValueError(f"Q8_0 needs a 2-D weight with k divisible by 32, got {tuple(w.shape)}")
+        raw = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
+        return cls("Q8_0", torch.from_numpy(raw.reshape(w.shape[0], -1)).contiguous(), w.shape[0], w.shape[1])
+
     @staticmethod
     def cat(parts: list["StoredWeight"]) -> "StoredWeight":
         """Rows of several weights of one format and width, stacked (the fused q/k/v and gate/up)."""
@@ -155,13 +170,20 @@ class LinearOp:
         fp32 and cast back)."""
         return self._run(self.lib.vc_linear, x, weight, bias, threads)
 
-    def draft(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
-              threads: int | None = None) -> torch.Tensor:
-        """Like ``__call__`` with free numerics (``linear_q8.cpp``): int8 activations per block of 32 in
-        integer dot products with Q4_0/Q4_1/Q8_0 codes; other formats run the exact op."""
+    def q8(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+        """The q8 numerics (``linear_q8.cpp``): int8 activations per block of 32 in integer dot
+        products with the stored codes, combined in one fixed fp32 order: batch-invariant and the same
+        bits in every build, as ``__call__`` is; F32/F16/BF16 weights run ``__call__``."""
         if weight.fmt not in Q8_FORMATS:
             return self(x, weight, bias, threads)
         return self._run(self.lib.vc_linear_q8, x, weight, bias, threads)
+
+    def numerics(self, name: str):
+        """The op of numerics ``name``: ``q8`` or ``fp32`` (``__call__``)."""
+        if name not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {name!r}")
+        return self.q8 if name == "q8" else self
 
     def _run(self, fn, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None,
              threads: int | None) -> torch.Tensor:

@@ -1,17 +1,31 @@
-// The draft rows' linear: y[M, N] ~= x[M, K] W^T (+ bias) with free numerics, on the same stored blocks
-// as the exact op (no weight copy).
+// The q8 numerics' linear: y[M, N] = x[M, K] W^T (+ bias) as int8 activations in integer dot products
+// with the stored codes (no weight copy). Integer sums are exact, so every build (AVX2 `maddubs`, the
+// AVX-512 build, VNNI's `dpbusd`, portable scalar code) gets the same integers, and one fixed fp32
+// combine over them gives the same bits whatever M is, which rows share a tile, and the threads.
 //
-// A draft is only a proposal that the exact forward verifies, so its matmuls may be approximate, as
-// llama.cpp's are: each row of x is quantized per block of 32 to int8 codes a with one fp32 scale dx
-// (dx = max|x| / 127), and each weight block's codes q meet them in integer dot products:
-//   Q4_1 (w = dw q + mw):   dw dx sum(q a) + mw dx sum(a)
-//   Q4_0 (w = dw (q - 8)):  dw (dx sum(q a) - 8 dx sum(a))
-//   Q8_0 (w = dw q):        dw dx sum(q a)
-// AVX2 (the AVX-512 build runs it too): 32 codes x 32 activations in one `maddubs` (u8 x s8 pairs to
-// int16: 15 * 127 * 2 and 128 * 127 * 2 stay below 32767, no saturation) and one `madd` to int32, as
-// ggml's vec_dot kernels do; the portable build sums the same integers into the same 8 lanes in
-// scalar code, so every build gives the same bits. Formats without
-// an integer path here return -2 and the caller runs the exact op.
+// The contract, for row m of x and output n (blocks of 32 elements along K):
+//   x's block b:  dx = max|x| / 127, a_i = nearbyint(x_i * (1 / dx)) in [-127, 127] (all 0 when
+//                 max|x| = 0), sa = sum a_i, ds = dx * float(sa)            (llama.cpp's q8 rule)
+//   W's block b:  integer codes c_i, a scale ws and, for formats with a min, wm: w_i = ws c_i + wm
+//                 Q4_0 c = q - 8 | Q4_1 c = q, wm = m | Q5_0 c = q - 16 | Q5_1 c = q, wm = m | Q8_0 c = q
+//                 Q4_K/Q5_K sub-block j: ws = d sc_j, wm = -(dmin m_j), c = q
+//                 Q6_K: ws = d, c_i = sc(i / 16) (q_i - 32) (its two 16-element scales are integers)
+//   s = sum_i c_i a_i, an exact int32 (|s| < 2^24, so float(s) is exact too).
+//   acc = 0; for b = 0, 1, ...: acc = fma(float(s), ws * dx, acc), then for a min format
+//   acc = fma(wm, ds, acc). y = acc (+ bias).
+// One output's blocks are summed in order, so vector code puts outputs in lanes, never K:
+//   few rows (decode): each of 8 weight rows' block meets the row's block in `maddubs` + `madd`
+//     (8 int32 partial sums), a transposing `hadd` tree turns 8 such into the 8 outputs' s;
+//   many rows (verification, prefill, batches): 16 weight rows are decoded once a call into a panel
+//     whose 32-byte vectors hold 4 codes of each of 8 outputs; a row's 4 activations broadcast meet
+//     them in `maddubs`, summed in int16 across a block's steps while no lane can overflow (4-bit
+//     codes: the whole block), then `madd` to int32. VNNI's `dpbusd` does both in one instruction.
+// `maddubs` sums two u8 x s8 products into a saturating int16: codes are fed unsigned (|c| with the
+// sign moved onto a, or q with the offset subtracted as 8 sa or 16 sa) and at most 128, and |a| <= 127,
+// so a pair stays within 2 * 128 * 127 = 32512 and never saturates; int16 sums stop before 32767.
+//
+// F32/F16/BF16 weights have no codes: the call returns -2 and the caller runs the fp32 op (linear.cpp).
+#include <algorithm>
 #include <vector>
 #include <omp.h>
 
@@ -21,137 +35,372 @@ namespace {
 
 using namespace vc_gguf;
 
-// One row of x -> int8 codes [K], per block of 32: scale dx and dx * sum(codes).
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
-  for (int64_t b = 0; b < K / 32; ++b) {
+// How a format's codes meet the activations: unsigned with an offset (c = u - off), signed (sign
+// trick), or signed with Q6_K's two integer scales a block
+enum Kind { UNSIGNED, SIGNED, SCALED };
+constexpr Kind kind_of(int F) { return F == Q8_0 ? SIGNED : F == Q6_K ? SCALED : UNSIGNED; }
+constexpr int offset_of(int F) { return F == Q4_0 ? 8 : F == Q5_0 ? 16 : 0; }
+constexpr bool has_min(int F) { return F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K; }
+bool integer_format(int f) { return f >= Q4_0 && f <= Q6_K; }
+
+// int16 steps of 4 codes a block can sum before a lane could overflow (see the header)
+constexpr int steps16(int F) {
+  return F == Q8_0 ? 1 : (F == Q4_0 || F == Q4_1 || F == Q4_K) ? 8 : 4;
+}
+
+// The activations of M rows, quantized once a call
+struct QActs {
+  int64_t nb = 0;               // blocks a row
+  std::vector<int8_t> a;        // [M, 32 nb]
+  std::vector<float> dx, ds;    // [M, nb]
+  std::vector<int32_t> sa;      // [M, nb]
+};
+
+void quantize_row(const float* x, int64_t nb, int8_t* a, float* dx, float* ds, int32_t* sa) {
+  for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int i = 0; i < 32; ++i) {
       const int v = (int)std::nearbyint(xb[i] * inv);
-      q[32 * b + i] = (int8_t)v;
+      a[32 * b + i] = (int8_t)v;
       sum += v;
     }
-    d[b] = dx;
-    ds[b] = dx * (float)sum;
+    dx[b] = d;
+    sa[b] = sum;
+    ds[b] = d * (float)sum;
   }
 }
 
-struct QRows {           // MT quantized rows of x
-  const int8_t* q[4];
-  const float* d[4];
-  const float* ds[4];
+// Block b of a row (K-quants: sub-block b % 8 of super-block b / 8) -> 32 codes, ws, wm, sc
+template <int F>
+VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws, float* wm, int32_t* sc) {
+  *wm = 0.0f;
+  *sc = 0;
+  if (F == Q4_0 || F == Q4_1) {
+    const uint8_t* blk = row + b * block_bytes(F);
+    const uint8_t* qs = blk + (F == Q4_1 ? 4 : 2);
+    *ws = rdh(blk);
+    if (F == Q4_1) *wm = rdh(blk + 2);
+#if defined(__AVX2__)
+    const __m128i q = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
+    _mm_storeu_si128((__m128i*)u, _mm_and_si128(q, mask));
+    _mm_storeu_si128((__m128i*)(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), mask));
+#else
+    for (int j = 0; j < 16; ++j) { u[j] = qs[j] & 0x0f; u[j + 16] = qs[j] >> 4; }
+#endif
+  } else if (F == Q5_0 || F == Q5_1) {
+    const uint8_t* blk = row + b * block_bytes(F);
+    *ws = rdh(blk);
+    if (F == Q5_1) *wm = rdh(blk + 2);
+    uint32_t qh;
+    std::memcpy(&qh, blk + (F == Q5_1 ? 4 : 2), 4);
+    const uint8_t* qs = blk + (F == Q5_1 ? 8 : 6);
+    for (int j = 0; j < 32; ++j)
+      u[j] = (uint8_t)((j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4)) | ((qh >> j) & 1) << 4);
+  } else if (F == Q8_0) {
+    const uint8_t* blk = row + b * block_bytes(F);
+    *ws = rdh(blk);
+    std::memcpy(u, blk + 2, 32);
+  } else if (F == Q4_K || F == Q5_K) {
+    const uint8_t* blk = row + (b / 8) * block_bytes(F);
+    const int j = (int)(b % 8);
+    int s, m;
+    scale_min_k4(blk + 4, j, &s, &m);
+    *ws = rdh(blk) * (float)s;           // exact: 11 x 6 significant bits
+    *wm = -(rdh(blk + 2) * (float)m);
+    const uint8_t* q = blk + (F == Q5_K ? 48 : 16) + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l) {
+      int v = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
+      if (F == Q5_K) v |= ((blk[16 + l] >> j) & 1) << 4;
+      u[l] = (uint8_t)v;
+    }
+  } else {   // Q6_K
+    const uint8_t* blk = row + (b / 8) * block_bytes(F);
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t* scales = (const int8_t*)(blk + 192);
+    *ws = rdh(blk + 208);
+    for (int i = 0; i < 32; ++i) {
+      const int e = 32 * (int)(b % 8) + i, h = e / 128, r = e % 128;
+      const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0f, hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+      u[i] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
+    }
+    const int e0 = 32 * (int)(b % 8);
+    *sc = (int32_t)(uint16_t)(int16_t)scales[e0 / 16] | (int32_t)((uint32_t)(uint16_t)(int16_t)scales[e0 / 16 + 1] << 16);
+  }
+}
+
+
+#if defined(__AVX2__)
+// Block b of a row as 32 codes in a register (and ws, wm, Q6_K's scales)
+template <int F>
+VC_INLINE __m256i load_codes(const uint8_t* row, int64_t b, float* ws, float* wm, int32_t* sc) {
+  if (F == Q4_0 || F == Q4_1) {
+    const uint8_t* blk = row + b * block_bytes(F);
+    *ws = rdh(blk);
+    *wm = F == Q4_1 ? rdh(blk + 2) : 0.0f;
+    *sc = 0;
+    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (F == Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+  }
+  if (F == Q8_0) {
+    const uint8_t* blk = row + b * block_bytes(F);
+    *ws = rdh(blk);
+    *wm = 0.0f;
+    *sc = 0;
+    return _mm256_loadu_si256((const __m256i*)(blk + 2));
+  }
+  alignas(32) uint8_t u[32];
+  decode_block<F>(row, b, u, ws, wm, sc);
+  return _mm256_load_si256((const __m256i*)u);
+}
+
+VC_INLINE __m256i q6k_mul(int32_t sc) {   // madd's multipliers: the first 16 codes' scale, then the second's
+  return _mm256_set_m128i(_mm_set1_epi16((int16_t)(sc >> 16)), _mm_set1_epi16((int16_t)(sc & 0xffff)));
+}
+
+// 8 int32 partial sums of one block's c . a (split over lanes; their sum is the contract's s)
+template <int F>
+VC_INLINE __m256i block_dot(__m256i u, __m256i a, int32_t sc) {
+  if (kind_of(F) != UNSIGNED) {      // |c| unsigned, c's sign moved onto a
+    a = _mm256_sign_epi8(a, u);
+    u = _mm256_sign_epi8(u, u);
+  }
+  if (kind_of(F) == SCALED) return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), q6k_mul(sc));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+#endif
+}
+
+// v[j] (8 lanes each) -> lane j = the sum of v[j]'s lanes
+VC_INLINE __m256i reduce8(const __m256i* v) {
+  const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+// acc (8 outputs) += block b of row m: s (8 outputs) with the scales ws, wm of those outputs
+template <int F>
+VC_INLINE __m256 combine(__m256 acc, __m256i s, __m256 ws, __m256 wm, const QActs& X, int64_t m, int64_t b) {
+  const int64_t i = m * X.nb + b;
+  if (offset_of(F)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset_of(F) * X.sa[i]));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, _mm256_set1_ps(X.dx[i])), acc);
+  if (has_min(F)) acc = _mm256_fmadd_ps(wm, _mm256_set1_ps(X.ds[i]), acc);
+  return acc;
+}
+
+VC_INLINE void store_outputs(__m256 acc, float* y, int64_t n0, int valid, const float* bias) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, bias && valid == 8 ? _mm256_add_ps(acc, _mm256_loadu_ps(bias + n0)) : acc);
+  for (int j = 0; j < valid; ++j) y[n0 + j] = bias && valid < 8 ? t[j] + bias[n0 + j] : t[j];
+}
+
+// Few rows: MT rows (from m0) x 8 weight rows from n0 (valid of them; the rest repeat the last row),
+// read straight from their blocks
+template <int F, int MT>
+void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, const QActs& X, int64_t m0,
+                 float* const* ys, const float* bias) {
+  const uint8_t* rows[8];
+  for (int j = 0; j < 8; ++j) rows[j] = w + (n0 + (j < valid ? j : valid - 1)) * row_bytes;
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < X.nb; ++b) {
+    alignas(32) float ws[8], wm[8];
+    __m256i v[MT][8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      int32_t sc;
+      const __m256i u = load_codes<F>(rows[j], b, &ws[j], &wm[j], &sc);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i)
+        v[i][j] = block_dot<F>(u, _mm256_loadu_si256((const __m256i*)(X.a.data() + ((m0 + i) * X.nb + b) * 32)), sc);
+    }
+    const __m256 wsv = _mm256_load_ps(ws), wmv = _mm256_load_ps(wm);
+    for (int i = 0; i < MT; ++i) acc[i] = combine<F>(acc[i], reduce8(v[i]), wsv, wmv, X, m0 + i, b);
+  }
+  for (int i = 0; i < MT; ++i) store_outputs(acc[i], ys[m0 + i], n0, valid, bias);
+}
+
+// Many rows: 8 weight rows decoded so a 32-byte vector holds codes 4t..4t+3 of each of the 8 rows
+struct Panel {
+  int64_t nb = 0;
+  std::vector<uint8_t> u;       // [G, nb, 8 steps t, 8 rows, 4 codes]
+  std::vector<float> ws, wm;    // [G, nb, 8 rows]
+  std::vector<int16_t> sc;      // [G, nb, 2 halves, 16]: Q6_K's scale of each int16 pair
+  void resize(int64_t groups, int64_t blocks) {
+    nb = blocks;
+    u.resize(groups * nb * 256);
+    ws.resize(groups * nb * 8);
+    wm.resize(groups * nb * 8);
+    sc.resize(groups * nb * 32);
+  }
 };
 
-#if defined(__AVX2__)
-VC_INLINE __m256i codes(int F, const uint8_t* blk) {   // 32 codes: 4-bit (low nibbles, then high) or int8
-  if (F == Q8_0) return _mm256_loadu_si256((const __m256i*)(blk + 2));
-  const __m128i b = _mm_loadu_si128((const __m128i*)(blk + (F == Q4_1 ? 4 : 2)));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+template <int F>
+void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, Panel& P) {
+  for (int64_t r = 0; r < (rows + 7) / 8 * 8; ++r) {
+    const int64_t g = r / 8, j = r % 8;
+    const uint8_t* row = w + (n0 + (r < rows ? r : rows - 1)) * row_bytes;
+    for (int64_t b = 0; b < P.nb; ++b) {
+      alignas(32) uint8_t u[32];
+      int32_t sc;
+      const int64_t gb = g * P.nb + b;
+      decode_block<F>(row, b, u, &P.ws[gb * 8 + j], &P.wm[gb * 8 + j], &sc);
+      for (int t = 0; t < 8; ++t) std::memcpy(&P.u[(gb * 8 + t) * 32 + 4 * j], u + 4 * t, 4);
+      for (int h = 0; h < 2; ++h)
+        P.sc[gb * 32 + 16 * h + 2 * j] = P.sc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
+    }
+  }
 }
 
-VC_INLINE __m256 int_dot(int F, __m256i w, __m256i a) {   // 8 int32 partial sums of w . a, as fp32
-  const __m256i u = F == Q8_0 ? _mm256_sign_epi8(w, w) : w;    // maddubs wants the unsigned side first
-  const __m256i s = F == Q8_0 ? _mm256_sign_epi8(a, w) : a;
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
-VC_INLINE float hsum(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-#endif
-
-template <int F, int MT, int NT>
-void q8_tile(const uint8_t* w, int64_t row_bytes, int64_t K, const QRows& x, const float* bias, int64_t n0,
-             float* const* ys) {
-  const int bb = block_bytes(F);
-  float extra[MT][NT] = {};
-#if defined(__AVX2__)
-  __m256 acc[MT][NT];
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-#else
-  float acc[MT][NT][8] = {};   // the AVX2 lanes: lane l sums elements 4l..4l+3 of each block
-#endif
-  const char* ahead = (const char*)(w + (n0 + 2 * NT) * row_bytes);   // prefetch two tiles ahead
-  const int64_t blocks = K / 32, per_block = (NT * row_bytes / 64 + blocks) / blocks;
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t j = 0; j < per_block; ++j) __builtin_prefetch(ahead + (b * per_block + j) * 64);
-    float dw[NT], mw[NT];
-#if defined(__AVX2__)
-    __m256i q[NT];
-#endif
+// Steps t0 .. t0 + T16 of block b: MT rows x NG groups of 8 outputs, summed in int16 (or by VNNI in
+// int32), then as int32 into si
+template <int F, int MT, int NG, int T16>
+VC_INLINE void panel_steps(const uint8_t* pu, const int8_t* const* ab, int t0, const int16_t* psc, int64_t scs,
+                           __m256i (&si)[MT][NG]) {
+  __m256i s16[MT][NG];
+  for (int i = 0; i < MT; ++i)
+    for (int g = 0; g < NG; ++g) s16[i][g] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int n = 0; n < NT; ++n) {
-      const uint8_t* blk = w + (n0 + n) * row_bytes + b * bb;
-      dw[n] = rdh(blk);
-      mw[n] = F == Q4_1 ? rdh(blk + 2) : 0.0f;
-#if defined(__AVX2__)
-      q[n] = codes(F, blk);
-#endif
+  for (int t = t0; t < t0 + T16; ++t) {
+    __m256i a[MT];
+    for (int i = 0; i < MT; ++i) {
+      int32_t four;
+      std::memcpy(&four, ab[i] + 4 * t, 4);
+      a[i] = _mm256_set1_epi32(four);
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* a = x.q[m] + 32 * b;
-      const float dx = x.d[m][b], ds = x.ds[m][b];
-#if defined(__AVX2__)
-      const __m256i av = _mm256_loadu_si256((const __m256i*)a);
+    for (int g = 0; g < NG; ++g) {
+      const __m256i c = _mm256_loadu_si256((const __m256i*)(pu + t * 32));
+      const __m256i u = kind_of(F) == UNSIGNED ? c : _mm256_sign_epi8(c, c);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const __m256i ai = kind_of(F) == UNSIGNED ? a[i] : _mm256_sign_epi8(a[i], c);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if (kind_of(F) != SCALED) { si[i][g] = _mm256_dpbusd_epi32(si[i][g], u, ai); continue; }
 #endif
-#pragma GCC unroll 8
-      for (int n = 0; n < NT; ++n) {
-#if defined(__AVX2__)
-        acc[m][n] = _mm256_fmadd_ps(int_dot(F, q[n], av), _mm256_set1_ps(dw[n] * dx), acc[m][n]);
-#else
-        const uint8_t* blk = w + (n0 + n) * row_bytes + b * bb;
-        for (int l = 0; l < 8; ++l) {
-          int s = 0;
-          for (int i = 4 * l; i < 4 * l + 4; ++i) {
-            const int c = F == Q8_0 ? (int)(int8_t)blk[2 + i]
-                                    : ((blk[(F == Q4_1 ? 4 : 2) + i % 16] >> (4 * (i / 16))) & 0x0f);
-            s += c * a[i];
-          }
-          acc[m][n][l] = std::fma((float)s, dw[n] * dx, acc[m][n][l]);
-        }
-#endif
-        if (F == Q4_1) extra[m][n] += mw[n] * ds;
-        if (F == Q4_0) extra[m][n] -= 8.0f * dw[n] * ds;
+        s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_maddubs_epi16(u, ai));
       }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) {
-#if defined(__AVX2__)
-      const float s = hsum(acc[m][n]) + extra[m][n];
-#else
-      float t[8];
-      for (int l = 0; l < 8; ++l) t[l] = acc[m][n][l];
-      for (int h = 4; h >= 1; h /= 2)      // hsum's order: lanes i + i+4, i + i+2, 0 + 1
-        for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-      const float s = t[0] + extra[m][n];
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if (kind_of(F) != SCALED) return;
 #endif
-      ys[m][n0 + n] = bias ? s + bias[n0 + n] : s;
-    }
+  for (int g = 0; g < NG; ++g) {
+    const __m256i mul = kind_of(F) == SCALED ? _mm256_loadu_si256((const __m256i*)(psc + g * scs + 16 * (t0 / 4)))
+                                             : _mm256_set1_epi16(1);
+    for (int i = 0; i < MT; ++i) si[i][g] = _mm256_add_epi32(si[i][g], _mm256_madd_epi16(s16[i][g], mul));
+  }
 }
 
+// MT rows (from m0) x NG groups of 8 panel rows (from g0)
+template <int F, int MT, int NG>
+void panel_tile(const Panel& P, int64_t g0, const QActs& X, int64_t m0, float* const* ys, int64_t n0, int64_t valid,
+                const float* bias) {
+  static_assert(NG == 1, "one group a tile: more spill AVX2's 16 registers");
+  constexpr int T16 = steps16(F);
+  const int64_t nb = P.nb;
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* ab[MT];
+    for (int i = 0; i < MT; ++i) ab[i] = X.a.data() + ((m0 + i) * nb + b) * 32;
+    const int64_t gb = g0 * nb + b;
+    __m256i si[MT][1];
+    for (int i = 0; i < MT; ++i) si[i][0] = _mm256_setzero_si256();
+    for (int t0 = 0; t0 < 8; t0 += T16)
+      panel_steps<F, MT, 1, T16>(&P.u[gb * 256], ab, t0, &P.sc[gb * 32], 0, si);
+    const __m256 ws = _mm256_loadu_ps(&P.ws[gb * 8]), wm = _mm256_loadu_ps(&P.wm[gb * 8]);
+    for (int i = 0; i < MT; ++i) acc[i] = combine<F>(acc[i], si[i][0], ws, wm, X, m0 + i, b);
+  }
+  const int64_t left = valid - 8 * g0;
+  for (int i = 0; i < MT; ++i)
+    if (left > 0) store_outputs(acc[i], ys[m0 + i], n0 + 8 * g0, left < 8 ? (int)left : 8, bias);
+}
+
+constexpr int64_t DIRECT_ROWS = 3;   // up to this many rows read the blocks directly
+constexpr int64_t NB = 16;           // weight rows a work item
+constexpr int MT = 2;                // rows of x a panel tile
+
 template <int F>
-void q8_rows(int mt, const uint8_t* w, int64_t row_bytes, int64_t K, const QRows& x, const float* bias,
-             int64_t n0, int64_t nb, float* const* ys) {
-  int64_t n = n0;
-  for (; n + 4 <= n0 + nb; n += 4) {
-    switch (mt) {
-      case 1: q8_tile<F, 1, 4>(w, row_bytes, K, x, bias, n, ys); break;
-      default: q8_tile<F, 2, 4>(w, row_bytes, K, x, bias, n, ys); break;
+void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const QActs& X, int64_t M,
+             float* const* ys, const float* bias, Panel& P) {
+  if (M <= DIRECT_ROWS) {
+    for (int64_t n = n0; n < n0 + nb; n += 8) {
+      const int valid = (int)std::min<int64_t>(8, n0 + nb - n);
+      switch (M) {
+        case 1: direct_tile<F, 1>(w, row_bytes, n, valid, X, 0, ys, bias); break;
+        case 2: direct_tile<F, 2>(w, row_bytes, n, valid, X, 0, ys, bias); break;
+        default: direct_tile<F, 3>(w, row_bytes, n, valid, X, 0, ys, bias); break;
+      }
+    }
+    return;
+  }
+  decode_panel<F>(w, row_bytes, n0, nb, P);
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT)
+    for (int64_t g = 0; g < NB / 8; ++g) panel_tile<F, MT, 1>(P, g, X, m, ys, n0, nb, bias);
+  for (; m < M; ++m)
+    for (int64_t g = 0; g < NB / 8; ++g) panel_tile<F, 1, 1>(P, g, X, m, ys, n0, nb, bias);
+}
+#else
+// The contract in scalar code: the portable build, and the reference every other build matches
+struct Panel {
+  int64_t nb = 0;
+  void resize(int64_t, int64_t blocks) { nb = blocks; }
+};
+
+constexpr int64_t NB = 16;
+
+template <int F>
+void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const QActs& X, int64_t M,
+             float* const* ys, const float* bias, Panel&) {
+  for (int64_t n = n0; n < n0 + nb; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < X.nb; ++b) {
+        uint8_t u[32];
+        float ws, wm;
+        int32_t sc;
+        decode_block<F>(row, b, u, &ws, &wm, &sc);
+        const int8_t* a = X.a.data() + (m * X.nb + b) * 32;
+        int32_t s = 0;
+        for (int e = 0; e < 32; ++e) {
+          const int c = kind_of(F) == UNSIGNED ? (int)u[e] - offset_of(F) : (int)(int8_t)u[e];
+          const int mul = kind_of(F) == SCALED ? (int)(int16_t)(e < 16 ? (sc & 0xffff) : (sc >> 16)) : 1;
+          s += mul * c * a[e];
+        }
+        const int64_t i = m * X.nb + b;
+        acc = std::fma((float)s, ws * X.dx[i], acc);
+        if (has_min(F)) acc = std::fma(wm, X.ds[i], acc);
+      }
+      ys[m][n] = bias ? acc + bias[n] : acc;
     }
   }
-  for (; n < n0 + nb; ++n) {
-    switch (mt) {
-      case 1: q8_tile<F, 1, 1>(w, row_bytes, K, x, bias, n, ys); break;
-      default: q8_tile<F, 2, 1>(w, row_bytes, K, x, bias, n, ys); break;
+}
+#endif
+
+template <int F>
+void q8_linear(const uint8_t* w, int64_t row_bytes, int64_t N, const QActs& X, int64_t M, const float* bias,
+               float* y, int64_t ldy, int threads) {
+  const int64_t items = (N + NB - 1) / NB;
+  std::vector<float*> ys(M);
+  for (int64_t m = 0; m < M; ++m) ys[m] = y + m * ldy;
+  // dynamic: on a shared machine a descheduled thread's items go to the other (bits do not depend on
+  // who computes an output)
+#pragma omp parallel num_threads(threads)
+  {
+    Panel P;
+    P.resize(NB / 8, X.nb);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t n0 = it * NB;
+      q8_item<F>(w, row_bytes, n0, std::min(NB, N - n0), X, M, ys.data(), bias, P);
     }
   }
 }
@@ -160,37 +409,32 @@ void q8_rows(int mt, const uint8_t* w, int64_t row_bytes, int64_t K, const QRows
 
 extern "C" {
 
-// Returns 0, -1 for bad arguments, -2 for a format without an integer path (the caller runs the exact op).
+// Returns 0, -1 for bad arguments, -2 for a format without integer codes (the caller runs the fp32 op).
 int vc_linear_q8(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t ldx,
                  int64_t M, const float* bias, float* y, int64_t ldy, int n_threads) {
-  if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0) return -2;
-  if (K % 32 || ldx < K || ldy < N || M < 0) return -1;
+  if (fmt >= 0 && fmt <= Q6_K && !integer_format(fmt)) return -2;
+  if (!integer_format(fmt) || K % block_elems(fmt) || ldx < K || ldy < N || M < 0) return -1;
   if (M == 0 || N == 0) return 0;
-  const int64_t nblk = K / 32;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nblk), ds(M * nblk);
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, q.data() + m * K, d.data() + m * nblk, ds.data() + m * nblk);
-  constexpr int64_t NB = 16;
-  const int64_t items = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t n0 = it * NB, nb = N - n0 < NB ? N - n0 : NB;
-    for (int64_t m = 0; m < M; m += 2) {
-      const int mt = M - m < 2 ? 1 : 2;
-      QRows rows{};
-      float* ys[2];
-      for (int i = 0; i < mt; ++i) {
-        rows.q[i] = q.data() + (m + i) * K;
-        rows.d[i] = d.data() + (m + i) * nblk;
-        rows.ds[i] = ds.data() + (m + i) * nblk;
-        ys[i] = y + (m + i) * ldy;
-      }
-      switch (fmt) {
-        case Q4_0: q8_rows<Q4_0>(mt, w, row_bytes, K, rows, bias, n0, nb, ys); break;
-        case Q4_1: q8_rows<Q4_1>(mt, w, row_bytes, K, rows, bias, n0, nb, ys); break;
-        default: q8_rows<Q8_0>(mt, w, row_bytes, K, rows, bias, n0, nb, ys); break;
-      }
-    }
+  const int threads = n_threads > 0 ? n_threads : omp_get_max_threads();
+  QActs X;
+  X.nb = K / 32;
+  X.a.resize(M * K);
+  X.dx.resize(M * X.nb);
+  X.ds.resize(M * X.nb);
+  X.sa.resize(M * X.nb);
+#pragma omp parallel for schedule(static) num_threads(M >= 16 ? threads : 1)
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * ldx, X.nb, X.a.data() + m * K, X.dx.data() + m * X.nb, X.ds.data() + m * X.nb,
+                 X.sa.data() + m * X.nb);
+  switch (fmt) {
+    case Q4_0: q8_linear<Q4_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    case Q4_1: q8_linear<Q4_1>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    case Q5_0: q8_linear<Q5_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    case Q5_1: q8_linear<Q5_1>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    case Q8_0: q8_linear<Q8_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    case Q4_K: q8_linear<Q4_K>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    case Q5_K: q8_linear<Q5_K>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
+    default: q8_linear<Q6_K>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
   }
   return 0;
 }

@@ -25,7 +25,8 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
 
 namespace {
 
-// linear.cpp's C ABI: y[M, N] (row stride ldy) = x[M, K] W^T + bias; 0 on success, -2: no integer path
+// linear.cpp's / linear_q8.cpp's C ABI: y[M, N] (row stride ldy) = x[M, K] W^T + bias; 0 on success,
+// -2: no integer codes (a float weight: the fp32 op runs it)
 using LinearFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
                          int64_t ldx, int64_t m, const float* bias, float* y, int64_t ldy, int n_threads);
 // linear.cpp's out[i, :K] = row rows[i] of W, dequantized (embedding lookups)
@@ -81,7 +82,7 @@ Linear make_linear(const LinearSpec& spec) {
 
 // Every layer's weights for the native step, built once per model (``model/native_step.py``).
 struct StepWeights {
-  LinearFn exact, draft;
+  LinearFn exact, draft, fp32;  // the model's numerics (q8 or fp32), the draft rows', and the fp32 op
   DequantFn dequant;
   float eps;
   int64_t hq, hkv, d, hidden = 0, inter = 0;
@@ -89,10 +90,11 @@ struct StepWeights {
   Linear embed, head;          // the embedding's stored rows (one weight [V, H]) and the LM head
   at::Tensor final_norm;
 
-  StepWeights(int64_t exact_fn, int64_t draft_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
-      : exact((LinearFn)exact_fn), draft((LinearFn)draft_fn), dequant((DequantFn)dequant_fn), eps((float)eps_),
-        hq(hq_), hkv(hkv_), d(d_) {
-    TORCH_CHECK(exact_fn && draft_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
+  StepWeights(int64_t exact_fn, int64_t draft_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_,
+              int64_t hkv_, int64_t d_)
+      : exact((LinearFn)exact_fn), draft((LinearFn)draft_fn), fp32((LinearFn)fp32_fn), dequant((DequantFn)dequant_fn),
+        eps((float)eps_), hq(hq_), hkv(hkv_), d(d_) {
+    TORCH_CHECK(exact_fn && draft_fn && fp32_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
                 "bad step weights");
   }
 
@@ -123,7 +125,7 @@ struct StepWeights {
 
 namespace {
 
-// y rows [0, n_draft) through the draft function (integer dots), the rest exact
+// y rows [0, n_draft) through the draft function, the rest through the model's numerics
 void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t ldx, int64_t M, float* y,
                 int64_t n_draft, int threads) {
   auto call = [&](LinearFn fn, int64_t r0, int64_t m) {
@@ -133,8 +135,8 @@ void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t l
       const float* xr = x + r0 * ldx;
       float* yr = y + r0 * L.n_total + col;
       int rc = fn(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
-      if (rc == -2 && fn == W.draft)   // no integer path for this format: drafts run the exact op
-        rc = W.exact(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
+      if (rc == -2)   // a float weight has no integer codes: the fp32 op, in either numerics
+        rc = W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
       TORCH_CHECK(rc == 0, "the linear op refused format ", L.fmt[i], " [", L.n[i], ", ", L.k, "]");
       col += L.n[i];
     }
@@ -277,8 +279,8 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
         for (int64_t j = 0; j < H; ++j) xp[i * H + j] = xp[i * H + j] + op[i * H + j];
     });
   }
-  // the rows whose logits are wanted: final RMSNorm, then the head (exact for draft rows too, as the
-  // module runs it with q8 or exact drafts)
+  // the rows whose logits are wanted: final RMSNorm, then the head in the model's numerics (for draft
+  // rows too, as the module runs it)
   const float* norm_w = W.final_norm.data_ptr<float>();
   for (int64_t i = 0; i < M; ++i) vc_rows::rms_norm_row(xp + rows_out[i] * H, norm_w, H, W.eps, hp + i * H);
   at::Tensor logits = at::empty({M, W.head.n_total}, f32);
@@ -320,7 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
   pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
       .def("add_layer", &StepWeights::add_layer)
       .def("set_ends", &StepWeights::set_ends);
   m.def("forward_step", &forward_step, "a forward step in one call: embedding, every layer, the head");

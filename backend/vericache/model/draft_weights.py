@@ -7,7 +7,7 @@ its matmuls may be approximate: the design card's FP8/INT4 draft engine, here on
 - ``int4``: 4-bit min-max codes in groups of 32 input channels (the GGUF Q4_1 idea) through PyTorch's
   CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations), an eighth of the bytes;
 - ``q8``: no copy: int8 activations in integer dot products with a GGUF model's own stored blocks
-  (``Q8Linear``, ``kernels/linear_q8.cpp``); on other weights the exact op. The LM head stays exact
+  (``Q8Linear``, ``kernels/linear_q8.cpp``: the q8 numerics' op); on float weights the exact op. The LM head stays exact
   (its argmax near-ties are where int8 activations cost acceptance).
 Measured on an Intel Xeon (AVX-512, AMX), 2 threads, SmolLM2-135M's 121 matmuls of one forward
 (``python scripts/draft_weights_bench.py``): fp32 28 / 32 / 74 / 136 ms at 1 / 3 / 16 / 64 rows,
@@ -81,14 +81,15 @@ class Int4Linear:
 
 class Q8Linear:
     """Draft rows through the linear op's integer dots on the exact linear's own stored blocks
-    (``LinearOp.draft``: int8 activations per block of 32 against Q4_0/Q4_1/Q8_0 codes, the exact op
-    for other formats). No copy: the drafter reads the same bytes the verifier does."""
+    (``LinearOp.q8``: int8 activations per block of 32 against the integer codes, the fp32 op for
+    float weights). No copy: the drafter reads the same bytes the verifier does; in the q8 numerics
+    these drafts are the verifier's own arithmetic."""
 
     def __init__(self, exact) -> None:   # exact: an ``ExactLinear``
         self.exact, self.in_features, self.out_features = exact, exact.in_features, exact.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exact.run(self.exact.op.draft, x)
+        return self.exact.run(self.exact.op.q8, x)
 
 
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear}

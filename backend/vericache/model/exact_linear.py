@@ -24,6 +24,7 @@ class ExactLinear:
     weights: list[StoredWeight]
     bias: torch.Tensor | None
     op: LinearOp
+    numerics: str = "fp32"     # "q8": integer dots with the codes (``LinearOp.q8``); "fp32": ``op`` itself
 
     @property
     def weight(self) -> StoredWeight:
@@ -45,7 +46,7 @@ class ExactLinear:
         return sum(w.n for w in self.weights)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(self.op, x)
+        return self.run(self.op.q8 if self.numerics == "q8" else self.op, x)
 
     def run(self, fn, x: torch.Tensor) -> torch.Tensor:
         """``fn(x, weight, bias)`` (the op, or its ``draft``) over each stored weight, outputs side by side."""
@@ -59,45 +60,52 @@ class ExactLinear:
         return torch.cat([self.op.dequantize(w) for w in self.weights])
 
 
-def _dense(w: torch.Tensor) -> StoredWeight:
+def _dense(w: torch.Tensor, numerics: str) -> StoredWeight:
+    """A module's weight as the op reads it: as it is, or in the q8 numerics as Q8_0 blocks (integer
+    codes to meet the int8 activations; k divisible by 32)."""
+    if numerics == "q8" and w.shape[1] % 32 == 0:
+        return StoredWeight.q8_0(w)
     return StoredWeight.from_tensor(w.detach())
 
 
-def _weight(stored: dict[str, StoredWeight], name: str, module: nn.Linear) -> StoredWeight:
-    return stored[name] if name in stored else _dense(module.weight)
+def _weight(stored: dict[str, StoredWeight], name: str, module: nn.Linear, numerics: str) -> StoredWeight:
+    return stored[name] if name in stored else _dense(module.weight, numerics)
 
 
 def _fused(stored: dict[str, StoredWeight], names: list[str], modules: list[nn.Linear],
-           fused: torch.Tensor | None) -> list[StoredWeight]:
+           fused: torch.Tensor | None, numerics: str) -> list[StoredWeight]:
     """Several projections' rows as one weight: the stored blocks stacked (one weight per run of
     projections in one format), or the modules' fused tensor."""
     if not any(f"{n}.weight" in stored for n in names) and fused is not None:
-        return [_dense(fused)]
+        return [_dense(fused, numerics)]
     out: list[StoredWeight] = []
-    for w in [_weight(stored, f"{n}.weight", m) for n, m in zip(names, modules)]:
+    for w in [_weight(stored, f"{n}.weight", m, numerics) for n, m in zip(names, modules)]:
         out[-1:] = [StoredWeight.cat([out[-1], w])] if out and out[-1].fmt == w.fmt else out[-1:] + [w]
     return out
 
 
-def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | None = None) -> None:
-    """Route ``model``'s (a ``Transformer``) linears and embedding through ``op``. ``stored``: weights as
-    stored under their Hugging Face names (a GGUF model's blocks); the rest are read from the modules."""
+def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | None = None,
+            numerics: str = "fp32") -> None:
+    """Route ``model``'s (a ``Transformer``) linears and embedding through ``op`` in ``numerics``.
+    ``stored``: weights as stored under their Hugging Face names (a GGUF model's blocks); the rest are
+    read from the modules (in the q8 numerics quantized to Q8_0 blocks once, here)."""
     stored = stored or {}
+    q = numerics
     for i, layer in enumerate(model.model.layers):
         a, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
         qkv = _fused(stored, [f"{pre}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
-                     [a.q_proj, a.k_proj, a.v_proj], a.qkv[0] if a.qkv is not None else None)
+                     [a.q_proj, a.k_proj, a.v_proj], a.qkv[0] if a.qkv is not None else None, q)
         bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None
-        a.qkv_exact = ExactLinear(qkv, bias, op)
-        a.o_exact = ExactLinear([_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj)], None, op)
+        a.qkv_exact = ExactLinear(qkv, bias, op, q)
+        a.o_exact = ExactLinear([_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj, q)], None, op, q)
         gate_up = _fused(stored, [f"{pre}mlp.gate_proj", f"{pre}mlp.up_proj"], [mlp.gate_proj, mlp.up_proj],
-                         mlp.gate_up)
-        mlp.gate_up_exact = ExactLinear(gate_up, None, op)
-        mlp.down_exact = ExactLinear([_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj)], None, op)
+                         mlp.gate_up, q)
+        mlp.gate_up_exact = ExactLinear(gate_up, None, op, q)
+        mlp.down_exact = ExactLinear([_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj, q)], None, op, q)
     embed = stored.get("model.embed_tokens.weight")
     head = stored.get("lm_head.weight", embed if model.config.tie_word_embeddings else None)
-    model.head_exact = ExactLinear([head if head is not None else _dense(model.lm_head.weight)], None, op)
-    model.embed_exact = ExactLinear([embed], None, op) if embed is not None else None
+    model.head_exact = ExactLinear([head if head is not None else _dense(model.lm_head.weight, q)], None, op, q)
+    model.embed_exact = ExactLinear([embed], None, op, q) if embed is not None else None
 
 
 def uninstall(model: nn.Module) -> None:

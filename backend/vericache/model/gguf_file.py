@@ -181,6 +181,18 @@ def stored_state(reader, cfg: dict) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
+def stored_formats(model_dir: Path) -> set[str]:
+    """The GGUF block formats a converted model's stored matrices are in (read from the header); empty
+    for other models."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / STORED_FILE
+    if not path.exists():
+        return set()
+    with safe_open(str(path), framework="pt") as f:
+        return {json.loads(v)[0] for v in (f.metadata() or {}).values()}
+
+
 def load_stored(model_dir: Path) -> dict:
     """The stored matrices of a converted GGUF model (``StoredWeight`` by name); {} for other models."""
     from safetensors import safe_open

@@ -92,6 +92,7 @@ class LoadedModel:
     name: str = ""  # what the user asked for: a model name, a directory or a .gguf file
     kv_dtype: torch.dtype = torch.float32   # what the KV caches hold, full and compressed (``parse_kv_dtype``)
     kernels: str = "native"                  # what the forward runs on (``parse_kernels``)
+    numerics: str = "fp32"                   # the linears' arithmetic (``parse_numerics``)
 
     @property
     def attn_dtype(self) -> torch.dtype:
@@ -101,12 +102,12 @@ class LoadedModel:
 
 def load_model(name_or_path: str | Path, device: str | torch.device | None = None,
                dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype | None = None,
-               kernels: str | None = None) -> LoadedModel:
+               kernels: str | None = None, numerics: str | None = None) -> LoadedModel:
     """``kv_dtype``: the full KV caches' (``parse_kv_dtype``). ``kernels`` (``parse_kernels``; default
     $VERICACHE_KERNELS or "auto"): on the CPU ("native") every linear runs the batch-invariant op
     (``model/exact_linear.py``) and a step runs in one native call; a GGUF model's matrices stay in
     their blocks (fp32 only: its dequantized values are fp32), its ``nn.Linear`` modules and embedding
-    hold no data. "triton": the linears and the attention on the Triton kernels (``kernels/triton_*.py``;
+    hold no data. ``numerics`` (``parse_numerics``): the native linears' arithmetic, q8 or fp32. "triton": the linears and the attention on the Triton kernels (``kernels/triton_*.py``;
     a CUDA device's default, or on CPU tensors under TRITON_INTERPRET=1: the dry run); "torch": PyTorch's
     kernels (cuBLAS, SDPA), the fallback on a GPU."""
     path = resolve_model(name_or_path)
@@ -116,6 +117,7 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     kv_dt = parse_kv_dtype(kv_dtype, dt, dev)
     cfg = ModelConfig.from_file(path / "config.json")
     stored = load_stored(path) if dev.type == "cpu" and dt == torch.float32 and kernels != "torch" else {}
+    numerics = parse_numerics(numerics, kernels, dt, stored)
     with torch.device("meta"):
         model = Transformer(cfg)
     for name in stored:   # data-less placeholders: the op reads the blocks
@@ -133,9 +135,28 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
         raise ModelConfigError(
             f"weights in {path} do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    model = prepare(model.to(device=dev, dtype=dt).eval(), dev, dt, kernels, stored)
+    model = prepare(model.to(device=dev, dtype=dt).eval(), dev, dt, kernels, stored, numerics)
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels)
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels, numerics)
+
+
+def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, stored: dict) -> str:
+    """The linears' arithmetic: "q8" (int8 activations in exact integer dot products with the stored
+    codes, ``kernels/linear_q8.cpp``) or "fp32" (exact dequantization, ``kernels/linear.cpp``); both
+    batch-invariant and the same bits in every build. None (auto): q8 where the native kernels run a
+    model stored in integer blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its
+    linears as Q8_0 blocks. The GPU kernels compute in their own dtype: fp32 names them."""
+    from vericache.kernels.linear_op import NUMERICS, Q8_FORMATS
+
+    if numerics is not None and numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} or None (auto), got {numerics!r}")
+    if numerics == "q8" and (kernels != "native" or dtype != torch.float32):
+        raise ValueError(f"numerics='q8' runs on the native CPU kernels with fp32 weights, not kernels={kernels!r} "
+                         f"dtype={dtype}")
+    if numerics is None:
+        integer = any(w.fmt in Q8_FORMATS for w in stored.values())
+        numerics = "q8" if kernels == "native" and integer else "fp32"
+    return numerics
 
 
 def load_tokenizer(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:
@@ -147,7 +168,7 @@ def load_tokenizer(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:
 
 
 def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str,
-            stored: dict | None = None) -> Transformer:
+            stored: dict | None = None, numerics: str = "fp32") -> Transformer:
     """A model's weights in place -> ready to run on ``kernels`` (``parse_kernels``'s result): RoPE
     frequencies (fp32 whatever the weights are), fused projections, and the linears and attention on
     the chosen kernels (``stored``: a GGUF model's blocks)."""
@@ -155,8 +176,8 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
     model.attn_dtype = kv_dtype_for(dt, dev)
     model.fuse_projections()
     if kernels == "native":
-        exact_linear.install(model, linear_op(), stored)
-        native_step.install(model, linear_op())
+        exact_linear.install(model, linear_op(), stored, numerics)
+        native_step.install(model, linear_op(), numerics)
         for layer in model.model.layers:
             layer.self_attn.kernels = kernels
         return model

@@ -39,13 +39,14 @@ def _linear_spec(lin) -> tuple:
 class NativeStep:
     """The decoder stack of ``model`` (installed exact linears) as one native call per step."""
 
-    def __init__(self, model, op: LinearOp) -> None:
+    def __init__(self, model, op: LinearOp, numerics: str = "fp32") -> None:
         cfg = model.config
         self.kernels = packed_kernels(op.isa)
         self.head_dim = cfg.head_dim
-        exact, draft, dequant = (ctypes.cast(f, ctypes.c_void_p).value
-                                 for f in (op.lib.vc_linear, op.lib.vc_linear_q8, op.lib.vc_dequant_rows))
-        self.weights = self.kernels.StepWeights(exact, draft, dequant, cfg.rms_norm_eps, cfg.num_attention_heads,
+        fp32, q8, dequant = (ctypes.cast(f, ctypes.c_void_p).value
+                             for f in (op.lib.vc_linear, op.lib.vc_linear_q8, op.lib.vc_dequant_rows))
+        exact = q8 if numerics == "q8" else fp32
+        self.weights = self.kernels.StepWeights(exact, q8, fp32, dequant, cfg.rms_norm_eps, cfg.num_attention_heads,
                                                 cfg.num_key_value_heads, cfg.head_dim)
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -53,7 +54,8 @@ class NativeStep:
             self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
                                                                        mlp.down_exact)])
         # the embedding as stored (a GGUF model's blocks; else the fp32 table as it is) and the head
-        embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op)
+        embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op,
+                                                 numerics)
         self.weights.set_ends(_linear_spec(embed), model.model.norm.weight.detach().float().contiguous(),
                               _linear_spec(model.head_exact))
 
@@ -80,7 +82,7 @@ class NativeStep:
     def run(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int],
             plans: list[LayeredParts], n_draft: int, logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [N] -> logits [M, V] of the rows ``logits_index`` (all when None); rows :n_draft
-        read the q8 draft path (the head is exact for every row, as in the module)."""
+        read the q8 draft path (the head runs the model's numerics for every row, as in the module)."""
         rows = torch.arange(tokens.shape[0]) if logits_index is None else logits_index.to(torch.int64)
         ints: list[int] = []
         tensors: list[torch.Tensor | None] = []
@@ -99,11 +101,12 @@ class NativeStep:
         return out
 
 
-def install(model, op: LinearOp) -> None:
-    """Give a CPU model (its exact linears installed) the row ops and, where it fits, the native step."""
+def install(model, op: LinearOp, numerics: str = "fp32") -> None:
+    """Give a CPU model (its exact linears installed in ``numerics``) the row ops and, where it fits,
+    the native step in the same numerics."""
     kernels = packed_kernels(op.isa)
     for layer in model.model.layers:
         layer.input_layernorm.row_op = layer.post_attention_layernorm.row_op = kernels.rms_norm
         layer.mlp.act_op = kernels.silu_mul
     model.model.norm.row_op = kernels.rms_norm
-    model.native = NativeStep(model, op) if NativeStep.supports(model) else None
+    model.native = NativeStep(model, op, numerics) if NativeStep.supports(model) else None

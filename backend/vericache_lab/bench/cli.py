@@ -216,7 +216,7 @@ def _cmd_linear(args) -> int:
 
 
 def _add_linear(bsub) -> None:
-    li = bsub.add_parser("linear", help="one forward's matmuls: the batch-invariant op per ISA build vs MKL fp32")
+    li = bsub.add_parser("linear", help="one forward's matmuls: the batch-invariant op in both numerics per ISA build vs MKL fp32")
     li.add_argument("--model", default=DEFAULT_MODEL)
     li.add_argument("--rows", type=ints, default=[1, 16, 64, 512])
     li.add_argument("--isas", default="", help="comma-separated builds (avx512, avx2, portable); default: "

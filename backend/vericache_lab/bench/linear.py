@@ -1,10 +1,11 @@
-"""``vericache bench linear``: one forward's matmuls through the batch-invariant op, per ISA build,
-against MKL's fp32 ``F.linear`` on the same (dequantized) weights, measured side by side in one run.
+"""``vericache bench linear``: one forward's matmuls through the batch-invariant op in both numerics
+(``q8``: integer dots; ``fp32``: exact dequantization), per ISA build, against MKL's fp32 ``F.linear``
+on the same (dequantized) weights, measured side by side in one run.
 
-For each row count: the op's time in every build this CPU runs (``avx512``, ``avx2``; ``portable``
-when asked), MKL's time, the ratio, and at one row the stored bytes over the read bandwidth measured in
-the run (the floor a decode step's weights cannot beat). Each build is also checked bit for bit
-against the first (the same logits whatever the build). Repeats interleave the contenders, so a noisy
+For each row count: the op's time per numerics in every build this CPU runs (``avx512``, ``avx2``;
+``portable`` when asked), MKL's time, the ratios to MKL and to the fp32 op of the same build, and at
+one row the stored bytes over the read bandwidth measured in the run (the floor a decode step's
+weights cannot beat). Each build is also checked bit for bit against the first, per numerics. Repeats interleave the contenders, so a noisy
 moment on a shared machine hits them alike; the best of ``repeats`` counts.
 """
 
@@ -17,19 +18,20 @@ import torch.nn.functional as F
 
 from vericache_lab.bench.common import cpu_model
 from vericache_lab.report import markdown_table
-from vericache.kernels.linear_op import LinearOp, supported_isas
+from vericache.kernels.linear_op import NUMERICS, LinearOp, supported_isas
 from vericache.model.exact_linear import exact_linears
 from vericache.model.loader import load_model
 from vericache_lab.sim.roofline import read_bandwidth
 
-COLUMNS = ["rows", "contender", "ms", "x_mkl", "x_bytes_floor"]
+COLUMNS = ["rows", "contender", "ms", "x_mkl", "fp32_over_this", "x_bytes_floor"]
 
 
-def _forward_matmuls(linears, xs, op: LinearOp | None):
-    """One forward's matmuls: each stored weight through ``op``, or (op None) MKL on the fp32 copies."""
-    if op is None:
+def _forward_matmuls(linears, xs, fn=None):
+    """One forward's matmuls: each stored weight through ``fn`` (an op's numerics), or (fn None) MKL on
+    the fp32 copies."""
+    if fn is None:
         return [F.linear(xs[w.shape[1]], w) for w in linears]
-    return [op(xs[lin.weight.k], lin.weight) for lin in linears]
+    return [fn(xs[lin.weight.k], lin.weight) for lin in linears]
 
 
 @torch.inference_mode()
@@ -50,13 +52,15 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
     for m in rows:
         g = torch.Generator().manual_seed(m)
         xs = {k: torch.randn(m, k, generator=g) for k in {w.k for w in stored}}
-        first = None
-        for name, op in ops.items():   # every build: the same bits
-            ys = _forward_matmuls(lins, xs, op)
-            first = first or ys
-            identical &= all(torch.equal(a, b) for a, b in zip(ys, first))
-        contenders = {**{f"op-{isa}": (lambda op=op: _forward_matmuls(lins, xs, op)) for isa, op in ops.items()},
-                      "mkl-fp32": lambda: _forward_matmuls(dense, xs, None)}
+        for numerics in NUMERICS:
+            first = None
+            for op in ops.values():   # every build: the same bits
+                ys = _forward_matmuls(lins, xs, op.numerics(numerics))
+                first = first or ys
+                identical &= all(torch.equal(a, b) for a, b in zip(ys, first))
+        contenders = {f"{numerics}-{isa}": (lambda fn=op.numerics(numerics): _forward_matmuls(lins, xs, fn))
+                      for isa, op in ops.items() for numerics in NUMERICS}
+        contenders["mkl-fp32"] = lambda: _forward_matmuls(dense, xs)
         best = {name: float("inf") for name in contenders}
         for fn in contenders.values():
             fn()   # warm-up
@@ -66,8 +70,10 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
         for name, s in best.items():
+            same_build_fp32 = best.get("fp32-" + name.split("-", 1)[1], float("nan"))
             out_rows.append({"rows": m, "contender": name, "ms": round(s * 1e3, 2),
                              "x_mkl": round(s / best["mkl-fp32"], 3),
+                             "fp32_over_this": round(same_build_fp32 / s, 2) if name.startswith("q8") else "",
                              "x_bytes_floor": round(s / floor_s, 2) if m == 1 else ""})
         log(f"  {m} rows: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in best.items()))
     return {"model": loaded.name, "cpu": cpu_model(), "isas": isas, "threads": torch.get_num_threads(),
@@ -99,7 +105,7 @@ def plot_linear(res: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("rows per call")
     ax.set_ylabel("one forward's matmuls (ms, log)")
-    ax.set_title(f"{res['model']}: batch-invariant op vs MKL fp32\n{res['cpu']}", fontsize=9)
+    ax.set_title(f"{res['model']}: batch-invariant op (q8, fp32 numerics) vs MKL fp32\n{res['cpu']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
