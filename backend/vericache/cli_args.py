@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Callable
 
-from vericache.engine.config import add_engine_args, add_kv_dtype_arg, draft_len_arg as draft_len  # noqa: F401 - re-exported
+from vericache.engine.config import add_engine_args, add_kv_dtype_arg, add_numerics_arg, draft_len_arg as draft_len  # noqa: F401 - re-exported
 
 
 def ints(text: str) -> list[int]:

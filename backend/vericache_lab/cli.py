@@ -73,6 +73,25 @@ def _add_eval_model(sub) -> None:
     e.set_defaults(func=_cmd_eval_model)
 
 
+def _cmd_eval_numerics(args: argparse.Namespace) -> int:
+    from vericache_lab.eval.numerics_quality import run_numerics_quality
+
+    res = run_numerics_quality(args.model, Path(args.text), tokens=args.tokens, chunk=args.chunk,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(res, indent=None if args.json else 2))
+    return 0
+
+
+def _add_eval_numerics(sub) -> None:
+    e = sub.add_parser("eval-numerics", help="the q8 numerics against fp32: perplexity, argmax agreement, greedy text")
+    e.add_argument("--model", default=DEFAULT_MODEL)
+    e.add_argument("--text", required=True, help="a held-out text file (no test or training set reads it)")
+    e.add_argument("--tokens", type=int, default=4096)
+    e.add_argument("--chunk", type=int, default=1024)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_eval_numerics)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from vericache_lab.report import markdown_table, record
     from vericache_lab.eval.long_eval import FULL_GRID, QUICK_GRID, QUALITY, plot_long_eval, run_long_eval
@@ -142,6 +161,7 @@ def add_lab_parsers(sub) -> None:
     _add_demo(sub)
     _add_train_tiny(sub)
     _add_eval_model(sub)
+    _add_eval_numerics(sub)
     _add_eval(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)

@@ -156,10 +156,7 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
         add_kv_dtype_arg(p)
         p.add_argument("--kernels", default=d.kernels, choices=["native", "triton", "torch"],
                        help="what the forward runs on (default: native on the CPU, Triton on a GPU)")
-        p.add_argument("--numerics", default=d.numerics, choices=NUMERICS,
-                       help="the CPU linears' numerics, full mode, verification and drafts alike: q8 (int8 "
-                            "activations x the stored integer codes, exact integer sums) or fp32 (exact "
-                            "dequantization); default: q8 for a GGUF model with integer blocks, else fp32")
+        add_numerics_arg(p)
     if "mode" in groups:
         p.add_argument("--mode", default=d.mode, choices=MODES, help=f"what a request gets when it does not ask "
                                                                      f"(default: {d.mode})")
@@ -179,6 +176,15 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
         p.add_argument("--tiered", default=d.tiered, action=argparse.BooleanOptionalAction,
                        help="full KV in a host tier, brought over a link per verification (default: only on CUDA)")
         p.add_argument("--scheduler", default=d.scheduler, choices=SCHEDULERS, help="the link schedule when tiered")
+
+
+def add_numerics_arg(p: argparse.ArgumentParser) -> None:
+    """--numerics: the CPU linears' arithmetic (``loader.parse_numerics``)."""
+    p.add_argument("--numerics", default=DEFAULTS.numerics, choices=NUMERICS,
+                   help="the CPU linears' numerics, full mode, verification and drafts alike: q8 (int8 "
+                        "activations x the stored integer codes, exact integer sums) or fp32 (exact "
+                        "dequantization); default: $VERICACHE_NUMERICS, else q8 for a GGUF model with integer "
+                        "blocks, else fp32")
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:

@@ -143,11 +143,12 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
 def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, stored: dict) -> str:
     """The linears' arithmetic: "q8" (int8 activations in exact integer dot products with the stored
     codes, ``kernels/linear_q8.cpp``) or "fp32" (exact dequantization, ``kernels/linear.cpp``); both
-    batch-invariant and the same bits in every build. None (auto): q8 where the native kernels run a
+    batch-invariant and the same bits in every build. None ($VERICACHE_NUMERICS, else auto): q8 where the native kernels run a
     model stored in integer blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its
     linears as Q8_0 blocks. The GPU kernels compute in their own dtype: fp32 names them."""
     from vericache.kernels.linear_op import NUMERICS, Q8_FORMATS
 
+    numerics = numerics or os.environ.get("VERICACHE_NUMERICS") or None
     if numerics is not None and numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} or None (auto), got {numerics!r}")
     if numerics == "q8" and (kernels != "native" or dtype != torch.float32):

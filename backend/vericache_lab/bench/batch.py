@@ -83,10 +83,11 @@ def decode_all(engine: Engine, seqs, opts, prefills, log, label: str, from_first
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
               dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
               llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False,
-              kv_dtype: str | None = None) -> dict:
+              kv_dtype: str | None = None, numerics: str | None = None) -> dict:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
     its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
-    llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype)
+    llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype,
+              numerics=numerics)
     engine, tok, engines = llm.engine, llm.tokenizer, {}
     prompts = distinct_prompts(tok, n_requests, context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -128,7 +129,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     if roof is not None:  # measured again after the runs: each figure's better value counts
         roof = roof.best(roofline.measure(llm, log))
     add_x_full(rows)
-    return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."), "kv_dtype": str(llm.loaded.kv_dtype).removeprefix("torch."), "cpu": cpu_model(),
+    return {"model": llm.loaded.name, "weights": str(llm.loaded.dtype).removeprefix("torch."), "kv_dtype": str(llm.loaded.kv_dtype).removeprefix("torch."),
+            "numerics": llm.loaded.numerics, "cpu": cpu_model(),
             "threads": torch.get_num_threads(), "prefill_s": round(prefill_s, 1),
             "rows": rows, "roofline": roof.to_dict() if roof else None,
             "roofline_rows": [x for label, (m, st) in runs.items() for x in roofline.summarize(st, roof, m, label)]

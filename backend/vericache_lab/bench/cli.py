@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vericache.cli_args import add_kv_dtype_arg, draft_len, ints, progress
+from vericache.cli_args import add_kv_dtype_arg, add_numerics_arg, draft_len, ints, progress
 from vericache.engine.config import DEFAULTS
 from vericache.model.registry import DEFAULT_MODEL
 
@@ -23,7 +23,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
                            with_transformers=not args.no_transformers, dtype=args.dtype, kv_dtype=args.kv_dtype, log=progress(args),
-                           llamacpp=not args.no_llamacpp)
+                           llamacpp=not args.no_llamacpp, numerics=args.numerics)
     runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
     if args.plot:
@@ -50,6 +50,7 @@ def _add_decode(bsub) -> None:
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (attention stays fp32)")
+    add_numerics_arg(b)
     add_kv_dtype_arg(b)
     b.add_argument("--json", action="store_true")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
@@ -242,7 +243,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
                     args.draft_len, args.device, log=progress(args), llamacpp=not args.no_llamacpp,
                     llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies,
-                    kv_dtype=args.kv_dtype)
+                    kv_dtype=args.kv_dtype, numerics=args.numerics)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -267,6 +268,7 @@ def _add_batch(bsub) -> None:
     bt.add_argument("--draft-len", default=DEFAULTS.draft_len, type=draft_len)
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; attention stays fp32)")
     add_kv_dtype_arg(bt)
+    add_numerics_arg(bt)
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")

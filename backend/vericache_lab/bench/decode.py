@@ -49,12 +49,14 @@ def generate_with_steps(engine, mode: str, prompt: list[int], params: SamplingPa
 
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
                      draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
-                     device: str = "cpu", log=print, llamacpp: bool = True, kv_dtype: str | None = None) -> dict:
+                     device: str = "cpu", log=print, llamacpp: bool = True, kv_dtype: str | None = None,
+                     numerics: str | None = None) -> dict:
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
     each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
     # Long: one bench run read top to bottom (per context: every mode on the same prompt, side by side,
     # then the baselines); the modes share the prompt, prefill and reference outputs.
-    llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype)
+    llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype,
+              numerics=numerics)
     engine, engines = llm.engine, {}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate([engine.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
@@ -108,7 +110,8 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
         for label, (base, steps) in runs.items():
             mode, ctx = label.rsplit(" ", 1)
             roof_rows += [{"context": int(ctx), **r} for r in roofline.summarize(steps, roof, base, mode)]
-    return {"model": llm.loaded.name, "cpu": cpu_model(), "kv_dtype": str(llm.loaded.kv_dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "rows": rows,
+    return {"model": llm.loaded.name, "cpu": cpu_model(), "kv_dtype": str(llm.loaded.kv_dtype).removeprefix("torch."),
+            "numerics": llm.loaded.numerics, "threads": torch.get_num_threads(), "rows": rows,
             "roofline": roof.to_dict() if roof else None, "roofline_rows": roof_rows, "step_records": runs}
 
 
