@@ -59,7 +59,8 @@ def test_tiered_only_where_the_device_is_not_the_host():
 def test_the_front_ends_read_their_defaults_from_the_config():
     """``LLM``'s keyword defaults, the Triton model's parameters and the README's list are the config's."""
     sig = inspect.signature(LLM.__init__).parameters
-    for name in ("model", "mode", "compressor", "draft_len", "draft_weights", "device", "dtype", "kv_dtype", "kernels"):
+    for name in ("model", "mode", "compressor", "draft_len", "draft_weights", "device", "dtype", "kv_dtype", "kernels",
+                 "numerics"):
         assert sig[name].default == getattr(DEFAULTS, name), name
     pbtxt = (ROOT / "model_repository" / "vericache" / "config.pbtxt").read_text()
     params = dict(re.findall(r'parameters: \{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}', pbtxt))

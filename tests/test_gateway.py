@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 
 from vericache import SamplingParams
+from vericache.kernels.linear_op import supported_isas
 from vericache.engine.engine import Engine
 from vericache.serving.service import BackgroundService
 from vericache_gateway.app import create_app
@@ -219,7 +220,10 @@ def test_api_key(llm):
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
-        assert [m.id for m in good.models.list()] == ["tiny"]
+        models = good.models.list()
+        assert [m.id for m in models] == ["tiny"]
+        described = models.data[0].model_extra["vericache"]   # what the engine computes with
+        assert described["numerics"] == llm.loaded.numerics and described["build"] in supported_isas()
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
     finally:
         s.close()

@@ -37,7 +37,8 @@ def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str |
     from vericache_lab.bench.common import cpu_model
 
     where = cpu_model() if llm.loaded.device.type == "cpu" else str(llm.loaded.device)
-    print(f"model {model} on {where} (weights {llm.loaded.dtype}, KV {llm.loaded.kv_dtype}); compressor {compressor}")
+    print(f"model {model} on {where} (weights {llm.loaded.dtype}, {llm.loaded.numerics} numerics, KV "
+          f"{llm.loaded.kv_dtype}); compressor {compressor}")
     print(f"task 1: a value hidden in a {len(needle.prompt_ids)}-token Python file; asked in chat for it "
           f"(right answer: {needle.answer})")
     print(f"task 2: complete `{code.head.splitlines()[0].strip()}` after {len(code.prompt_ids)} tokens of its source file")

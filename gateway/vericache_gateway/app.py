@@ -183,8 +183,9 @@ async def health(request: Request):
 
 
 async def models(request: Request):
-    return {"object": "list", "data": [{"id": gateway_of(request).model_name, "object": "model", "created": 0,
-                                        "owned_by": "vericache"}]}
+    gw = gateway_of(request)   # "vericache": what the engine computes with (numerics, kernels' build)
+    return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": 0,
+                                        "owned_by": "vericache", "vericache": gw.backend.describe()}]}
 
 
 async def prometheus(request: Request):

@@ -74,6 +74,9 @@ class EmbeddedBackend:
     def gauges(self) -> dict:
         return self.service.gauges()
 
+    def describe(self) -> dict:
+        return self.service.describe()
+
     def set_metrics_sink(self, sink) -> None:
         self.service.metrics = sink
 
@@ -176,6 +179,10 @@ class TritonBackend:
 
     def gauges(self) -> dict:
         return {}
+
+    def describe(self) -> dict:
+        """The engine runs inside Triton: its settings are the model repository's parameters."""
+        return {"backend": "triton", "triton_model": self.triton_model}
 
     def set_metrics_sink(self, sink) -> None:
         pass

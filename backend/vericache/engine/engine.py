@@ -175,6 +175,19 @@ class Engine:
         """Bytes the unfinished requests' caches hold."""
         return sum(r.resident_bytes() for r in self.loop.requests if not r.done)
 
+    def describe(self) -> dict:
+        """What this engine computes with: the model, the weights', KV's and linears' arithmetic, the
+        kernels and their build (front ends report it: ``/v1/models``, bench JSON)."""
+        lm = self.loaded
+        isa = None
+        if lm.kernels == "native":
+            from vericache.kernels.linear_op import best_isa
+
+            isa = best_isa()
+        return {"model": lm.name, "numerics": lm.numerics, "kernels": lm.kernels, "build": isa,
+                "dtype": str(lm.dtype).removeprefix("torch."), "kv_dtype": str(lm.kv_dtype).removeprefix("torch."),
+                "mode": self.config.mode, "compressor": str(getattr(self.config.compressor, "spec", self.config.compressor))}
+
     def stats(self) -> dict:
         """Gauges: requests, KV bytes per tier and the device tier's use, the link's bytes and busy time,
         the grouped schedule's mean group count."""

@@ -1,9 +1,10 @@
 """The batch-invariant linear op (``linear.cpp``) built per instruction set and called through ctypes.
 
-``linear.cpp`` has no torch headers, so g++ builds each variant in seconds: ``avx512``
+``linear.cpp`` has no torch headers, so g++ builds each variant in seconds: ``avx512vnni`` (the
+next one plus ``-mavx512vnni``: the q8 numerics' integer dots in VNNI's ``dpbusd``), ``avx512``
 (``-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c``), ``avx2`` (``-mavx2 -mfma -mf16c``, no
 AVX-512 flag: what an AMD EPYC without AVX-512 runs) and ``portable`` (baseline x86-64, scalar). All
-three give the same bits (the op's lane structure is fixed); ``best_isa()`` picks the widest one this
+give the same bits (the op's lane structure is fixed); ``best_isa()`` picks the widest one this
 CPU's flags allow, ``LinearOp(isa)`` loads one. The library links the process's libgomp (torch's), so
 the op and torch share one OpenMP thread pool and ``torch.set_num_threads`` governs both.
 """
@@ -23,12 +24,15 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "linear_q8.cpp"]
 HEADERS = [HERE / "gguf_blocks.h"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": [*_AVX512, "-mavx512vnni"],   # the q8 numerics' integer dots in one `dpbusd` (same bits)
+    "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "portable": ["-march=x86-64", "-mtune=generic"],
 }
-ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+ISA_CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_vnni"},
+                 "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
                  "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 # exact, reproducible IEEE arithmetic: explicit fma only, no contraction, no reassociation
 CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
@@ -56,7 +60,7 @@ def cpu_flags() -> frozenset[str]:
 def supported_isas() -> list[str]:
     """The variants this CPU can run, widest first (an AVX-512 machine runs the AVX2 build too)."""
     flags = cpu_flags()
-    return [isa for isa in ("avx512", "avx2", "portable") if ISA_CPU_FLAGS[isa] <= flags]
+    return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
 
 
 @functools.cache

@@ -60,7 +60,7 @@ void quantize_row(const float* x, int64_t nb, int8_t* a, float* dx, float* ds, i
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));   // inlined (fmax is a libm call)
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int i = 0; i < 32; ++i) {
@@ -134,22 +134,17 @@ VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws
 
 
 #if defined(__AVX2__)
-// Block b of a row as 32 codes in a register (and ws, wm, Q6_K's scales)
+// Block b of a row as 32 codes in a register (and ws, wm, Q6_K's scales; Q4_0/Q4_1/Q8_0 leave those
+// to the caller, which converts 8 rows' scales at once)
 template <int F>
 VC_INLINE __m256i load_codes(const uint8_t* row, int64_t b, float* ws, float* wm, int32_t* sc) {
   if (F == Q4_0 || F == Q4_1) {
     const uint8_t* blk = row + b * block_bytes(F);
-    *ws = rdh(blk);
-    *wm = F == Q4_1 ? rdh(blk + 2) : 0.0f;
-    *sc = 0;
     const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (F == Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
   }
   if (F == Q8_0) {
     const uint8_t* blk = row + b * block_bytes(F);
-    *ws = rdh(blk);
-    *wm = 0.0f;
-    *sc = 0;
     return _mm256_loadu_si256((const __m256i*)(blk + 2));
   }
   alignas(32) uint8_t u[32];
@@ -199,27 +194,46 @@ VC_INLINE void store_outputs(__m256 acc, float* y, int64_t n0, int valid, const 
   for (int j = 0; j < valid; ++j) y[n0 + j] = bias && valid < 8 ? t[j] + bias[n0 + j] : t[j];
 }
 
+// The fp16 at byte `at` of 8 blocks -> 8 floats (one conversion for the 8)
+VC_INLINE __m256 halves8(const uint8_t* const* blk, int at) {
+  __m128i h = _mm_setzero_si128();
+  h = _mm_insert_epi16(h, rd16(blk[0] + at), 0); h = _mm_insert_epi16(h, rd16(blk[1] + at), 1);
+  h = _mm_insert_epi16(h, rd16(blk[2] + at), 2); h = _mm_insert_epi16(h, rd16(blk[3] + at), 3);
+  h = _mm_insert_epi16(h, rd16(blk[4] + at), 4); h = _mm_insert_epi16(h, rd16(blk[5] + at), 5);
+  h = _mm_insert_epi16(h, rd16(blk[6] + at), 6); h = _mm_insert_epi16(h, rd16(blk[7] + at), 7);
+  return _mm256_cvtph_ps(h);
+}
+
+constexpr int PF_ROWS = 16;   // decode: weight rows read ahead (software prefetch; see linear.cpp's PF)
+
 // Few rows: MT rows (from m0) x 8 weight rows from n0 (valid of them; the rest repeat the last row),
 // read straight from their blocks
 template <int F, int MT>
-void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, const QActs& X, int64_t m0,
-                 float* const* ys, const float* bias) {
+void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, int64_t n_end, const QActs& X,
+                 int64_t m0, float* const* ys, const float* bias) {
+  constexpr bool simple = F == Q4_0 || F == Q4_1 || F == Q8_0;   // scales at the block's start
   const uint8_t* rows[8];
   for (int j = 0; j < 8; ++j) rows[j] = w + (n0 + (j < valid ? j : valid - 1)) * row_bytes;
+  const int64_t ahead = std::min<int64_t>(PF_ROWS, n_end - 1 - n0) * row_bytes;
+  const int bb = block_bytes(F);
   __m256 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < X.nb; ++b) {
     alignas(32) float ws[8], wm[8];
     __m256i v[MT][8];
+    const uint8_t* blk[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      int32_t sc;
+      blk[j] = rows[j] + b * bb;
+      if (simple && (b * bb) % 64 < bb) __builtin_prefetch(blk[j] + ahead + 64);
+      int32_t sc = 0;
       const __m256i u = load_codes<F>(rows[j], b, &ws[j], &wm[j], &sc);
 #pragma GCC unroll 4
       for (int i = 0; i < MT; ++i)
         v[i][j] = block_dot<F>(u, _mm256_loadu_si256((const __m256i*)(X.a.data() + ((m0 + i) * X.nb + b) * 32)), sc);
     }
-    const __m256 wsv = _mm256_load_ps(ws), wmv = _mm256_load_ps(wm);
+    const __m256 wsv = simple ? halves8(blk, 0) : _mm256_load_ps(ws);
+    const __m256 wmv = F == Q4_1 ? halves8(blk, 2) : simple ? _mm256_setzero_ps() : _mm256_load_ps(wm);
     for (int i = 0; i < MT; ++i) acc[i] = combine<F>(acc[i], reduce8(v[i]), wsv, wmv, X, m0 + i, b);
   }
   for (int i = 0; i < MT; ++i) store_outputs(acc[i], ys[m0 + i], n0, valid, bias);
@@ -327,15 +341,15 @@ constexpr int64_t NB = 16;           // weight rows a work item
 constexpr int MT = 2;                // rows of x a panel tile
 
 template <int F>
-void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const QActs& X, int64_t M,
+void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_t n_total, const QActs& X, int64_t M,
              float* const* ys, const float* bias, Panel& P) {
   if (M <= DIRECT_ROWS) {
     for (int64_t n = n0; n < n0 + nb; n += 8) {
       const int valid = (int)std::min<int64_t>(8, n0 + nb - n);
       switch (M) {
-        case 1: direct_tile<F, 1>(w, row_bytes, n, valid, X, 0, ys, bias); break;
-        case 2: direct_tile<F, 2>(w, row_bytes, n, valid, X, 0, ys, bias); break;
-        default: direct_tile<F, 3>(w, row_bytes, n, valid, X, 0, ys, bias); break;
+        case 1: direct_tile<F, 1>(w, row_bytes, n, valid, n_total, X, 0, ys, bias); break;
+        case 2: direct_tile<F, 2>(w, row_bytes, n, valid, n_total, X, 0, ys, bias); break;
+        default: direct_tile<F, 3>(w, row_bytes, n, valid, n_total, X, 0, ys, bias); break;
       }
     }
     return;
@@ -354,10 +368,10 @@ struct Panel {
   void resize(int64_t, int64_t blocks) { nb = blocks; }
 };
 
-constexpr int64_t NB = 16;
+constexpr int64_t NB = 16, DIRECT_ROWS = 0;
 
 template <int F>
-void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const QActs& X, int64_t M,
+void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_t n_total, const QActs& X, int64_t M,
              float* const* ys, const float* bias, Panel&) {
   for (int64_t n = n0; n < n0 + nb; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -395,12 +409,12 @@ void q8_linear(const uint8_t* w, int64_t row_bytes, int64_t N, const QActs& X, i
   // who computes an output)
 #pragma omp parallel num_threads(threads)
   {
-    Panel P;
-    P.resize(NB / 8, X.nb);
+    Panel P;   // only the many-row path reads one
+    if (M > DIRECT_ROWS) P.resize(NB / 8, X.nb);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t n0 = it * NB;
-      q8_item<F>(w, row_bytes, n0, std::min(NB, N - n0), X, M, ys.data(), bias, P);
+      q8_item<F>(w, row_bytes, n0, std::min(NB, N - n0), N, X, M, ys.data(), bias, P);
     }
   }
 }
@@ -422,10 +436,16 @@ int vc_linear_q8(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_
   X.dx.resize(M * X.nb);
   X.ds.resize(M * X.nb);
   X.sa.resize(M * X.nb);
-#pragma omp parallel for schedule(static) num_threads(M >= 16 ? threads : 1)
-  for (int64_t m = 0; m < M; ++m)
+  auto quantize = [&](int64_t m) {
     quantize_row(x + m * ldx, X.nb, X.a.data() + m * K, X.dx.data() + m * X.nb, X.ds.data() + m * X.nb,
                  X.sa.data() + m * X.nb);
+  };
+  if (M < 16) {   // a few rows: not worth a parallel region
+    for (int64_t m = 0; m < M; ++m) quantize(m);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; ++m) quantize(m);
+  }
   switch (fmt) {
     case Q4_0: q8_linear<Q4_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
     case Q4_1: q8_linear<Q4_1>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;

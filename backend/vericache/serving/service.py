@@ -118,6 +118,10 @@ class BackgroundService:
     def num_waiting(self) -> int:
         return self.engine.counts()[1]
 
+    def describe(self) -> dict:
+        """The engine's model, numerics, kernels and build (``Engine.describe``)."""
+        return self.engine.describe()
+
     def gauges(self) -> dict:
         """The engine's gauges and the resident weights."""
         return {**self.engine.stats(), "weight_bytes": self.weight_bytes}

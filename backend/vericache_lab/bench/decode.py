@@ -61,7 +61,7 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate([engine.new_sequence(0, code_prompt(llm.tokenizer, 64), params)], "full")  # warm-up
     roof = roofline.measure(llm, log) if llm.loaded.device.type == "cpu" else None
-    rows, roof_rows, runs = [], [], {}
+    rows, roof_rows, runs, row_costs = [], [], {}, []
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
         results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
@@ -110,9 +110,17 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
         for label, (base, steps) in runs.items():
             mode, ctx = label.rsplit(" ", 1)
             roof_rows += [{"context": int(ctx), **r} for r in roofline.summarize(steps, roof, base, mode)]
+    for ctx in contexts:   # a verified row's marginal cost against a draft step, where both modes ran
+        full, veri = runs.get(f"full {ctx}"), runs.get(f"vericache {ctx}")
+        cost = roofline.verified_row_cost(full[1], veri[1]) if full and veri else None
+        if cost:
+            row_costs.append({"context": ctx, **cost})
+            log(f"context {ctx}: a verified row costs {cost['verified_row_ms']} ms, "
+                f"{cost['row_over_draft']} of a draft step ({cost['draft_step_ms']} ms)")
     return {"model": llm.loaded.name, "cpu": cpu_model(), "kv_dtype": str(llm.loaded.kv_dtype).removeprefix("torch."),
             "numerics": llm.loaded.numerics, "threads": torch.get_num_threads(), "rows": rows,
-            "roofline": roof.to_dict() if roof else None, "roofline_rows": roof_rows, "step_records": runs}
+            "roofline": roof.to_dict() if roof else None, "roofline_rows": roof_rows,
+            "verified_row_cost": row_costs, "step_records": runs}
 
 
 COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted",
@@ -125,6 +133,9 @@ def decode_markdown(res: dict) -> str:
     if res["roofline_rows"]:
         text += ("\n\nSteps against the roofline:\n\n"
                  + markdown_table(res["roofline_rows"], ["context", *roofline.ROOFLINE_COLUMNS]))
+    if res.get("verified_row_cost"):
+        text += ("\n\nA verified row's marginal cost ((verification - full step) / (rows - 1)) against a draft step:\n\n"
+                 + markdown_table(res["verified_row_cost"], list(res["verified_row_cost"][0])))
     return text
 
 

@@ -167,6 +167,23 @@ def summarize(steps, roofline: Roofline, mode: str, label: str | None = None) ->
     return out
 
 
+def verified_row_cost(full_steps, vericache_steps) -> dict | None:
+    """What one more verified row costs (issue 40's measure): median over verification steps of
+    (step - the median full decode step) / (rows - 1), against the median draft step. None without
+    both kinds of step."""
+    full = [s.end - s.start for s in full_steps if step_kind(s.kinds, "full") == "full"]
+    drafts = [s.end - s.start for s in vericache_steps if step_kind(s.kinds, "vericache") == "draft"]
+    verify = [s for s in vericache_steps if step_kind(s.kinds, "vericache") == "verification" and s.rows > 1]
+    if not (full and drafts and verify):
+        return None
+    one = statistics.median(full)
+    marginal = statistics.median((s.end - s.start - one) / (s.rows - 1) for s in verify)
+    draft = statistics.median(drafts)
+    return {"full_step_ms": round(one * 1e3, 2), "verified_row_ms": round(marginal * 1e3, 2),
+            "draft_step_ms": round(draft * 1e3, 2), "row_over_draft": round(marginal / draft, 3),
+            "rows_per_verification": round(statistics.median(s.rows for s in verify), 1)}
+
+
 def stall(steps, mode: str) -> dict | None:
     """The slowest decode step (forward + postprocess, any kind) against the median draft step:
     how much one step stalls every request in it (None without draft steps)."""
