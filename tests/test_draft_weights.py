@@ -88,23 +88,36 @@ def test_engines_on_one_model_draft_on_their_own_copies(llm):
     assert {"int8", "int4"} <= set(model.draft_sets) and e4.draft_weights == "int4"
 
 
-def test_q8_drafts_read_the_stored_blocks_without_a_copy(smollm):
+@pytest.fixture(scope="module")
+def smollm_fp32():
+    """SmolLM2 in the fp32 numerics (exact dequantization; the session's model runs its default, q8)."""
+    from vericache.model.loader import load_model
+
+    return load_model("smollm2-135m", numerics="fp32")
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "q8"])
+def test_q8_drafts_read_the_stored_blocks_without_a_copy(smollm, smollm_fp32, numerics):
     """On the GGUF model q8 draft rows take integer dots on the very blocks the exact rows read: no new
-    weight memory, logits close to the exact ones, the exact rows of the same forward unchanged."""
+    weight memory; in the fp32 numerics logits close to the exact ones, the exact rows of the same
+    forward unchanged; in the q8 numerics the drafts are the verifier's own arithmetic (equal)."""
     from vericache.model.exact_linear import resident_weight_bytes
 
-    model = smollm.loaded.model
+    loaded = smollm_fp32 if numerics == "fp32" else smollm.loaded
+    assert loaded.numerics == numerics
+    model = loaded.model
     before = resident_weight_bytes(model)
-    runner = ModelRunner(smollm.loaded, draft_weights="q8")
+    runner = ModelRunner(loaded, draft_weights="q8")
     assert runner.draft_kind(3) == "q8"
     model.quantize_drafts("q8")
     try:
         copies, head = model.draft_sets["q8"]
         assert head is None and copies[0][0].exact is model.model.layers[0].self_attn.qkv_exact   # exact head
-        tokens = torch.tensor(smollm.tokenizer.encode("def add(a, b):\n    return a + b\n")[:12])
+        tokens = torch.tensor(loaded.tokenizer.encode("def add(a, b):\n    return a + b\n")[:12])
         exact = model(tokens, [0, 0], [6, 6])
         mixed = model(tokens, [0, 0], [6, 6], n_draft=6)
-        assert torch.equal(mixed[6:], exact[6:]) and not torch.equal(mixed[:6], exact[:6])
+        assert torch.equal(mixed[6:], exact[6:])
+        assert torch.equal(mixed[:6], exact[:6]) == (numerics == "q8")
         assert (mixed[:6].argmax(-1) == exact[:6].argmax(-1)).float().mean() >= 0.5
     finally:
         model.quantize_drafts("fp32")

@@ -307,19 +307,22 @@ def test_chat_on_the_real_model_uses_its_template_and_stops_at_im_end(smollm):
     template, the answer is the full-KV answer (VeriCache mode), and it ends at <|im_end|>."""
     from vericache.chat import render_chat
 
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     s = Server(smollm, model_name="smollm2-135m")
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0)
+        r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=256, temperature=0)
     finally:
         s.close()
     prompt = render_chat(smollm.tokenizer, messages)
     # the template adds its default system turn when the conversation has none
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM") and \
-        prompt.endswith("<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-    ref = smollm.generate(prompt, SamplingParams(max_tokens=48))[0]
-    assert r.choices[0].message.content == ref.text and "Paris" in ref.text
+        prompt.endswith("<|im_end|>\n<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    ref = smollm.generate(prompt, SamplingParams(max_tokens=256))[0]
+    # (a question with one right answer in both numerics: "the capital of France" is a near tie at its
+    # first token that the q8 numerics, and the KV's dtype, tip away from "The capital ... Paris")
+    assert r.choices[0].message.content == ref.text and "[::-1]" in ref.text
     assert r.choices[0].finish_reason == "stop" and r.model_extra["vericache"]["mode"] == "vericache"
 
 

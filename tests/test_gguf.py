@@ -113,7 +113,7 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:
 def test_synthetic_gguf_every_type_matches_transformers(synthetic, tmp_path, monkeypatch):
     path, originals = synthetic
     monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path))
-    ours = load_model(path, device="cpu", dtype="float32")
+    ours = load_model(path, device="cpu", dtype="float32", numerics="fp32")   # exact dequantization: transformers' values
     assert ours.config.num_attention_heads == HEADS and ours.config.num_key_value_heads == KV_HEADS
     assert ours.config.tie_word_embeddings and ours.tokenizer.eos_token_ids == [len(_byte_vocab()) - 1]
     # an F32 q_proj comes back bit-exact from its stored rows: the Q/K permutation is undone
@@ -165,9 +165,19 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
            "The quick brown fox jumps over the lazy dog. " * 12]
 
 
+@pytest.fixture(scope="module")
+def smollm_fp32():
+    """SmolLM2 in the fp32 numerics (exact dequantization, what transformers computes); the session's
+    ``smollm`` runs the GGUF model's default, q8."""
+    import vericache
+
+    return vericache.LLM("smollm2-135m", device="cpu", dtype="float32", mode="full", numerics="fp32")
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_smollm_logits_and_greedy_match_transformers(smollm, hf_smollm, prompt):
+def test_smollm_logits_and_greedy_match_transformers(smollm_fp32, hf_smollm, prompt):
     hf, _ = hf_smollm
+    smollm = smollm_fp32
     ids = smollm.tokenizer.encode(prompt)
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0]

@@ -66,9 +66,15 @@ def fp32_kv():
     return load_model("tiny", device="cpu", dtype="float32", kv_dtype="float32")
 
 
-@pytest.mark.parametrize("kv", ["default", "float32"])
-def test_full_caches_native_equals_module(llm, fp32_kv, kv):
-    loaded = llm.loaded if kv == "default" else fp32_kv
+@pytest.fixture(scope="module")
+def q8_numerics():
+    """The test model in the q8 numerics (its linears as Q8_0 blocks times int8 activations)."""
+    return load_model("tiny", device="cpu", dtype="float32", numerics="q8")
+
+
+@pytest.mark.parametrize("kv", ["default", "float32", "default-q8"])
+def test_full_caches_native_equals_module(llm, fp32_kv, q8_numerics, kv):
+    loaded = {"default": llm.loaded, "float32": fp32_kv, "default-q8": q8_numerics}[kv]
     assert loaded.model.native is not None
     cfg, dt = loaded.config, loaded.kv_dtype
 
@@ -114,13 +120,17 @@ def test_tee_prefill_and_q8_draft_rows_native_equal_module(smollm):
         native = _three_steps(loaded, model.native, fulls, n_draft=1)   # the first sequence's rows draft
         _same(native, _three_steps(loaded, None, fulls, n_draft=1))
         model.quantize_drafts("fp32")
-        assert not torch.equal(native[0][-1][:4], _three_steps(loaded, None, fulls, n_draft=1)[0][-1][:4])
+        # q8 drafts are free numerics in the fp32 numerics; in the q8 numerics they are its own arithmetic
+        same = torch.equal(native[0][-1][:4], _three_steps(loaded, None, fulls, n_draft=1)[0][-1][:4])
+        assert same == (loaded.numerics == "q8")
     finally:
         model.quantize_drafts(kind)
 
 
-def test_every_build_gives_the_same_bits(llm):
-    loaded = llm.loaded
+@pytest.mark.parametrize("numerics", ["fp32", "q8"])
+def test_every_build_gives_the_same_bits(llm, q8_numerics, numerics):
+    loaded = llm.loaded if numerics == "fp32" else q8_numerics
+    assert loaded.numerics == numerics
     cfg, dt = loaded.config, loaded.kv_dtype
 
     def caches():

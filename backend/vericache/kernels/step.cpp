@@ -35,6 +35,7 @@ using DequantFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t 
 constexpr int64_t GRAIN = 16;   // rows per task of the row ops (fewer: one thread, no fork)
 
 struct Linear {                 // an ExactLinear: its stored weights' outputs side by side
+  bool q8 = false;              // its numerics: the q8 op (else the fp32 op)
   std::vector<int> fmt;
   std::vector<const uint8_t*> data;
   std::vector<int64_t> row_bytes, n;
@@ -48,13 +49,14 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// fmts, data tensors, row bytes, output rows, K, bias: one ``ExactLinear`` (native_step.py builds it)
+// fmts, data tensors, row bytes, output rows, K, bias, q8 numerics: one ``ExactLinear`` (native_step.py)
 using LinearSpec = std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>,
-                              std::vector<int64_t>, int64_t, c10::optional<at::Tensor>>;
+                              std::vector<int64_t>, int64_t, c10::optional<at::Tensor>, bool>;
 
 Linear make_linear(const LinearSpec& spec) {
   Linear L;
-  const auto& [fmts, data, row_bytes, ns, k, bias] = spec;
+  const auto& [fmts, data, row_bytes, ns, k, bias, q8] = spec;
+  L.q8 = q8;
   TORCH_CHECK(!fmts.empty() && fmts.size() == data.size() && data.size() == row_bytes.size() &&
               data.size() == ns.size(), "a linear needs one format, tensor, row size and row count per weight");
   TORCH_CHECK(k % 16 == 0, "the native step needs linear widths divisible by 16, got ", k);
@@ -82,7 +84,7 @@ Linear make_linear(const LinearSpec& spec) {
 
 // Every layer's weights for the native step, built once per model (``model/native_step.py``).
 struct StepWeights {
-  LinearFn exact, draft, fp32;  // the model's numerics (q8 or fp32), the draft rows', and the fp32 op
+  LinearFn q8, fp32;            // the two numerics' ops (a Linear says which it runs; q8 draft rows run q8)
   DequantFn dequant;
   float eps;
   int64_t hq, hkv, d, hidden = 0, inter = 0;
@@ -90,11 +92,10 @@ struct StepWeights {
   Linear embed, head;          // the embedding's stored rows (one weight [V, H]) and the LM head
   at::Tensor final_norm;
 
-  StepWeights(int64_t exact_fn, int64_t draft_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_,
-              int64_t hkv_, int64_t d_)
-      : exact((LinearFn)exact_fn), draft((LinearFn)draft_fn), fp32((LinearFn)fp32_fn), dequant((DequantFn)dequant_fn),
-        eps((float)eps_), hq(hq_), hkv(hkv_), d(d_) {
-    TORCH_CHECK(exact_fn && draft_fn && fp32_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
+  StepWeights(int64_t q8_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
+      : q8((LinearFn)q8_fn), fp32((LinearFn)fp32_fn), dequant((DequantFn)dequant_fn), eps((float)eps_), hq(hq_),
+        hkv(hkv_), d(d_) {
+    TORCH_CHECK(q8_fn && fp32_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
                 "bad step weights");
   }
 
@@ -125,7 +126,7 @@ struct StepWeights {
 
 namespace {
 
-// y rows [0, n_draft) through the draft function, the rest through the model's numerics
+// y rows [0, n_draft) through the q8 op (drafts' free numerics), the rest through the linear's numerics
 void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t ldx, int64_t M, float* y,
                 int64_t n_draft, int threads) {
   auto call = [&](LinearFn fn, int64_t r0, int64_t m) {
@@ -141,8 +142,8 @@ void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t l
       col += L.n[i];
     }
   };
-  if (n_draft > 0) call(W.draft, 0, n_draft);
-  if (M > n_draft) call(W.exact, n_draft, M - n_draft);
+  if (n_draft > 0) call(W.q8, 0, n_draft);
+  if (M > n_draft) call(L.q8 ? W.q8 : W.fp32, n_draft, M - n_draft);
 }
 
 // y[j] = x[j] cos[j] + rot(x)[j] sin[j], rot(x) = (-x[D/2:], x[:D/2]): the module's apply_rope
@@ -322,7 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
   pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
       .def("add_layer", &StepWeights::add_layer)
       .def("set_ends", &StepWeights::set_ends);
   m.def("forward_step", &forward_step, "a forward step in one call: embedding, every layer, the head");
