@@ -73,3 +73,36 @@ def test_sharded_weights_load(model_copy, llm):
 def test_bad_dtype():
     with pytest.raises(ValueError, match="float64"):
         LLM("tiny", device="cpu", dtype="float64")
+
+
+def test_numerics_are_chosen_once_and_bad_ones_refused(monkeypatch):
+    """q8 for integer blocks on the native kernels, fp32 elsewhere; $VERICACHE_NUMERICS only where q8
+    can run; an explicit q8 where it cannot, or an unknown name, is a ValueError naming it."""
+    import torch
+
+    from vericache.kernels.linear_op import StoredWeight
+    from vericache.model.loader import parse_numerics
+
+    monkeypatch.delenv("VERICACHE_NUMERICS", raising=False)
+    q4 = {"w": StoredWeight("Q4_1", torch.zeros(2, 20, dtype=torch.uint8), 2, 32)}
+    f32 = {"w": StoredWeight.from_tensor(torch.zeros(2, 32))}
+    assert parse_numerics(None, "native", torch.float32, q4) == "q8"
+    assert parse_numerics(None, "native", torch.float32, f32) == parse_numerics(None, "native", torch.float32, {}) == "fp32"
+    assert parse_numerics(None, "triton", torch.float32, q4) == "fp32"
+    assert parse_numerics("fp32", "native", torch.float32, q4) == "fp32"
+    assert parse_numerics("q8", "native", torch.float32, {}) == "q8"
+    monkeypatch.setenv("VERICACHE_NUMERICS", "q8")
+    assert parse_numerics(None, "native", torch.float32, {}) == "q8"
+    assert parse_numerics(None, "torch", torch.bfloat16, {}) == "fp32"   # the variable asks only where q8 runs
+    with pytest.raises(ValueError, match="numerics='q8' runs on the native CPU kernels.*kernels='torch'"):
+        parse_numerics("q8", "torch", torch.float32, {})
+    with pytest.raises(ValueError, match="got 'int3'"):
+        parse_numerics("int3", "native", torch.float32, {})
+
+
+def test_an_engine_refuses_numerics_its_model_was_not_loaded_in(llm):
+    from vericache.engine.engine import Engine
+
+    assert llm.loaded.numerics == "fp32"
+    with pytest.raises(ValueError, match="numerics 'q8' asked of a model loaded in 'fp32' numerics"):
+        Engine(llm.loaded, numerics="q8")

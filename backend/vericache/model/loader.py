@@ -107,9 +107,10 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     $VERICACHE_KERNELS or "auto"): on the CPU ("native") every linear runs the batch-invariant op
     (``model/exact_linear.py``) and a step runs in one native call; a GGUF model's matrices stay in
     their blocks (fp32 only: its dequantized values are fp32), its ``nn.Linear`` modules and embedding
-    hold no data. ``numerics`` (``parse_numerics``): the native linears' arithmetic, q8 or fp32. "triton": the linears and the attention on the Triton kernels (``kernels/triton_*.py``;
+    hold no data. "triton": the linears and the attention on the Triton kernels (``kernels/triton_*.py``;
     a CUDA device's default, or on CPU tensors under TRITON_INTERPRET=1: the dry run); "torch": PyTorch's
-    kernels (cuBLAS, SDPA), the fallback on a GPU."""
+    kernels (cuBLAS, SDPA), the fallback on a GPU. ``numerics`` (``parse_numerics``): the native
+    linears' arithmetic, q8 or fp32."""
     path = resolve_model(name_or_path)
     dev = torch.device(device) if device is not None else default_device()
     kernels = parse_kernels(kernels, dev)
@@ -143,20 +144,23 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
 def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, stored: dict) -> str:
     """The linears' arithmetic: "q8" (int8 activations in exact integer dot products with the stored
     codes, ``kernels/linear_q8.cpp``) or "fp32" (exact dequantization, ``kernels/linear.cpp``); both
-    batch-invariant and the same bits in every build. None ($VERICACHE_NUMERICS, else auto): q8 where the native kernels run a
-    model stored in integer blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its
-    linears as Q8_0 blocks. The GPU kernels compute in their own dtype: fp32 names them."""
+    batch-invariant and the same bits in every build. None: $VERICACHE_NUMERICS where the native
+    kernels run fp32 weights (q8's only home), else auto: q8 where they run a model stored in integer
+    blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its linears as Q8_0 blocks. The
+    GPU kernels compute in their own dtype: fp32 names them."""
     from vericache.kernels.linear_op import NUMERICS, Q8_FORMATS
 
-    numerics = numerics or os.environ.get("VERICACHE_NUMERICS") or None
+    native_fp32 = kernels == "native" and dtype == torch.float32
+    if numerics is None and native_fp32:
+        numerics = os.environ.get("VERICACHE_NUMERICS") or None
     if numerics is not None and numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} or None (auto), got {numerics!r}")
-    if numerics == "q8" and (kernels != "native" or dtype != torch.float32):
+    if numerics == "q8" and not native_fp32:
         raise ValueError(f"numerics='q8' runs on the native CPU kernels with fp32 weights, not kernels={kernels!r} "
                          f"dtype={dtype}")
     if numerics is None:
         integer = any(w.fmt in Q8_FORMATS for w in stored.values())
-        numerics = "q8" if kernels == "native" and integer else "fp32"
+        numerics = "q8" if native_fp32 and integer else "fp32"
     return numerics
 
 
