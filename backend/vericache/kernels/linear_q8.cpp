@@ -265,8 +265,9 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows,
       const int64_t gb = g * P.nb + b;
       decode_block<F>(row, b, u, &P.ws[gb * 8 + j], &P.wm[gb * 8 + j], &sc);
       for (int t = 0; t < 8; ++t) std::memcpy(&P.u[(gb * 8 + t) * 32 + 4 * j], u + 4 * t, 4);
-      for (int h = 0; h < 2; ++h)
-        P.sc[gb * 32 + 16 * h + 2 * j] = P.sc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
+      if (F == Q6_K)   // only its madd multipliers differ from 1
+        for (int h = 0; h < 2; ++h)
+          P.sc[gb * 32 + 16 * h + 2 * j] = P.sc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
     }
   }
 }

@@ -182,7 +182,7 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
     model.fuse_projections()
     if kernels == "native":
         exact_linear.install(model, linear_op(), stored, numerics)
-        native_step.install(model, linear_op(), numerics)
+        native_step.install(model, linear_op())
         for layer in model.model.layers:
             layer.self_attn.kernels = kernels
         return model

@@ -40,7 +40,8 @@ def _linear_spec(lin) -> tuple:
 class NativeStep:
     """The decoder stack of ``model`` (installed exact linears) as one native call per step."""
 
-    def __init__(self, model, op: LinearOp, numerics: str = "fp32") -> None:
+    def __init__(self, model, op: LinearOp) -> None:
+        """Each linear runs the numerics its ``ExactLinear`` was installed in (``_linear_spec``)."""
         cfg = model.config
         self.kernels = packed_kernels(op.isa)
         self.head_dim = cfg.head_dim
@@ -54,8 +55,7 @@ class NativeStep:
             self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
                                                                        mlp.down_exact)])
         # the embedding as stored (a GGUF model's blocks; else the fp32 table as it is) and the head
-        embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op,
-                                                 numerics)
+        embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op)
         self.weights.set_ends(_linear_spec(embed), model.model.norm.weight.detach().float().contiguous(),
                               _linear_spec(model.head_exact))
 
@@ -101,12 +101,12 @@ class NativeStep:
         return out
 
 
-def install(model, op: LinearOp, numerics: str = "fp32") -> None:
-    """Give a CPU model (its exact linears installed in ``numerics``) the row ops and, where it fits,
-    the native step in the same numerics."""
+def install(model, op: LinearOp) -> None:
+    """Give a CPU model (its exact linears installed) the row ops and, where it fits, the native step
+    (each linear in the numerics it was installed in)."""
     kernels = packed_kernels(op.isa)
     for layer in model.model.layers:
         layer.input_layernorm.row_op = layer.post_attention_layernorm.row_op = kernels.rms_norm
         layer.mlp.act_op = kernels.silu_mul
     model.model.norm.row_op = kernels.rms_norm
-    model.native = NativeStep(model, op, numerics) if NativeStep.supports(model) else None
+    model.native = NativeStep(model, op) if NativeStep.supports(model) else None
