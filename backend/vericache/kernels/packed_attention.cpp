@@ -16,6 +16,10 @@
 // operations (explicit fma, -ffp-contract=off, no -ffast-math, fixed-order lane sums, a polynomial
 // exp), so the vectorised build and a portable one (-march=x86-64) give the same bits.
 // GQA folded: a block of K/V is loaded once for the G query heads of its group and all T queries.
+//
+// A score is dot8(q, k) (see there): 8 lanes over the channels, so keys are read in their stored
+// row layout; a decode row reads each key once, with no transposes, and a chunk's rows run the
+// very same arithmetic (a row's bits never depend on how many rows share its block).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -120,68 +124,6 @@ inline float block_max(const float* x, int64_t n) {
 #endif
 }
 
-// kt[j][t0 + t] = rows[t][j] for t < 16 (AVX-512) or 8 (AVX2), j < D (a multiple of the width):
-// a register transpose per square tile. Data movement only, so the results are those of the scalar loop.
-#if defined(__AVX512F__)
-constexpr int TILE = 16;
-inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK], int t0) {
-  for (int64_t j0 = 0; j0 < D; j0 += 16) {
-    __m512 r[16], u[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + j0);
-    for (int i = 0; i < 16; i += 2) {             // 2x2 blocks of single floats
-      u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {             // 4x4: pairs of floats
-      for (int c = 0; c < 2; ++c) {
-        r[i + c] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[i + c]), _mm512_castps_pd(u[i + 2 + c])));
-        r[i + 2 + c] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[i + c]), _mm512_castps_pd(u[i + 2 + c])));
-      }
-    }
-    for (int i = 0; i < 16; i += 8) {             // 8x8: 128-bit lanes
-      for (int c = 0; c < 4; ++c) {
-        u[i + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0x88);
-        u[i + 4 + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0xdd);
-      }
-    }
-    for (int c = 0; c < 8; ++c) {                 // 16x16: 256-bit halves
-      r[c] = _mm512_shuffle_f32x4(u[c], u[8 + c], 0x88);
-      r[8 + c] = _mm512_shuffle_f32x4(u[c], u[8 + c], 0xdd);
-    }
-    // r[k] now holds column j0 + perm(k): the unpack/shuffle network leaves the columns in this order
-    static const int perm[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
-    for (int c = 0; c < 16; ++c) _mm512_storeu_ps(&kt[j0 + perm[c]][t0], r[c]);
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int TILE = 8;
-inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK], int t0) {
-  for (int64_t j0 = 0; j0 < D; j0 += 8) {
-    __m256 r[8], u[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + j0);
-    for (int i = 0; i < 8; i += 2) {              // 2x2 blocks of single floats
-      u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-      u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {              // 4x4 within 128-bit lanes
-      r[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
-      r[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xee);
-      r[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
-      r[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xee);
-    }
-    for (int c = 0; c < 4; ++c) {                 // 8x8: 128-bit halves; column c and c + 4
-      _mm256_storeu_ps(&kt[j0 + c][t0], _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
-      _mm256_storeu_ps(&kt[j0 + 4 + c][t0], _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
-    }
-  }
-}
-#else
-constexpr int TILE = 1;
-inline void transpose_tile(const float* const* rows, int64_t D, float (*kt)[BLK], int t0) {
-  for (int64_t j = 0; j < D; ++j) kt[j][t0] = rows[0][j];
-}
-#endif
-
 enum Elt { F32, F16, BF16 };        // a dense part's element type
 
 struct Part {
@@ -223,190 +165,181 @@ inline void widen_row(Elt e, const char* src, int64_t D, float* __restrict dst) 
 
 struct Work { int64_t part, head, split; };
 
-// Scores of up to NR query rows against a block: s[x][t] = sum_j q[x][j] kt[j][t], one fma chain in
-// j order per (row, key); and the value pass acc[x] *= alpha[x] (the online softmax's rescale), then
-// acc[x] = fma(e[x][t], v[t], acc[x]) for t < vis[x] in t order. Each row's operations are the same whichever rows share its tile, so tiling (which loads
-// each key and value once for NR rows) changes no bits; the AVX-512 versions (D = 64) do exactly
-// the scalar versions' operations.
+// Scores: s[x][t] = dot8(q[x], k[t]) for a tile of up to NR query rows and a block's keys, where
+//   dot8(q, k) = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)),
+//   a_l = q[j] * k[j] summed by fma in j order over j = l, l + 8, l + 16, ... < D, from +0.
+// Values: acc[x] *= alpha[x] (the online softmax's rescale), then acc[x] = fma(e[x][t], v[t], acc[x])
+// for t < vis[x] in t order, channels in lanes.
+// Keys and values are read as stored (a row each, 8 channels a vector, half-size rows widened in
+// registers): no transposes, one definition in every build. Each row's operations are the same
+// whichever rows share its tile, so tiling (which reads each key and value once for NR rows) and
+// the choice between reading the cache directly (few rows) or a widened copy (many rows) change no
+// bits.
 constexpr int NR = 4;
 
-#if defined(__AVX512F__)
-template <int NRT>
-inline void tile_scores_512(const float* const* q, const float (*kt)[BLK], float (*s)[BLK]) {
-  __m512 acc[NRT][4];
-#pragma GCC unroll 4
-  for (int x = 0; x < NRT; ++x)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_setzero_ps();
-  for (int j = 0; j < 64; ++j) {
-    const __m512 k0 = _mm512_load_ps(kt[j]), k1 = _mm512_load_ps(kt[j] + 16), k2 = _mm512_load_ps(kt[j] + 32),
-                 k3 = _mm512_load_ps(kt[j] + 48);
-#pragma GCC unroll 4
-    for (int x = 0; x < NRT; ++x) {
-      const __m512 qb = _mm512_set1_ps(q[x][j]);
-      acc[x][0] = _mm512_fmadd_ps(qb, k0, acc[x][0]);
-      acc[x][1] = _mm512_fmadd_ps(qb, k1, acc[x][1]);
-      acc[x][2] = _mm512_fmadd_ps(qb, k2, acc[x][2]);
-      acc[x][3] = _mm512_fmadd_ps(qb, k3, acc[x][3]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int x = 0; x < NRT; ++x)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(s[x] + 16 * c, acc[x][c]);
+// dot8, the reference every build equals.
+inline float dot8_ref(const float* q, const float* k, int64_t D) {
+  float a[8] = {};
+  for (int64_t j = 0; j < D; j += 8)
+    for (int l = 0; l < 8; ++l) a[l] = std::fma(q[j + l], k[j + l], a[l]);
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-template <int NRT>
-inline void tile_values_512(const float (*e)[BLK], const int64_t* vis, const float* const* vrow, const float* alpha,
-                            float* const* acc) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Channels j .. j + 7 of a stored row as fp32 (exact widening).
+template <Elt E>
+inline __m256 load8(const char* row, int64_t j) {
+  if (E == F32) return _mm256_loadu_ps((const float*)row + j);
+  const __m128i x = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + j));
+  if (E == F16) return _mm256_cvtph_ps(x);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+// dot8's lane trees for 8 keys at once (lanes[t]: key t's 8 lanes) -> the 8 scores. hadd adds
+// neighbours (a0 + a1, a2 + a3, ...), twice; then each key's low and high 128-bit halves meet.
+inline __m256 tree8x8(const __m256* lanes) {
+  const __m256 h01 = _mm256_hadd_ps(lanes[0], lanes[1]), h23 = _mm256_hadd_ps(lanes[2], lanes[3]);
+  const __m256 h45 = _mm256_hadd_ps(lanes[4], lanes[5]), h67 = _mm256_hadd_ps(lanes[6], lanes[7]);
+  const __m256 f0 = _mm256_hadd_ps(h01, h23), f1 = _mm256_hadd_ps(h45, h67);   // [keys 0-3 low | keys 0-3 high]
+  return _mm256_add_ps(_mm256_permute2f128_ps(f0, f1, 0x20), _mm256_permute2f128_ps(f0, f1, 0x31));
+}
+
+// NRT rows (q: 32-byte aligned fp32) x 8 keys -> s[x][0..7]; two keys at a time, so 2 NRT
+// accumulator chains are in flight and each key vector serves every row.
+template <Elt E, int NRT, int DFIX>
+inline void scores8(const float* const* q, const char* const* krow, int64_t D_, float* const* s) {
+  const int64_t D = DFIX ? DFIX : D_;
+  __m256 lanes[NRT][8];
+#pragma GCC unroll 4
+  for (int t = 0; t < 8; t += 2) {
+    __m256 a0[NRT], a1[NRT];
+#pragma GCC unroll 4
+    for (int x = 0; x < NRT; ++x) a0[x] = a1[x] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < D; j += 8) {
+      const __m256 k0 = load8<E>(krow[t], j), k1 = load8<E>(krow[t + 1], j);
+#pragma GCC unroll 4
+      for (int x = 0; x < NRT; ++x) {
+        const __m256 qx = _mm256_load_ps(q[x] + j);
+        a0[x] = _mm256_fmadd_ps(qx, k0, a0[x]);
+        a1[x] = _mm256_fmadd_ps(qx, k1, a1[x]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int x = 0; x < NRT; ++x) { lanes[x][t] = a0[x]; lanes[x][t + 1] = a1[x]; }
+  }
+#pragma GCC unroll 4
+  for (int x = 0; x < NRT; ++x) _mm256_storeu_ps(s[x], tree8x8(lanes[x]));
+}
+
+// The value pass for NRT rows, W vectors of channels at a time (NRT * W accumulators in registers).
+template <Elt E, int NRT, int DFIX>
+inline void values(const float (*e)[BLK], const int64_t* vis, const char* const* vrow, const float* alpha,
+                   int64_t D_, float* const* acc) {
+  const int64_t D = DFIX ? DFIX : D_;
+  constexpr int W = NRT == 1 ? 8 : NRT == 2 ? 4 : NRT == 3 ? 4 : 2;
   int64_t common = vis[0];
   for (int x = 1; x < NRT; ++x) common = std::min(common, vis[x]);
-  // accumulators stay in registers: constant indices only (fully unrolled), the array never escapes
-  __m512 a[NRT][4];
+  for (int64_t j0 = 0; j0 < D; j0 += 8 * W) {
+    const int w = (int)std::min<int64_t>(W, (D - j0) / 8);
+    if (w != W) {                                  // a short last stretch (D not a multiple of 8 W)
+      for (int x = 0; x < NRT; ++x)
+        for (int c = 0; c < w; ++c) {
+          float* a = acc[x] + j0 + 8 * c;
+          __m256 y = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_set1_ps(alpha[x]));
+          for (int64_t t = 0; t < vis[x]; ++t)
+            y = _mm256_fmadd_ps(_mm256_set1_ps(e[x][t]), load8<E>(vrow[t], j0 + 8 * c), y);
+          _mm256_storeu_ps(a, y);
+        }
+      continue;
+    }
+    __m256 a[NRT][W];
 #pragma GCC unroll 4
-  for (int x = 0; x < NRT; ++x)
+    for (int x = 0; x < NRT; ++x)
+#pragma GCC unroll 8
+      for (int c = 0; c < W; ++c) a[x][c] = _mm256_mul_ps(_mm256_loadu_ps(acc[x] + j0 + 8 * c), _mm256_set1_ps(alpha[x]));
+    for (int64_t t = 0; t < common; ++t) {
+#pragma GCC unroll 8
+      for (int c = 0; c < W; ++c) {
+        const __m256 v = load8<E>(vrow[t], j0 + 8 * c);
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) a[x][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[x] + 16 * c), _mm512_set1_ps(alpha[x]));
-  for (int64_t t = 0; t < common; ++t) {
-    const float* v = vrow[t];
-    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                 v3 = _mm512_loadu_ps(v + 48);
+        for (int x = 0; x < NRT; ++x) a[x][c] = _mm256_fmadd_ps(_mm256_set1_ps(e[x][t]), v, a[x][c]);
+      }
+    }
 #pragma GCC unroll 4
     for (int x = 0; x < NRT; ++x) {
-      const __m512 pb = _mm512_set1_ps(e[x][t]);
-      a[x][0] = _mm512_fmadd_ps(pb, v0, a[x][0]);
-      a[x][1] = _mm512_fmadd_ps(pb, v1, a[x][1]);
-      a[x][2] = _mm512_fmadd_ps(pb, v2, a[x][2]);
-      a[x][3] = _mm512_fmadd_ps(pb, v3, a[x][3]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int x = 0; x < NRT; ++x)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[x] + 16 * c, a[x][c]);
-  for (int x = 0; x < NRT; ++x)                       // the causal diagonal: this row's own keys
-    for (int64_t t = common; t < vis[x]; ++t) {
-      const __m512 pb = _mm512_set1_ps(e[x][t]);
-      for (int c = 0; c < 4; ++c)
-        _mm512_storeu_ps(acc[x] + 16 * c, _mm512_fmadd_ps(pb, _mm512_loadu_ps(vrow[t] + 16 * c),
-                                                          _mm512_loadu_ps(acc[x] + 16 * c)));
-    }
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// AVX2 (16 registers): the 512-bit versions' operations on half the keys (scores) or half the
-// channels (values) at a time, two rows at a time; each (row, key) and (row, channel) still sees
-// its fma chain in j (t) order, so the same bits.
-inline void tile_scores_256(int nr, const float* const* q, const float (*kt)[BLK], float (*s)[BLK]) {
-  for (int x0 = 0; x0 < nr; x0 += 2) {
-    const bool two = x0 + 1 < nr;
-    for (int h = 0; h < BLK; h += 32) {
-      __m256 a0[4], a1[4];
-      for (int c = 0; c < 4; ++c) a0[c] = a1[c] = _mm256_setzero_ps();
-      for (int j = 0; j < 64; ++j) {
-        const __m256 k0 = _mm256_load_ps(kt[j] + h), k1 = _mm256_load_ps(kt[j] + h + 8),
-                     k2 = _mm256_load_ps(kt[j] + h + 16), k3 = _mm256_load_ps(kt[j] + h + 24);
-        const __m256 q0 = _mm256_set1_ps(q[x0][j]);
-        a0[0] = _mm256_fmadd_ps(q0, k0, a0[0]); a0[1] = _mm256_fmadd_ps(q0, k1, a0[1]);
-        a0[2] = _mm256_fmadd_ps(q0, k2, a0[2]); a0[3] = _mm256_fmadd_ps(q0, k3, a0[3]);
-        if (two) {
-          const __m256 q1 = _mm256_set1_ps(q[x0 + 1][j]);
-          a1[0] = _mm256_fmadd_ps(q1, k0, a1[0]); a1[1] = _mm256_fmadd_ps(q1, k1, a1[1]);
-          a1[2] = _mm256_fmadd_ps(q1, k2, a1[2]); a1[3] = _mm256_fmadd_ps(q1, k3, a1[3]);
-        }
-      }
-      for (int c = 0; c < 4; ++c) {
-        _mm256_store_ps(s[x0] + h + 8 * c, a0[c]);
-        if (two) _mm256_store_ps(s[x0 + 1] + h + 8 * c, a1[c]);
-      }
+      for (int64_t t = common; t < vis[x]; ++t)    // the causal diagonal: this row's own keys
+#pragma GCC unroll 8
+        for (int c = 0; c < W; ++c) a[x][c] = _mm256_fmadd_ps(_mm256_set1_ps(e[x][t]), load8<E>(vrow[t], j0 + 8 * c), a[x][c]);
+#pragma GCC unroll 8
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc[x] + j0 + 8 * c, a[x][c]);
     }
   }
 }
 
-inline void tile_values_256(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow,
-                            const float* alpha, float* const* acc) {
-  for (int x0 = 0; x0 < nr; x0 += 2) {
-    const int x1 = x0 + 1 < nr ? x0 + 1 : x0;    // a lone last row pairs with itself (computed twice, stored once)
-    const int64_t common = std::min(vis[x0], vis[x1]);
-    for (int h = 0; h < 64; h += 32) {
-      __m256 a0[4], a1[4];
-      for (int c = 0; c < 4; ++c) {
-        a0[c] = _mm256_mul_ps(_mm256_loadu_ps(acc[x0] + h + 8 * c), _mm256_set1_ps(alpha[x0]));
-        a1[c] = _mm256_mul_ps(_mm256_loadu_ps(acc[x1] + h + 8 * c), _mm256_set1_ps(alpha[x1]));
-      }
-      for (int64_t t = 0; t < common; ++t) {
-        const float* v = vrow[t] + h;
-        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
-                     v3 = _mm256_loadu_ps(v + 24);
-        const __m256 p0 = _mm256_set1_ps(e[x0][t]), p1 = _mm256_set1_ps(e[x1][t]);
-        a0[0] = _mm256_fmadd_ps(p0, v0, a0[0]); a0[1] = _mm256_fmadd_ps(p0, v1, a0[1]);
-        a0[2] = _mm256_fmadd_ps(p0, v2, a0[2]); a0[3] = _mm256_fmadd_ps(p0, v3, a0[3]);
-        a1[0] = _mm256_fmadd_ps(p1, v0, a1[0]); a1[1] = _mm256_fmadd_ps(p1, v1, a1[1]);
-        a1[2] = _mm256_fmadd_ps(p1, v2, a1[2]); a1[3] = _mm256_fmadd_ps(p1, v3, a1[3]);
-      }
-      for (int64_t t = common; t < vis[x0]; ++t)    // the causal diagonal: each row's own keys
-        for (int c = 0; c < 4; ++c) a0[c] = _mm256_fmadd_ps(_mm256_set1_ps(e[x0][t]), _mm256_loadu_ps(vrow[t] + h + 8 * c), a0[c]);
-      for (int64_t t = common; t < vis[x1]; ++t)
-        for (int c = 0; c < 4; ++c) a1[c] = _mm256_fmadd_ps(_mm256_set1_ps(e[x1][t]), _mm256_loadu_ps(vrow[t] + h + 8 * c), a1[c]);
-      for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(acc[x0] + h + 8 * c, a0[c]);
-        if (x1 != x0) _mm256_storeu_ps(acc[x1] + h + 8 * c, a1[c]);
-      }
-    }
+template <Elt E, int DFIX>
+inline void tile_scores_v(int nr, const float* const* q, const char* const* krow, int64_t D, float* const* out) {
+  switch (nr) {
+    case 1: return scores8<E, 1, DFIX>(q, krow, D, out);
+    case 2: return scores8<E, 2, DFIX>(q, krow, D, out);
+    case 3: return scores8<E, 3, DFIX>(q, krow, D, out);
+    default: return scores8<E, 4, DFIX>(q, krow, D, out);
+  }
+}
+
+template <Elt E, int DFIX>
+inline void tile_values_v(int nr, const float (*e)[BLK], const int64_t* vis, const char* const* vrow,
+                          const float* alpha, int64_t D, float* const* acc) {
+  switch (nr) {
+    case 1: return values<E, 1, DFIX>(e, vis, vrow, alpha, D, acc);
+    case 2: return values<E, 2, DFIX>(e, vis, vrow, alpha, D, acc);
+    case 3: return values<E, 3, DFIX>(e, vis, vrow, alpha, D, acc);
+    default: return values<E, 4, DFIX>(e, vis, vrow, alpha, D, acc);
   }
 }
 #endif
 
-inline void tile_scores(int nr, const float* const* q, const float (*kt)[BLK], int64_t D, float (*s)[BLK]) {
-#if defined(__AVX512F__)
-  if (D == 64) {
-    switch (nr) {
-      case 1: return tile_scores_512<1>(q, kt, s);
-      case 2: return tile_scores_512<2>(q, kt, s);
-      case 3: return tile_scores_512<3>(q, kt, s);
-      default: return tile_scores_512<4>(q, kt, s);
+// s[x][t] for the tile's nr rows and the block's keys t < bt rounded up to 8 (krow[t] past bt:
+// zeros); s[x][t] = 0 beyond. Rows are of type `e` (the portable build: always fp32 copies).
+template <int DFIX>
+inline void tile_scores(Elt e, int nr, const float* const* q, const char* const* krow, int64_t bt, int64_t D,
+                        float (*s)[BLK]) {
+  for (int t0 = 0; t0 < BLK; t0 += 8) {
+    float* out[NR];
+    for (int x = 0; x < nr; ++x) out[x] = s[x] + t0;
+    if (t0 >= bt) {
+      for (int x = 0; x < nr; ++x) std::fill(out[x], out[x] + 8, 0.f);
+      continue;
     }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (D == 64) return tile_scores_256(nr, q, kt, s);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (e == F16) tile_scores_v<F16, DFIX>(nr, q, krow + t0, D, out);
+    else if (e == BF16) tile_scores_v<BF16, DFIX>(nr, q, krow + t0, D, out);
+    else tile_scores_v<F32, DFIX>(nr, q, krow + t0, D, out);
+#else
+    for (int x = 0; x < nr; ++x)
+      for (int t = 0; t < 8; ++t) out[x][t] = dot8_ref(q[x], (const float*)krow[t0 + t], D);
 #endif
-  for (int x = 0; x < nr; ++x) {
-#pragma omp simd
-    for (int t = 0; t < BLK; ++t) s[x][t] = 0.f;
-    for (int64_t j = 0; j < D; ++j) {
-      const float qj = q[x][j];
-#pragma omp simd
-      for (int t = 0; t < BLK; ++t) s[x][t] = std::fma(qj, kt[j][t], s[x][t]);
-    }
   }
 }
 
-inline void tile_values(int nr, const float (*e)[BLK], const int64_t* vis, const float* const* vrow,
+template <int DFIX>
+inline void tile_values(Elt el, int nr, const float (*e)[BLK], const int64_t* vis, const char* const* vrow,
                         const float* alpha, int64_t D, float* const* acc) {
-#if defined(__AVX512F__)
-  if (D == 64) {
-    switch (nr) {
-      case 1: return tile_values_512<1>(e, vis, vrow, alpha, acc);
-      case 2: return tile_values_512<2>(e, vis, vrow, alpha, acc);
-      case 3: return tile_values_512<3>(e, vis, vrow, alpha, acc);
-      default: return tile_values_512<4>(e, vis, vrow, alpha, acc);
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (D == 64) return tile_values_256(nr, e, vis, vrow, alpha, acc);
-#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (el == F16) return tile_values_v<F16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+  if (el == BF16) return tile_values_v<BF16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+  return tile_values_v<F32, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+#else
   for (int x = 0; x < nr; ++x) {
     float* a = acc[x];
-#pragma omp simd
     for (int64_t j = 0; j < D; ++j) a[j] *= alpha[x];
     for (int64_t t = 0; t < vis[x]; ++t) {
       const float pt = e[x][t];
-      const float* v = vrow[t];
-#pragma omp simd
+      const float* v = (const float*)vrow[t];
       for (int64_t j = 0; j < D; ++j) a[j] = std::fma(pt, v[j], a[j]);
     }
   }
+#endif
 }
 
 // One work item: rows (g, i) of its sequence for the G query heads of KV head h, over keys
@@ -417,17 +350,21 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
               int64_t G, int64_t D_, const float* fp8_lut, float* m, float* l, float* acc) {
   const int64_t D = DFIX ? DFIX : D_;
   const float sm = 1.0f / std::sqrt((float)D);
-  alignas(64) float kt[MAX_D][BLK];        // the block's keys, transposed: kt[j][t]
-  alignas(64) float kbuf[BLK][MAX_D];      // dequantized keys (quantized parts)
-  alignas(64) float vbuf[BLK][MAX_D];      // dequantized values
+  alignas(64) float kbuf[BLK][MAX_D];      // widened or dequantized keys (copies: quantized parts, many rows)
+  alignas(64) float vbuf[BLK][MAX_D];      // widened or dequantized values
   alignas(64) float s[NR][BLK];            // a tile's scores, then its probabilities
   alignas(64) float qs[NR][MAX_D];         // a tile's queries, scaled by 1/sqrt(D)
   alignas(64) static const float zeros[MAX_D] = {};
-  const float* krow[BLK];
-  const float* vrow[BLK];
+  const char* krow[BLK];
+  const char* vrow[BLK];
   Affine ka, va;
   const int64_t h = w.head, R = G * T;
   const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  constexpr bool in_registers = true;      // half-size rows widen in registers as they are read
+#else
+  constexpr bool in_registers = false;
+#endif
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG; l[r] = 0.f; }
   std::fill(acc, acc + R * D, 0.f);
   std::vector<int64_t> rows;
@@ -438,44 +375,35 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
     int64_t i_first = 0;
     if (p.diag >= 0) i_first = std::max<int64_t>(0, t0 - p.diag);
     if (i_first >= T) break;
-    if (p.dense) {                                // start streaming the next block while this one computes
-      const int64_t n_next = std::min<int64_t>(BLK, hi - t0 - BLK), row_bytes = p.elt == F32 ? D * 4 : D * 2;
-      for (int64_t t = 0; t < n_next; ++t) {
-        const char* kn = p.k + h * p.k_h + (t0 + BLK + t) * p.k_t;
-        const char* vn = p.v + h * p.v_h + (t0 + BLK + t) * p.v_t;
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(kn + b);
-          __builtin_prefetch(vn + b);
-        }
-      }
-    }
-    for (int64_t t = 0; t < BLK; ++t) {           // key rows (zeros past the block's end), value rows
-      if (t >= bt) {
-        krow[t] = zeros;
-      } else if (p.dense && p.elt == F32) {
-        krow[t] = (const float*)(p.k + h * p.k_h + (t0 + t) * p.k_t);
-        vrow[t] = (const float*)(p.v + h * p.v_h + (t0 + t) * p.v_t);
-      } else if (p.dense) {
-        widen_row(p.elt, p.k + h * p.k_h + (t0 + t) * p.k_t, D, kbuf[t]);
-        widen_row(p.elt, p.v + h * p.v_h + (t0 + t) * p.v_t, D, vbuf[t]);
-        krow[t] = kbuf[t];
-        vrow[t] = vbuf[t];
-      } else {
-        dequant_row(p.kf, fp8_lut, h, t0 + t, (int)D, ka, kbuf[t]);
-        dequant_row(p.vf, fp8_lut, h, t0 + t, (int)D, va, vbuf[t]);
-        krow[t] = kbuf[t];
-        vrow[t] = vbuf[t];
-      }
-    }
-    if (D % TILE == 0) {
-      for (int t = 0; t < BLK; t += TILE) transpose_tile(&krow[t], D, kt, t);
-    } else {
-      for (int64_t t = 0; t < BLK; ++t)
-        for (int64_t j = 0; j < D; ++j) kt[j][t] = krow[t][j];
-    }
     rows.clear();
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = i_first; i < T; ++i) rows.push_back(g * T + i);
+    // dense rows are read where they lie when one tile covers every row (or they are fp32);
+    // otherwise they are widened once into kbuf/vbuf for the block's many tiles
+    const bool direct = p.dense && (p.elt == F32 || (in_registers && rows.size() <= (size_t)NR));
+    const Elt elt = direct ? p.elt : F32;
+    // key and value rows (keys past the block's end: zeros)
+    const char* kb = p.k + h * p.k_h + t0 * p.k_t;
+    const char* vb = p.v + h * p.v_h + t0 * p.v_t;
+    if (direct) {
+      for (int64_t t = 0; t < bt; ++t) {
+        krow[t] = kb + t * p.k_t;
+        vrow[t] = vb + t * p.v_t;
+      }
+    } else {
+      for (int64_t t = 0; t < bt; ++t) {
+        if (p.dense) {
+          widen_row(p.elt, kb + t * p.k_t, D, kbuf[t]);
+          widen_row(p.elt, vb + t * p.v_t, D, vbuf[t]);
+        } else {
+          dequant_row(p.kf, fp8_lut, h, t0 + t, (int)D, ka, kbuf[t]);
+          dequant_row(p.vf, fp8_lut, h, t0 + t, (int)D, va, vbuf[t]);
+        }
+        krow[t] = (const char*)kbuf[t];
+        vrow[t] = (const char*)vbuf[t];
+      }
+    }
+    for (int64_t t = bt; t < BLK; ++t) krow[t] = (const char*)zeros;
     for (size_t x0 = 0; x0 < rows.size(); x0 += NR) {
       const int nr = (int)std::min<size_t>(NR, rows.size() - x0);
       const float* qp[NR];
@@ -491,7 +419,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
         ap[x] = acc + r * D;
         vis[x] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
       }
-      tile_scores(nr, qp, kt, D, s);
+      tile_scores<DFIX>(elt, nr, qp, krow, bt, D, s);
       for (int x = 0; x < nr; ++x) {                 // online softmax: the block's max, exp, rescale
         const int64_t r = rows[x0 + x], vx = vis[x];
         float* sx = s[x];
@@ -501,7 +429,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
         l[r] = std::fma(l[r], alpha[x], exp_block(sx, vx, m_new));
         m[r] = m_new;
       }
-      tile_values(nr, s, vis, vrow, alpha, D, ap);
+      tile_values<DFIX>(elt, nr, s, vis, vrow, alpha, D, ap);
     }
   }
 }
