@@ -100,12 +100,33 @@ inline void load_affine(const Format& f, int64_t h, int64_t row, int d, Affine& 
     _mm512_store_ps(a.z + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(z + j))));
   }
 #endif
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; j + 8 <= d; j += 8) {
+    _mm256_store_ps(a.s + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + j))));
+    _mm256_store_ps(a.z + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(z + j))));
+  }
+#endif
   for (; j < d; ++j) {
     a.s[j] = half_to_float(s[j]);
     a.z[j] = half_to_float(z[j]);
   }
   a.key = h * (int64_t(1) << 40) + row;
 }
+
+#if defined(__AVX2__) && defined(__F16C__)
+// An FP8 row (e4m3 codes, one scale) without the table: the code's bits shifted into an fp16 are its
+// value / 256 exactly (sign to bit 15, exponent and mantissa to bits 14-7; the exponent bias
+// differs by 8), so out = fp16(bits) * (256 s) is the table's value * s: the same product, the same
+// bits. 8 channels a step (d a multiple of 8).
+inline void fp8_row(const uint8_t* c, float s, int d, float* __restrict out) {
+  const __m256 s256 = _mm256_set1_ps(256.f * s);
+  for (int j = 0; j < d; j += 8) {
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(c + j)));   // sign-extended
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16((short)0xBFFF));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // dequant_row for D = 64, integer kinds (0, 1), bits 2/4/8, token groups of >= 16 channels: the
@@ -211,6 +232,9 @@ inline void dequant_row(const Format& f, const float* fp8_lut, int64_t h, int64_
   const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
   if (f.kind == 2) {
     const float s = (float)f.scale[h * f.sc_h + t * f.sc_t];
+#if defined(__AVX2__) && defined(__F16C__)
+    return fp8_row(c, s, d, out);
+#endif
 #pragma omp simd
     for (int j = 0; j < d; ++j) out[j] = fp8_lut[c[j]] * s;
     return;
