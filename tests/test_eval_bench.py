@@ -115,3 +115,15 @@ def test_bench_throughput_command(tmp_path, capsys):
     assert rows["vericache-grouped"]["mean_groups"] >= 1 and rows["vericache-staggered"]["mean_groups"] is None
     assert rows["vericache-staggered"]["link_utilization"] > 0 and rows["full"]["link_utilization"] == 0
     assert 0 < rows["full"]["compute_utilization"] <= 1 and (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_bench_attention_op_command(tmp_path, capsys):
+    rc = main(["bench", "attention-op", "--context", "256", "--caches", "full,fp8,kivi2", "--rows", "1,3",
+               "--repeats", "1", "--json", "--record", str(tmp_path / "B.md")])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["cache"], r["rows"]) for r in res["rows"]] == [(c, t) for c in ("full", "fp8", "kivi2") for t in (1, 3)]
+    full, fp8 = res["rows"][0], res["rows"][2]
+    assert full["MB"] > fp8["MB"] > 0 and all(r["ms"] > 0 for r in res["rows"])   # fp16: 2 bytes a channel, fp8: 1
+    assert "Command: `vericache bench attention-op" in (tmp_path / "B.md").read_text()
+    assert main(["bench", "attention-op", "--caches", "full,nope", "--context", "256"]) != 0

@@ -216,6 +216,36 @@ def _cmd_linear(args) -> int:
     return 0 if res["identical_across_builds"] else 1
 
 
+def _cmd_attention_op(args) -> int:
+    import torch
+
+    from vericache_lab.bench.attention_op import run_attention_op
+    from vericache_lab.report import markdown_table, record
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run_attention_op(args.context, [c for c in args.caches.split(",") if c], args.rows, repeats=args.repeats,
+                           log=progress(args))
+    print(json.dumps(res, indent=None if args.json else 2))
+    record(args.record, "The packed attention op on synthetic caches",
+           f"{res['cpu']}, {res['threads']} threads, read bandwidth {res['read_bandwidth_GBps']} GB/s\n\n"
+           + markdown_table(res["rows"], ["cache", "rows", "MB", "ms", "GBps", "x_read_bandwidth"]), args.argv)
+    return 0
+
+
+def _add_attention_op(bsub) -> None:
+    ao = bsub.add_parser("attention-op", help="the packed attention op alone on synthetic 30-layer caches: "
+                         "ms and GB/s per cache and query rows")
+    ao.add_argument("--context", type=int, default=8192)
+    ao.add_argument("--caches", default="full,fp8,kivi2,int8", help="full (fp16), kivi2, kivi4, int4, int8, fp8")
+    ao.add_argument("--rows", type=ints, default=[1, 3, 17], help="query rows a KV head's group sees (T)")
+    ao.add_argument("--repeats", type=int, default=10)
+    ao.add_argument("--threads", type=int, default=0)
+    ao.add_argument("--json", action="store_true")
+    ao.add_argument("--record", default=None)
+    ao.set_defaults(func=_cmd_attention_op)
+
+
 def _add_linear(bsub) -> None:
     li = bsub.add_parser("linear", help="one forward's matmuls: the batch-invariant op in both numerics per ISA build vs MKL fp32")
     li.add_argument("--model", default=DEFAULT_MODEL)
@@ -387,6 +417,7 @@ def add_bench_parser(sub) -> None:
     _add_throughput(bsub)
     _add_batch(bsub)
     _add_attention(bsub)
+    _add_attention_op(bsub)
     _add_linear(bsub)
     _add_prefix(bsub)
     _add_serve(bsub)
