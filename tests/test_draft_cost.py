@@ -92,3 +92,33 @@ def test_one_model_prices_every_row_kind_and_the_offloaded_modes():
     assert predict_offloaded(c, "vericache-staggered", budget_bytes=2e8, **slow) > predict_offloaded(
         c, "vericache-naive", budget_bytes=2e8, **slow)
     assert StepCosts(**c.to_dict()) == c
+
+
+def test_draft_cost_chooses_full_steps_where_no_round_pays():
+    cost = DraftCost(fitted=StepCosts(c0=0.001, t_byte=1e-9))          # a step's fixed cost plus its bytes
+    full_row = lambda k: (1e6, 0)                                       # noqa: E731 - a chunk reads the full KV once
+    # a drafter that reads 0.9 of the full KV and is seldom right: a full step (2 ms a token) wins
+    assert cost.choose(0.1, 1, (0.9e6, 0), full_row, 8) == 0
+    # one that reads a tenth and is mostly right: a round of several drafts wins
+    assert cost.choose(0.95, 1, (0.1e6, 0), full_row, 8) >= 4
+
+
+def test_a_request_whose_drafts_cannot_pay_decodes_full_steps_and_probes_again(llm):
+    from vericache import Engine, SamplingParams
+
+    text = "def add(a, b):\n    return a + b\n" * 10
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    full = llm.generate([text], params)[0].token_ids
+    prompt = llm.tokenizer.encode(text)
+    engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+    cost = engine.loop.scheduler.planner.cost
+    cost.fitted, cost.every = StepCosts(c0=1.0), 10 ** 9   # every forward costs the same: no round can beat a full step
+    rid = engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    stats = outs[-1].stats
+    assert [t for o in outs for t in o.token_ids] == full                 # the same tokens either way
+    assert stats["cost_fallbacks"] >= 2 and stats["full_step_tokens"] >= 32   # cool-downs of 16 full steps
+    assert stats["drafted_tokens"] > 0                                    # the probe rounds between them
+    assert stats["full_step_tokens"] + stats["round_tokens"] == 39        # the first token came from prefill

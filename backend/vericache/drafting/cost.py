@@ -157,12 +157,16 @@ class DraftCost:
 
     def choose(self, alpha: float, n_active: int, draft_cost: tuple[int, int], verify_cost: Callable[[int], tuple[int, int]],
                k_max: int) -> int | None:
-        """The best k for one request, or None before the fit exists. ``draft_cost``: (K/V bytes,
-        pairs) of one draft row over its compressed KV; ``verify_cost(k)``: the same for a chunk of
-        k + 1 rows over its full KV. The step's fixed cost is shared by the ``n_active`` requests."""
+        """The best k for one request: 0 when a plain full step yields more tokens a second than any
+        round (``verify_cost(0)``: one row over the full KV), None before the fit exists.
+        ``draft_cost``: (K/V bytes, pairs) of one draft row over its compressed KV; ``verify_cost(k)``:
+        the same for a chunk of k + 1 rows over its full KV. The step's fixed cost is shared by the
+        ``n_active`` requests."""
         if self.fitted is None or k_max < 1:
             return None
         f = self.fitted
         share = f.c0 / max(n_active, 1)
         draft_s = share + f.weights(1) + f.seq(*draft_cost)
-        return best_draft_len(alpha, draft_s, lambda k: share + f.weights(k + 1) + f.seq(*verify_cost(k)), k_max)
+        verify_s = lambda k: share + f.weights(k + 1) + f.seq(*verify_cost(k))  # noqa: E731
+        k = best_draft_len(alpha, draft_s, verify_s, k_max)
+        return k if expected_tokens(alpha, k) / (k * draft_s + verify_s(k)) > 1.0 / verify_s(0) else 0

@@ -43,6 +43,7 @@ class RoundState:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    full_steps: int = 0                          # rounds of k = 0: a token from a plain full-KV step
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def start(self, k: int) -> None:
@@ -155,6 +156,7 @@ def end_round(rs: RoundState, policy: "DraftLengthPolicy", state: "DraftState", 
 def record_round(rs: RoundState, k: int, m: int) -> None:
     """Count a verified round of ``k`` drafted tokens with ``m`` accepted."""
     rs.rounds, rs.drafted, rs.accepted = rs.rounds + 1, rs.drafted + k, rs.accepted + m
+    rs.full_steps += k == 0
     while len(rs.accepted_per_pos) < k:
         rs.accepted_per_pos.append(0)
     for i in range(m):
@@ -179,6 +181,8 @@ class DraftState:
     failed_rounds: int = 0
     cooldown: int = 0
     fallbacks: int = 0
+    cost_fallbacks: int = 0       # times the cost model found full steps faster than drafting
+    probe: bool = False           # after such a fallback: one round at the policy's length, to re-measure
     accepted_total: int = 0       # drafted tokens accepted, all rounds
     rejections: int = 0           # rounds that ended at a mismatch
 
@@ -274,10 +278,20 @@ class DraftPlanner:
             rs.k = min(rs.k + 1, policy.max_len, max(r.seq.remaining - 1, rs.k))
 
     def _cost_len(self, r, k: int) -> int:
-        """The draft length the fitted step costs call for; the policy's ``k`` until fitted."""
-        pos, k_max = r.position, min(r.opts.policy.max_len, r.seq.remaining - 1)
+        """The draft length the fitted step costs call for; the policy's ``k`` until fitted. Where
+        they find plain full steps faster than any round at the request's acceptance, the request
+        decodes ``cooldown`` full steps (the same tokens either way), then drafts one probe round at
+        the policy's length, so its acceptance is measured again before the costs decide."""
+        st, policy = r.policy_state, r.opts.policy
+        if st.probe:
+            st.probe = False
+            return k
+        pos, k_max = r.position, min(policy.max_len, r.seq.remaining - 1)
         n = self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps)
-        choice = self.cost.choose(r.policy_state.acceptance(), n, r.draft.attention_cost(pos, 1),
+        choice = self.cost.choose(st.acceptance(), n, r.draft.attention_cost(pos, 1),
                                   lambda j: r.full.attention_cost(pos, j + 1), k_max)
+        if choice == 0:
+            st.cooldown, st.probe = policy.cooldown, True
+            st.cost_fallbacks += 1
         return k if choice is None else choice

@@ -365,7 +365,11 @@ def request_stats(req: Request) -> dict:
             # tokens emitted per verification round, bonus/correction included
             "mean_acceptance_length": round(decoded / rs.rounds, 3) if rs.rounds else 0.0,
             "accepted_per_position": list(rs.accepted_per_pos),
-            "fallbacks": getattr(req.policy_state, "fallbacks", 0)})
+            # tokens each way: plain full-KV steps (cool-downs, or the costs found drafting slower)
+            # and verified rounds of drafts
+            "full_step_tokens": rs.full_steps, "round_tokens": decoded - rs.full_steps,
+            "fallbacks": getattr(req.policy_state, "fallbacks", 0),
+            "cost_fallbacks": getattr(req.policy_state, "cost_fallbacks", 0)})
     if req.prefix_tokens or req.fetch_bytes or req.verifier_hit_tokens:
         st.update({"prefix_tokens": req.prefix_tokens, "prefix_fetch_bytes": req.fetch_bytes,
                    "prefix_fetch_s": round(req.fetch_s, 6), "verifier_prefix_tokens": req.verifier_hit_tokens})

@@ -35,6 +35,8 @@ class Metrics:
         self.accepted_tokens = c("spec_decode_num_accepted_tokens", "Accepted draft tokens")
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens by draft position",
                                   ["position"])
+        self.full_step_tokens = c("full_step_tokens", "Tokens VeriCache requests decoded by plain full-KV steps "
+                                  "(their drafts would not have paid, or a cool-down)")
         self.acceptance_length = h("acceptance_length", "Tokens emitted per verification round",
                                    (1, 2, 4, 8, 12, 16, 24, 32, 48, 64))
         self.link_bytes = c("link_bytes", "Bytes moved by the host-to-device link", ["link"])
@@ -78,6 +80,8 @@ def metrics_sink(m: Metrics):
         if event == "request_done":
             m.lab(m.success, finished_reason=str(f.get("finish_reason")), **labels).inc()
             m.lab(m.e2e, **labels).observe(f["e2e_s"])
+        elif event == "round" and f["drafted"] == 0:      # a plain full step: not a verification round
+            m.lab(m.full_step_tokens, **labels).inc()
         elif event == "round":
             m.lab(m.drafts, **labels).inc()
             m.lab(m.draft_tokens, **labels).inc(f["drafted"])
