@@ -183,6 +183,7 @@ class DraftState:
     fallbacks: int = 0
     cost_fallbacks: int = 0       # times the cost model found full steps faster than drafting
     probe: bool = False           # after such a fallback: one round at the policy's length, to re-measure
+    backoff: int = 0              # full steps of the next such fallback: doubles while probes keep failing
     accepted_total: int = 0       # drafted tokens accepted, all rounds
     rejections: int = 0           # rounds that ended at a mismatch
 
@@ -280,8 +281,9 @@ class DraftPlanner:
     def _cost_len(self, r, k: int) -> int:
         """The draft length the fitted step costs call for; the policy's ``k`` until fitted. Where
         they find plain full steps faster than any round at the request's acceptance, the request
-        decodes ``cooldown`` full steps (the same tokens either way), then drafts one probe round at
-        the policy's length, so its acceptance is measured again before the costs decide."""
+        decodes full steps (the same tokens either way: ``cooldown`` of them, doubling up to 16x
+        while the costs keep saying so), then drafts one probe round at the policy's length, so its
+        acceptance is measured again before the costs decide."""
         st, policy = r.policy_state, r.opts.policy
         if st.probe:
             st.probe = False
@@ -292,6 +294,9 @@ class DraftPlanner:
         choice = self.cost.choose(st.acceptance(), n, r.draft.attention_cost(pos, 1),
                                   lambda j: r.full.attention_cost(pos, j + 1), k_max)
         if choice == 0:
-            st.cooldown, st.probe = policy.cooldown, True
+            st.backoff = min(2 * st.backoff, 16 * policy.cooldown) if st.backoff else policy.cooldown
+            st.cooldown, st.probe = st.backoff, True
             st.cost_fallbacks += 1
+        elif choice is not None:
+            st.backoff = 0
         return k if choice is None else choice

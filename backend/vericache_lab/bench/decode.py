@@ -75,7 +75,8 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
                    "compression_ratio": st.get("compression_ratio", 1.0),
                    "kv_resident_bytes": st.get("kv_resident_bytes"),
                    "mean_acceptance_length": st.get("mean_acceptance_length", ""),
-                   "acceptance_rate": st.get("acceptance_rate", "")}
+                   "acceptance_rate": st.get("acceptance_rate", ""),
+                   "full_step_tokens": st.get("full_step_tokens", "")}   # tokens from plain full steps
             if ref is not None:
                 row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
                 row["identical_to_full"] = out.token_ids == ref.token_ids
