@@ -30,7 +30,7 @@ COLUMNS = ["compressor", "bytes_per_token", "x_full_bytes", "attention_ms", "x_f
            "x_read_bandwidth", "step_ms", "roofline_ms", "x_roofline", "kept_tokens"]
 
 
-def _best_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -81,7 +81,7 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
             loaded.model(token, [context], [1], [cache])
 
         read, pairs = cache.attention_cost(context, 1)  # K/V bytes one decode step reads, its own new token included
-        attn_ms, step_ms = _best_ms(attention, repeats), _best_ms(step, repeats)
+        attn_ms, step_ms = median_ms(attention, repeats), median_ms(step, repeats)
         kept = context + 1 if spec.startswith("full") else cache.kept_tokens()
         rows.append({"compressor": spec, "bytes_per_token": read, "attention_ms": round(attn_ms, 2),
                      "achieved_GBps": round(read / attn_ms / 1e6, 2), "step_ms": round(step_ms, 2),

@@ -10,12 +10,11 @@ measured read rate. Rows T > 1 are causal at the cache's end, as a chunk is.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
+from vericache_lab.bench.attention import median_ms
 from vericache_lab.bench.common import cpu_model
 from vericache_lab.sim.roofline import read_bandwidth
 
@@ -65,13 +64,7 @@ def run_attention_op(context: int, caches: list[str], rows: list[int], layers: i
                 for p, _ in parts:
                     attend_packed(q, [t], [[p]], kv_heads)
 
-            step()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            ms = sorted(times)[len(times) // 2] * 1e3
+            ms = median_ms(step, repeats)
             row = {"cache": cache, "rows": t, "MB": round(nbytes / 1e6, 1), "ms": round(ms, 2),
                    "GBps": round(nbytes / ms / 1e6, 2), "x_read_bandwidth": round(nbytes / ms / 1e6 / bw, 3)}
             out.append(row)
