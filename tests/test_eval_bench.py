@@ -26,6 +26,9 @@ def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
     for metric in ("needle_accuracy", "tool_json_valid", "code_parse_rate"):
         assert veri[metric] == rows["full"][metric]
     assert lossy["kv_kept"] < 0.5 and veri["mean_acceptance_length"] >= 1
+    # each source: drafted rounds (acceptance per drafted token) and plain full steps, where the tiny
+    # model's costs make drafting pointless (a draft row costs what a full row does)
+    assert veri["full_step_tokens"] > 0 or 0 <= veri["acceptance_per_draft"] <= 1, veri
     assert (tmp_path / "q.png").stat().st_size > 1000
     assert "Command: `vericache eval" in (tmp_path / "B.md").read_text()
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # (batch, config) records: resumable
@@ -72,6 +75,10 @@ def test_bench_batch_command(tmp_path, capsys):
     assert rows["vericache+int4@kivi:bits=2"]["identical_to_full"]
     assert rows["vericache+int4@kivi:bits=2"]["compressor"].startswith("kivi:") and rows["vericache"]["compressor"].startswith("snapkv")
     assert rows["vericache"]["mean_acceptance_length"] >= 1 and rows["full"]["mean_acceptance_length"] is None
+    # each source's share: acceptance per drafted token, and tokens from plain full steps (none here)
+    veri = rows["vericache"]
+    assert 0 <= veri["acceptance_per_draft"] <= 1 and veri["full_step_tokens"] >= 0
+    assert veri["tokens_per_drafted_round"] >= 1 and "acceptance_per_draft" not in rows["full"]
     assert all(r["tokens_per_s"] > 0 and r["kv_resident_bytes"] > 0 for r in rows.values())
     # vericache holds the full KV and the compressed one: more resident bytes than full alone
     assert rows["vericache"]["kv_resident_bytes"] > rows["full"]["kv_resident_bytes"]

@@ -100,7 +100,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     rows = run_long_eval(args.model, configs, n=args.n, lo=args.context_min, hi=args.context_max,
                          checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True),
                          draft_weights=args.draft_weights)
-    cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length"]
+    cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length",
+            "acceptance_per_draft", "full_step_tokens"]
     table = markdown_table(rows, cols)
     print(json.dumps({"rows": rows}) if args.json else table)
     if args.plot:

@@ -29,3 +29,17 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def draft_sources(stats: list[dict]) -> dict:
+    """Where a VeriCache run's tokens came from, summed over its requests' stats: verified rounds of
+    drafts (acceptance per drafted token, tokens a drafted round) and plain full steps (the cost
+    model's fallbacks and the policy's cool-downs)."""
+    def total(key: str) -> int:
+        return sum(s.get(key, 0) for s in stats)
+
+    full, drafted = total("full_step_tokens"), total("drafted_tokens")
+    drafted_rounds = total("rounds") - full
+    return {"acceptance_per_draft": round(total("accepted_tokens") / drafted, 3) if drafted else None,
+            "tokens_per_drafted_round": round(total("round_tokens") / drafted_rounds, 2) if drafted_rounds else None,
+            "full_step_tokens": full}

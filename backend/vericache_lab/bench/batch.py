@@ -14,13 +14,14 @@ import torch
 
 from vericache_lab.bench import llama_cpp_bench
 from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
-from vericache_lab.report import markdown_table
+from vericache_lab.report import draft_sources, markdown_table
 from vericache.engine.engine import Engine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache_lab.sim import roofline
 
-COLUMNS = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "identical_to_full", "mean_acceptance_length", "kv_resident_bytes",
+COLUMNS = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "identical_to_full",
+           "mean_acceptance_length", "acceptance_per_draft", "full_step_tokens", "kv_resident_bytes",
            "kv_resident_x_full", "decode_s", "load_s", "steps"]
 
 
@@ -115,6 +116,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
                "identical_to_full": outs == reference if reference is not None else None,
                "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
                "compressor": mode_engine.defaults.compressor_label}
+        if rounds:                          # each source's share: drafted rounds and plain full steps
+            row.update(draft_sources([s.stats for s in seqs]))
         if predictor is not None:
             per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
             row["predicted_tokens_per_s"] = round(predictor(mode_engine, base, n_requests, *per_round), 2)
@@ -123,7 +126,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
             f"identical={row['identical_to_full']}, "
             f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
-            + (f", {row['mean_acceptance_length']} tokens/round" if rounds else ""))
+            + (f", {row['mean_acceptance_length']} tokens/round ({row['full_step_tokens']} tokens from full steps)"
+               if rounds else ""))
     if llamacpp and llama_cpp_bench.available() and llm.loaded.device.type == "cpu":
         rows += llama_cpp_bench.rows(model, prompts, max_tokens, log, llamacpp_flash_attn, llamacpp_copies)
     if roof is not None:  # measured again after the runs: each figure's better value counts

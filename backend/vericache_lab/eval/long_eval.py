@@ -15,6 +15,7 @@ from pathlib import Path
 
 from vericache.engine.engine import Engine
 from vericache_lab.eval import long_tasks as lt
+from vericache_lab.report import draft_sources
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
@@ -46,7 +47,8 @@ def score(tasks: list[lt.LongTask], outs, full_outs) -> dict:
 
 
 def _output_record(o) -> dict:
-    keep = ("compression_ratio", "rounds", "decode_tokens_per_s")
+    keep = ("compression_ratio", "rounds", "decode_tokens_per_s", "drafted_tokens", "accepted_tokens", "full_step_tokens",
+            "round_tokens")
     return {"token_ids": o.token_ids, "text": o.text, "stats": {k: o.stats[k] for k in keep if k in o.stats}}
 
 
@@ -120,6 +122,7 @@ def _row(label: str, tasks, labels, done, batch: int) -> dict:
     if mode == "vericache":
         rounds = sum(o.stats["rounds"] for o in res)
         row["mean_acceptance_length"] = round(tokens / rounds, 2) if rounds else 0.0
+        row.update(draft_sources([o.stats for o in res]))   # drafted rounds and plain full steps
     return row
 
 
