@@ -132,3 +132,15 @@ def test_draft_sources_sum_each_way():
              {"rounds": 2, "drafted_tokens": 0, "accepted_tokens": 0, "full_step_tokens": 2, "round_tokens": 0}]
     assert draft_sources(stats) == {"acceptance_per_draft": 0.75, "tokens_per_drafted_round": 5.0, "full_step_tokens": 6}
     assert draft_sources([{"rounds": 3, "full_step_tokens": 3}])["acceptance_per_draft"] is None
+
+
+def test_a_full_step_counts_as_a_full_step_token_not_a_verification_round():
+    from vericache.serving.metrics import Metrics, metrics_sink
+
+    m = Metrics("tiny", "vericache", "snapkv")
+    sink = metrics_sink(m)
+    sink("round", {"drafted": 0, "accepted": 0})      # a plain full step (a fallback or a cool-down)
+    sink("round", {"drafted": 4, "accepted": 3})      # a verified round of drafts
+    value = lambda name: m.registry.get_sample_value(name, m.labels)   # noqa: E731
+    assert value("vericache_full_step_tokens_total") == 1
+    assert value("vericache_spec_decode_num_drafts_total") == 1 and value("vericache_spec_decode_num_draft_tokens_total") == 4
