@@ -59,7 +59,8 @@ class Metrics:
         self.prefix_fetch = h("prefix_fetch_seconds", "Seconds to fetch a prompt's stored blocks", extra=["link"])
         self.store_errors = c("prefix_store_errors", "Prefix store unreachable (the prompt was recomputed)")
         self.verifier_rtt = h("verifier_rtt_seconds", "Round trip of a draft to the remote verifier and back")
-        for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt):
+        for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt,
+                       self.full_step_tokens):
             self.lab(metric)  # exported (as zero) before the first event, so dashboards show them
         for kind in ("emulated", "pcie"):   # zero while the full KV is not tiered (the CPU's default)
             self.lab(self.link_bytes, link=kind)
