@@ -115,9 +115,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
                "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
                "identical_to_full": outs == reference if reference is not None else None,
                "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-               "compressor": mode_engine.defaults.compressor_label}
-        if rounds:                          # each source's share: drafted rounds and plain full steps
-            row.update(draft_sources([s.stats for s in seqs]))
+               "compressor": mode_engine.defaults.compressor_label,
+               **(draft_sources([s.stats for s in seqs]) if rounds else {})}   # drafted rounds, full steps
         if predictor is not None:
             per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
             row["predicted_tokens_per_s"] = round(predictor(mode_engine, base, n_requests, *per_round), 2)
