@@ -134,6 +134,17 @@ struct Part {
   Format kf, vf;                                                 // quantized
 };
 
+#if defined(__AVX2__) && defined(__F16C__)
+// Channels j .. j + 7 of a stored row as fp32 (exact widening).
+template <Elt E>
+inline __m256 load8(const char* row, int64_t j) {
+  if (E == F32) return _mm256_loadu_ps((const float*)row + j);
+  const __m128i x = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + j));
+  if (E == F16) return _mm256_cvtph_ps(x);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+#endif
+
 // dst[j] = src[j] as fp32 for j < D (a multiple of 8): exact conversions, so every build's bits agree.
 inline void widen_row(Elt e, const char* src, int64_t D, float* __restrict dst) {
   const uint16_t* h = (const uint16_t*)src;
@@ -147,10 +158,7 @@ inline void widen_row(Elt e, const char* src, int64_t D, float* __restrict dst) 
   }
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
-  for (int64_t j = 0; j < D; j += 8) {
-    const __m128i x = _mm_loadu_si128((const __m128i*)(h + j));
-    _mm256_store_ps(dst + j, e == F16 ? _mm256_cvtph_ps(x) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
-  }
+  for (int64_t j = 0; j < D; j += 8) _mm256_store_ps(dst + j, e == F16 ? load8<F16>(src, j) : load8<BF16>(src, j));
 #else
   for (int64_t j = 0; j < D; ++j) {
     if (e == F16) {
@@ -186,15 +194,6 @@ inline float dot8_ref(const float* q, const float* k, int64_t D) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Channels j .. j + 7 of a stored row as fp32 (exact widening).
-template <Elt E>
-inline __m256 load8(const char* row, int64_t j) {
-  if (E == F32) return _mm256_loadu_ps((const float*)row + j);
-  const __m128i x = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + j));
-  if (E == F16) return _mm256_cvtph_ps(x);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-
 // dot8's lane trees for 8 keys at once (lanes[t]: key t's 8 lanes) -> the 8 scores. hadd adds
 // neighbours (a0 + a1, a2 + a3, ...), twice; then each key's low and high 128-bit halves meet.
 inline __m256 tree8x8(const __m256* lanes) {
