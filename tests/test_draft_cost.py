@@ -128,9 +128,11 @@ def test_a_request_whose_drafts_cannot_pay_decodes_full_steps_and_probes_again(l
 def test_draft_sources_sum_each_way():
     from vericache_lab.report import draft_sources
 
-    stats = [{"rounds": 10, "drafted_tokens": 20, "accepted_tokens": 15, "full_step_tokens": 4, "round_tokens": 30},
+    stats = [{"rounds": 10, "drafted_tokens": 20, "accepted_tokens": 15, "full_step_tokens": 4, "round_tokens": 30,
+              "lookup_proposed_tokens": 9, "lookup_kept_tokens": 4, "guided_swaps": 120},
              {"rounds": 2, "drafted_tokens": 0, "accepted_tokens": 0, "full_step_tokens": 2, "round_tokens": 0}]
-    assert draft_sources(stats) == {"acceptance_per_draft": 0.75, "tokens_per_drafted_round": 5.0, "full_step_tokens": 6}
+    assert draft_sources(stats) == {"acceptance_per_draft": 0.75, "tokens_per_drafted_round": 5.0, "full_step_tokens": 6,
+                                    "lookup_kept_of_proposed": "4/9", "guided_swaps_per_round": 20.0}
     assert draft_sources([{"rounds": 3, "full_step_tokens": 3}])["acceptance_per_draft"] is None
 
 

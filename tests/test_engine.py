@@ -26,8 +26,8 @@ def test_outputs_carry_the_text_and_every_round_event_its_labels(engine, llm):
     assert "".join(o.text for o in outs) == llm.tokenizer.decode(ids)
     # the last round ended the request in the step that forgot it: its event keeps the request's labels
     assert len(rounds) == final.stats["rounds"] >= 2
-    assert all(labels == {"mode": "vericache", "compressor": "snapkv:window=32,ratio=0.25,kernel=7"}
-               for labels, _, _ in rounds), rounds
+    assert all(labels == {"mode": "vericache", "compressor": "snapkv:window=32,ratio=0.25,guided=True,swaps=64,kernel=7"}
+               for labels, *_ in rounds), rounds
     assert engine.counts() == (0, 0) and engine.stats()["kv_device"] == 0
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from vericache.kernels import packed_kernels
 from vericache.kernels.linear_op import supported_isas
-from vericache.kv.packed import KeyPart, attend_packed, op_args, torch_part
+from vericache.kv.packed import KeyPart, attend_packed, op_args, seen_scores, torch_part
 from vericache.kv.attention import merge
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
 
@@ -132,7 +132,7 @@ def test_batch_invariant_bit_for_bit():
         for p in probe:
             for t in (1, 17):          # a decode row, and a row inside a chunk (the causal diagonal)
                 start = max(0, p - t // 2)
-                args = ([0, start + t, start, 3, 0, 0, 3, 0, 0], [k, None, None, v, None, None, None])
+                args = ([0, start + t, start, 3, 0, 0, 3, 0, 0], [k, None, None, v, None, None, None, None])
                 assert torch.equal(op.attend_packed(qall[:, start : start + t], HKV, [t], *args)[p - start],
                                    alone[p]), (isa, p, t)
 
@@ -174,3 +174,37 @@ def test_half_size_parts_are_their_widened_values(dtype, d):
     torch.testing.assert_close(torch_out, ref, atol=1e-5, rtol=1e-4)
     with pytest.raises(RuntimeError, match="alike"):
         attend_packed(q, [t], [[KeyPart(k, v.float(), n=n, diag=s)]], HKV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("start, t", [(0, 5), (600, 1), (1100, 17)])
+def test_seen_scores_record_what_the_rows_attended(dtype, start, t):
+    """The optional ``seen`` output (a guided drafter's signal): each key's max scaled score over each
+    query head's rows that see it, as the float64-free torch reference says, in every build; it
+    changes no bit of the attention itself."""
+    k, v = _kv(start + t + 9, start + 3)
+    k, v = k.to(dtype), v.to(dtype)
+    q = _q(t, start + 1)
+    plain = KeyPart(k, v, n=start + t, diag=start)
+    out = attend_packed(q, [t], [[plain]], HKV)
+    seen = torch.full((HQ, start + t + 9), 7.0)
+    part = KeyPart(k, v, n=start + t, diag=start, seen=seen)
+    assert torch.equal(attend_packed(q, [t], [[part]], HKV), out)
+    ref = seen_scores(q, part)
+    assert torch.allclose(seen[:, : start + t], ref, atol=1e-5)
+    assert torch.all(seen[:, start + t :] == 7.0)                  # nothing past n is written
+    if t > 1:                                                      # the chunk's own keys: only later rows see them
+        assert seen[0, start + t - 1] == pytest.approx(ref[0, start + t - 1].item(), abs=1e-5)
+    ints, tensors = op_args(0, part, D)
+    for isa in supported_isas():
+        again = torch.zeros_like(seen)
+        tensors[-1] = again
+        packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors)
+        assert torch.equal(again[:, : start + t], seen[:, : start + t]), isa
+
+
+def test_seen_scores_refuse_a_bad_buffer():
+    k, v = _kv(40, 1)
+    bad = KeyPart(k, v, n=40, diag=39, seen=torch.zeros(HQ - 1, 40))
+    with pytest.raises(RuntimeError, match="seen"):
+        attend_packed(_q(1, 2), [1], [[bad]], HKV)

@@ -101,7 +101,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                          checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True),
                          draft_weights=args.draft_weights)
     cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length",
-            "acceptance_per_draft", "full_step_tokens"]
+            "acceptance_per_draft", "full_step_tokens", "lookup_kept_of_proposed", "guided_swaps_per_round"]
     table = markdown_table(rows, cols)
     print(json.dumps({"rows": rows}) if args.json else table)
     if args.plot:

@@ -33,8 +33,9 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 def draft_sources(stats: list[dict]) -> dict:
     """Where a VeriCache run's tokens came from, summed over its requests' stats: verified rounds of
-    drafts (acceptance per drafted token, tokens a drafted round) and plain full steps (the cost
-    model's fallbacks and the policy's cool-downs)."""
+    drafts (acceptance per drafted token, tokens a drafted round), of them the drafts that lookup
+    proposals supplied (kept of proposed), plain full steps (the cost model's fallbacks and the
+    policy's cool-downs), and the tokens guided selection traded into the stores per round."""
     def total(key: str) -> int:
         return sum(s.get(key, 0) for s in stats)
 
@@ -42,4 +43,6 @@ def draft_sources(stats: list[dict]) -> dict:
     drafted_rounds = total("rounds") - full
     return {"acceptance_per_draft": round(total("accepted_tokens") / drafted, 3) if drafted else None,
             "tokens_per_drafted_round": round(total("round_tokens") / drafted_rounds, 2) if drafted_rounds else None,
-            "full_step_tokens": full}
+            "full_step_tokens": full,
+            "lookup_kept_of_proposed": f"{total('lookup_kept_tokens')}/{total('lookup_proposed_tokens')}",
+            "guided_swaps_per_round": round(total("guided_swaps") / drafted_rounds, 1) if drafted_rounds else None}

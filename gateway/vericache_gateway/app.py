@@ -340,7 +340,7 @@ def _usage(stats: dict, n_prompt: int | None = None) -> dict:
 def _request_options(body, backend) -> tuple[RequestOptions | None, dict]:
     """The request's ``vericache`` options (validated: 400 naming the field) and its metric labels."""
     opts = body.vericache
-    options = None if opts is None else RequestOptions(opts.mode, opts.compressor, opts.draft_len)
+    options = None if opts is None else RequestOptions(opts.mode, opts.compressor, opts.draft_len, opts.lookup)
     try:
         resolved = resolve_options(options, backend.defaults)
     except InvalidOption as exc:

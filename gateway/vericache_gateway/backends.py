@@ -135,6 +135,8 @@ class TritonBackend:
         if options.draft_len is not None:  # the model's draft_len input: 0 means "auto"
             k = 0 if options.draft_len == "auto" else options.draft_len
             ins.append(t("draft_len", np.array([k], dtype=np.int32), "INT32"))
+        if options.lookup is not None:
+            ins.append(t("lookup", np.array([options.lookup]), "BOOL"))
         return ins
 
     async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,

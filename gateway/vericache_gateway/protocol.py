@@ -22,6 +22,7 @@ class VeriCacheOptions(BaseModel):
     mode: Literal["full", "lossy", "vericache"] | None = None
     compressor: str | None = Field(default=None, max_length=256)
     draft_len: int | Literal["auto"] | None = Field(default=None)
+    lookup: bool | None = None    # prompt-lookup proposals checked by the drafter
 
 
 class StreamOptions(BaseModel):

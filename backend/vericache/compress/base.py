@@ -100,15 +100,23 @@ class Compressor:
 
 @dataclass
 class EvictionCompressor(Compressor):
-    """Keeps ``ratio`` of the tokens seen so far (at least the recent window)."""
+    """Keeps ``ratio`` of the tokens seen so far (at least the recent window). ``guided``: after each
+    verification the store trades up to ``swaps`` tokens a KV head for ones the verifier attended to
+    that it lacks (``drafting.guide``; the drafter's cache only, so outputs do not change)."""
 
     kind: ClassVar[str] = "eviction"
     ratio: float = 0.25
+    guided: bool = True
+    swaps: int = 64
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"{self.name}: ratio must be in (0, 1], got {self.ratio!r}")
+        if not isinstance(self.guided, bool):
+            raise ValueError(f"{self.name}: guided must be true or false, got {self.guided!r}")
+        if isinstance(self.swaps, bool) or not isinstance(self.swaps, int) or self.swaps < 1:
+            raise ValueError(f"{self.name}: swaps must be an integer >= 1, got {self.swaps!r}")
 
     def keep_budget(self, total_tokens: int) -> int:
         return max(math.ceil(self.ratio * total_tokens), 1)
@@ -137,6 +145,8 @@ class Composed(Compressor):
     evicts = property(lambda self: True)
     quantizes = property(lambda self: True)
     rescores_kept = property(lambda self: self.evictor.rescores_kept)
+    guided = property(lambda self: self.evictor.guided)
+    swaps = property(lambda self: self.evictor.swaps)
 
     def keep_budget(self, total_tokens: int) -> int:
         return self.evictor.keep_budget(total_tokens)

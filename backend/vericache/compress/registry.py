@@ -21,13 +21,17 @@ def _coerce(cls: type[Compressor], key: str, raw: str):
     default = _parameters(cls)[key].default
     try:
         if isinstance(default, bool):
-            return raw.lower() in ("1", "true", "yes")
+            flag = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(raw.lower())
+            if flag is None:
+                raise ValueError
+            return flag
         if isinstance(default, int):
             return int(raw)
         if isinstance(default, float):
             return float(raw)
     except ValueError:
-        raise ValueError(f"{cls.name}: {key}={raw!r} is not a valid {type(default).__name__}") from None
+        raise ValueError(f"{cls.name}: {key}={raw!r} is not a valid {type(default).__name__}"
+                         + (" (true or false)" if isinstance(default, bool) else "")) from None
     return raw
 
 

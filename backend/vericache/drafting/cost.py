@@ -170,3 +170,18 @@ class DraftCost:
         verify_s = lambda k: share + f.weights(k + 1) + f.seq(*verify_cost(k))  # noqa: E731
         k = best_draft_len(alpha, draft_s, verify_s, k_max)
         return k if expected_tokens(alpha, k) / (k * draft_s + verify_s(k)) > 1.0 / verify_s(0) else 0
+
+    def proposal_len(self, keep: float, n_active: int, draft_cost: Callable[[int], tuple[int, int]], room: int) -> int:
+        """Lookup proposal tokens worth checking in one draft step (``drafting.lookup``; 0: a single row),
+        ``room`` at most: the L that maximises drafts a second, expected_tokens(keep, L) drafts from one
+        step of L + 1 rows over the compressed KV (``keep``: the request's per-token rate of kept
+        proposal tokens), against one draft a single-row step. ``draft_cost(rows)``: (K/V bytes, pairs)
+        of that many rows over the compressed KV. Before the fit: ``room``."""
+        if room < 1 or self.fitted is None:
+            return max(room, 0)
+        f = self.fitted
+        share = f.c0 / max(n_active, 1)
+        step = lambda rows: share + f.weights(rows) + f.seq(*draft_cost(rows))  # noqa: E731
+        rates = [expected_tokens(keep, n) / step(n + 1) for n in range(1, room + 1)]
+        best = int(np.argmax(rates))
+        return best + 1 if rates[best] > 1.0 / step(1) else 0

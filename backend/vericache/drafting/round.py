@@ -44,10 +44,13 @@ class RoundState:
     drafted: int = 0
     accepted: int = 0
     full_steps: int = 0                          # rounds of k = 0: a token from a plain full-KV step
+    swapped: int = 0                             # tokens guided selection traded into the store (drafting.guide)
+    proposed: int = 0                            # this round's lookup proposal tokens (drafting.lookup) ...
+    kept: int = 0                                # ... and those the drafter agreed with
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def start(self, k: int) -> None:
-        self.started, self.k, self.drafts, self.qs = True, k, [], []
+        self.started, self.k, self.drafts, self.qs, self.proposed, self.kept = True, k, [], [], 0, 0
 
     @property
     def complete(self) -> bool:
@@ -72,6 +75,21 @@ def add_draft(seq: Sequence, rs: RoundState, logits: torch.Tensor, argmax: int |
     token, q = draft_token(seq, logits, argmax)
     rs.drafts.append(token)
     rs.qs.append(q)
+
+
+def add_checked_proposal(seq: Sequence, rs: RoundState, proposal: list[int], logits: torch.Tensor,
+                         argmax: list[int]) -> int:
+    """A multi-row draft step over rows [t, p1 .. pL] (``drafting.lookup``): row i's own choice is a draft,
+    and row i + 1 counts only while that choice was p(i+1). logits: [L+1, V], argmax: their greedy
+    choices. Returns the proposal tokens kept (the drafts equal to them)."""
+    kept = 0
+    for i in range(len(proposal) + 1):
+        add_draft(seq, rs, logits[i], argmax[i])
+        if i == len(proposal) or rs.drafts[-1] != proposal[i]:
+            break
+        kept += 1
+    rs.proposed, rs.kept = rs.proposed + len(proposal), rs.kept + kept
+    return kept
 
 
 def greedy_accepted(targets: list[int], draft: list[int]) -> int:
@@ -270,6 +288,27 @@ class DraftPlanner:
         elif k > 0 and policy.fixed is None and r.full is not None and r.session is None:
             k = self._cost_len(r, k)   # full KV here: the local step costs decide
         return k
+
+    def proposal(self, r) -> list[int]:
+        """Lookup proposal tokens for ``r``'s next draft step (``drafting.lookup``), [] for a single row:
+        where its committed tokens hold the last 3 (or 2) tokens earlier, what followed them, as many
+        as the round has room for beyond the step's own draft and the fitted costs find worth checking."""
+        if r.lookup is None:
+            return []
+        rs, seq = r.round, r.seq
+        room = rs.k - len(rs.drafts) - 1
+        if room < 1:
+            return []
+        tokens = seq.prompt_ids + seq.output_ids
+        r.lookup.extend(tokens)
+        proposal = r.lookup.propose(tokens, (tokens[-3:] + rs.drafts)[-3:], room)
+        if not proposal:
+            return []
+        pos = r.position + len(rs.drafts)
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
+        n = self.cost.proposal_len(r.lookup.keep_rate(), self.n_active(),
+                                   lambda rows: r.draft.attention_cost(pos, rows), len(proposal))
+        return proposal[:n]
 
     def extend_waiting(self, r) -> None:
         """A complete draft waiting for its group's turn on the link: one more token while its drafts are

@@ -36,6 +36,7 @@ class EngineConfig:
     compressor: str = "snapkv:ratio=0.125"   # a spec (or a ``Compressor``): eviction[+quantization]
     draft_len: int | str = "auto"   # tokens a round, or "auto" (the cost model decides per round)
     draft_weights: str = "auto"     # what drafts read on the CPU: auto (fp32 or q8, measured), fp32, q8, int8, int4
+    lookup: bool = True             # prompt-lookup proposals checked by the drafter (drafting.lookup)
     # the step loop
     prefill_chunk: int = 512        # prompt tokens a request prefills per step (others wait at most one chunk)
     max_running: int = 64
@@ -61,6 +62,8 @@ class EngineConfig:
         if self.draft_len != "auto" and (isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int)
                                          or self.draft_len < 1):
             bad("draft_len", "must be an integer >= 1 or 'auto'")
+        if not isinstance(self.lookup, bool):
+            bad("lookup", "must be true or false")
         if self.draft_weights not in DRAFT_WEIGHTS:
             bad("draft_weights", f"must be one of {', '.join(DRAFT_WEIGHTS)}")
         if self.numerics is not None and self.numerics not in NUMERICS:
@@ -128,6 +131,8 @@ def _parse_field(name: str, text: str):
     """One config.pbtxt string as the field's type."""
     if name == "draft_len":
         return "auto" if text in ("auto", "0") else int(text)
+    if name == "lookup":
+        return {"true": True, "false": False}[text.lower()]
     if name == "tiered":
         return {"true": True, "false": False, "auto": None}[text.lower()]
     if name == "device_budget_gb":
@@ -145,7 +150,7 @@ ARG_GROUPS = ("model", "mode", "loop")
 
 def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:
     """The engine's flags, each default the config's: "model" (--model --device --dtype --kv-dtype
-    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights), "loop" (--prefill-chunk
+    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights --lookup), "loop" (--prefill-chunk
     --max-queue --device-budget-gb --tiered --scheduler). ``EngineConfig.from_args`` reads them back."""
     d = DEFAULTS
     if "model" in groups:
@@ -167,6 +172,9 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
                        help="weights the drafts read (CPU): fp32 (exact), q8 (int8 activations x the stored blocks), "
                             "int8, int4, or auto (per step, fp32 or q8, whichever measured faster here for its draft "
                             "rows; fp32 off CPU); verification is exact either way")
+        p.add_argument("--lookup", default=d.lookup, action=argparse.BooleanOptionalAction,
+                       help="prompt-lookup proposals: where the last tokens occurred earlier, the drafter checks "
+                            "what followed them in one step (a request's own option overrides it)")
     if "loop" in groups:
         p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                        help="prompt tokens a request prefills per engine step (smaller: other requests wait less)")

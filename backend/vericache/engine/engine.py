@@ -63,7 +63,7 @@ class Engine:
                                                                    kv_dtype=c.kv_dtype, kernels=c.kernels,
                                                                    numerics=c.numerics)
         self.runner = ModelRunner(self.loaded, mode=c.mode, compressor=c.compressor, draft_len=c.draft_len,
-                                  prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights)
+                                  prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights, lookup=c.lookup)
         self.tiered = c.is_tiered(self.loaded.device.type)
         self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,
@@ -200,12 +200,12 @@ class Engine:
 
     def take_events(self) -> dict[str, list]:
         """Events since the last call, for metrics: "phases" (start, end, kinds), "rounds" (labels,
-        drafted, accepted), "rtts" (verifier round trips, s), "prefix" ((event, fields) of fetches)."""
+        drafted, accepted, swapped, lookup proposed, lookup kept), "rtts" (verifier round trips, s), "prefix" ((event, fields) of fetches)."""
         phases, rounds, rtts = self.loop.instruments.take_events()
         prefix, events = self.loop.prefix, []
         while prefix is not None and prefix.events:
             events.append(prefix.events.pop(0))
-        return {"phases": phases, "rounds": [(self._labels(rid), d, a) for rid, d, a in rounds], "rtts": rtts,
+        return {"phases": phases, "rounds": [(self._labels(rid), *r) for rid, *r in rounds], "rtts": rtts,
                 "prefix": events}
 
     def close(self) -> None:

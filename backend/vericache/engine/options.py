@@ -1,4 +1,4 @@
-"""Per-request VeriCache options: mode, compressor and draft length, defaulting to the server's.
+"""Per-request VeriCache options: mode, compressor, draft length and lookup, defaulting to the server's.
 
 One server runs every mode side by side: each request carries its own resolved options, so a
 ``full`` request decodes over the full KV on the device while a ``vericache`` request next to it
@@ -33,6 +33,7 @@ class RequestOptions:
     mode: str | None = None
     compressor: str | None = None
     draft_len: int | str | None = None
+    lookup: bool | None = None      # prompt-lookup proposals checked by the drafter (drafting.lookup)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ResolvedOptions:
     mode: str
     compressor: Compressor
     policy: DraftLengthPolicy
+    lookup: bool = False
 
     @property
     def compressor_label(self) -> str:
@@ -77,7 +79,10 @@ def resolve_options(options: RequestOptions | None, default: ResolvedOptions) ->
         policy = default.policy if options.draft_len is None else DraftLengthPolicy.from_arg(options.draft_len)
     except ValueError as exc:
         raise InvalidOption("draft_len", str(exc)) from None
-    return ResolvedOptions(mode, compressor, policy)
+    if options.lookup is not None and not isinstance(options.lookup, bool):
+        raise InvalidOption("lookup", f"lookup must be true or false, got {options.lookup!r}")
+    lookup = default.lookup if options.lookup is None else options.lookup
+    return ResolvedOptions(mode, compressor, policy, lookup)
 
 
 def context_limit(cfg: ModelConfig) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Callable, Iterator
 
+from vericache.drafting.lookup import LookupIndex
 from vericache.drafting.round import RoundState, end_round
 from vericache.engine.options import ResolvedOptions
 from vericache.kv.compressed import CompressedKVCache
@@ -89,6 +90,7 @@ class Request:
     prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
     done_ids: int = 0                          # tokens already in the caches (prefill progress)
     round: RoundState = field(default_factory=RoundState)
+    lookup: LookupIndex | None = None          # vericache with lookup proposals: its n-gram index
     group: int = 0                             # grouped schedule: the phase group of the current round
     transfer: Transfer | None = None
     fetch: object = None                       # a Future of the prefix fetch (engine.remote)
@@ -176,7 +178,7 @@ class Instruments:
     takes what happened since its last look as events (``take_events``), leaving the histories
     for the rates that read them (``draft_step_s``)."""
     intervals: deque = field(default_factory=_bounded)      # (start, end, kinds) per forward or load
-    round_log: deque = field(default_factory=_bounded)      # (request, drafted, accepted) not yet taken
+    round_log: deque = field(default_factory=_bounded)      # (request, drafted, accepted, swapped, proposed, kept) not yet taken
     remote_rtts: deque = field(default_factory=_bounded)    # verifier round trips not yet taken
     new_intervals: deque = field(default_factory=_bounded)  # intervals not yet taken
     verify_layer_s: float = 0.0   # forward seconds per layer of a verification (EMA)
@@ -317,10 +319,13 @@ class RequestTable:
             req.transfer = None
         self.free_kv(req)
 
-    def round_done(self, req: Request, m: int) -> None:
-        """A verified round with ``m`` of its drafts accepted (``finish_round`` done): the round log
-        (metrics), then ``end_round`` (the draft-length policy learns it; a fresh round)."""
-        self.instruments.round_log.append((req.id, len(req.round.drafts), m))
+    def round_done(self, req: Request, m: int, swapped: int = 0) -> None:
+        """A verified round with ``m`` of its drafts accepted (``finish_round`` done) and ``swapped``
+        tokens traded into its drafter's store (``drafting.guide``): the round log (metrics), then
+        ``end_round`` (the draft-length policy learns it; a fresh round)."""
+        rs = req.round
+        rs.swapped += swapped
+        self.instruments.round_log.append((req.id, len(rs.drafts), m, swapped, rs.proposed, rs.kept))
         end_round(req.round, req.opts.policy, req.policy_state, m)
 
     # ------------------------------------------------------------------ outputs
@@ -369,7 +374,12 @@ def request_stats(req: Request) -> dict:
             # and verified rounds of drafts
             "full_step_tokens": rs.full_steps, "round_tokens": decoded - rs.full_steps,
             "fallbacks": getattr(req.policy_state, "fallbacks", 0),
-            "cost_fallbacks": getattr(req.policy_state, "cost_fallbacks", 0)})
+            "cost_fallbacks": getattr(req.policy_state, "cost_fallbacks", 0),
+            # tokens verification-guided selection traded into the drafter's store (all layers, heads)
+            "guided_swaps": rs.swapped,
+            # lookup proposals (drafting.lookup): tokens the drafter checked, and those it agreed with
+            "lookup_proposed_tokens": req.lookup.proposed if req.lookup else 0,
+            "lookup_kept_tokens": req.lookup.kept if req.lookup else 0})
     if req.prefix_tokens or req.fetch_bytes or req.verifier_hit_tokens:
         st.update({"prefix_tokens": req.prefix_tokens, "prefix_fetch_bytes": req.fetch_bytes,
                    "prefix_fetch_s": round(req.fetch_s, 6), "verifier_prefix_tokens": req.verifier_hit_tokens})

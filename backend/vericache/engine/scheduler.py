@@ -26,7 +26,8 @@ from enum import StrEnum
 
 import torch
 
-from vericache.drafting.round import DraftPlanner, add_draft, finish_round, verify_for_drafter
+from vericache.drafting.guide import SeenRecorder, guide_store
+from vericache.drafting.round import DraftPlanner, add_checked_proposal, add_draft, finish_round, verify_for_drafter
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.remote_rounds import RemoteRounds
@@ -124,8 +125,9 @@ class Scheduler:
             elif self.offload.can_verify(r):
                 if not r.transfer.ready():
                     self.instruments.early_verifies += 1
-                plan.add(r, RowKind.VERIFY, [r.last_token] + r.round.drafts, r.position,
-                         StreamedKV(r.transfer, r.resident), "all")
+                tokens = [r.last_token] + r.round.drafts
+                plan.add(r, RowKind.VERIFY, tokens, r.position,
+                         self._verify_cache(r, StreamedKV(r.transfer, r.resident), len(tokens)), "all")
         budget = self.prefill_chunk
         for r in self.requests.in_state(State.PREFILL):
             if budget > 0 and not r.prefilled:
@@ -148,9 +150,21 @@ class Scheduler:
         remote_verified = r.session is not None  # a complete round goes out in RemoteRounds.send_verifies
         if not rs.complete and (not offloaded or self.offload.may_draft(r)):
             tok = rs.drafts[-1] if rs.drafts else r.last_token
-            plan.add(r, RowKind.DRAFT, [tok], r.position + len(rs.drafts), r.draft)
+            proposal = self.planner.proposal(r)
+            plan.add(r, RowKind.DRAFT, [tok] + proposal, r.position + len(rs.drafts), r.draft,
+                     "all" if proposal else "last")
         elif rs.complete and not remote_verified and not offloaded:  # full KV here: verify in place
-            plan.add(r, RowKind.VERIFY, [r.last_token] + rs.drafts, r.position, r.full, "all")
+            tokens = [r.last_token] + rs.drafts
+            plan.add(r, RowKind.VERIFY, tokens, r.position, self._verify_cache(r, r.full, len(tokens)), "all")
+
+    def _verify_cache(self, r: Request, cache, t: int):
+        """A local verification's cache; for a guided drafter (``drafting.guide``) one that records what
+        the t verified rows attend to (a scratch [L, Hq, position + t] fp32, dropped after the round)."""
+        if not getattr(r.opts.compressor, "guided", False) or t == 1:   # t == 1: a plain full step, no drafts
+            return cache
+        cfg = self.loaded.config
+        seen = torch.empty(cfg.num_hidden_layers, cfg.num_attention_heads, r.position + t, device=self.loaded.device)
+        return SeenRecorder(cache, seen)
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Add the request's next prefill chunk; returns the tokens planned."""
@@ -256,20 +270,28 @@ class Scheduler:
 
     def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
         req.draft_bytes_read += req.draft.nbytes()
-        add_draft(req.seq, req.round, logits[0], argmax[0])
+        if len(row.tokens) == 1:
+            add_draft(req.seq, req.round, logits[0], argmax[0])
+        else:   # a lookup proposal, checked by the drafter in one step
+            kept = add_checked_proposal(req.seq, req.round, row.tokens[1:], logits, argmax)
+            req.lookup.record(len(row.tokens) - 1, kept)
 
     def _after_verify(self, req: Request, row: Row, logits, argmax) -> None:
         if req.served is not None:   # the verifier role: the drafter's round, answered over the network
             _, _, reply = req.served.inbox.popleft()
             reply(verify_for_drafter(req.full, row.start, row.tokens[1:], argmax))
             return
-        write_back = None
-        if isinstance(row.cache, StreamedKV):
-            write_back = lambda s, e: self._write_back(req, row.cache, s, e)  # noqa: E731
+        write_back, view = None, row.cache.cache if isinstance(row.cache, SeenRecorder) else row.cache
+        if isinstance(view, StreamedKV):
+            write_back = lambda s, e: self._write_back(req, view, s, e)  # noqa: E731
         req.verify_bytes_read += req.full.nbytes()
         m = finish_round(req.seq, req.round, req.position, req.draft, logits=logits, targets=argmax,
                          full=req.full, write_back=write_back)
-        self.requests.round_done(req, m)
+        swapped = 0
+        if isinstance(row.cache, SeenRecorder):   # the drafter's store takes what the verifier attended to
+            swapped = guide_store(req.draft, req.full, row.cache.seen, row.start + len(row.tokens),
+                                  req.opts.compressor.swaps)
+        self.requests.round_done(req, m, swapped)
         if req.state == State.TRANSFERRING:
             self.memory.device.free(("verify", req.id))
             req.transfer = None

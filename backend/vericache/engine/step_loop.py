@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from vericache.drafting.lookup import LookupIndex
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
@@ -98,7 +99,8 @@ class StepLoop:
 
     def _add(self, seq: Sequence, options, prefill, **fields) -> int:
         opts = options if isinstance(options, ResolvedOptions) else self.runner.resolve(options)
-        req = Request(-1, seq, opts, policy_state=opts.policy.new_state(), prefill=prefill, **fields)
+        lookup = LookupIndex() if opts.lookup and opts.mode == "vericache" else None
+        req = Request(-1, seq, opts, policy_state=opts.policy.new_state(), prefill=prefill, lookup=lookup, **fields)
         prompt_ids, params = seq.prompt_ids, seq.params
         if prefill is not None:
             prefill.check(seq)

@@ -3,7 +3,8 @@
 - ``packed_kernels()``: ``packed_attention.cpp``, the forward's attention: one call per layer for
   every sequence of a step and all its parts, reading dense (fp32/fp16/bf16) and quantized parts as
   stored (``quant_format.h``); ``step.cpp``: the row ops (``row_ops.h``: RMSNorm, SiLU x up) and every
-  decoder layer of a step in one call (``model/native_step.py``). Built without ``-ffast-math`` and
+  decoder layer of a step in one call (``model/native_step.py``); ``guide_select.cpp``, a guided store's trades
+  (``drafting/guide.py``). Built without ``-ffast-math`` and
   with ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
   AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``. Built with
   torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>`` (the tag covers the CPU
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "quant_format.h", HERE / "exp_neg.h",
-                  HERE / "row_ops.h"]
+PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "quant_format.h",
+                  HERE / "exp_neg.h", HERE / "row_ops.h"]
 # exact, reproducible IEEE arithmetic: explicit fma only, no reassociation
 PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 

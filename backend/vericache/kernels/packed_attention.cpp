@@ -132,6 +132,7 @@ struct Part {
   Elt elt;
   const char* k; const char* v; int64_t k_h, k_t, v_h, v_t;    // dense rows (byte strides)
   Format kf, vf;                                                 // quantized
+  float* seen; int64_t seen_h;   // optional [Hq, >= n] fp32 output: each key's log-attention estimate
 };
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -341,6 +342,48 @@ inline void tile_values(Elt el, int nr, const float (*e)[BLK], const int64_t* vi
 #endif
 }
 
+// What the verifier attended to (a guided drafter's selection, ``drafting.guide``): for each key of
+// the block, the max over each query head's visible rows of its scaled score (the merge then makes
+// them log-attention estimates: ``normalize_seen``).
+inline void record_seen(const Part& p, const int64_t* rows, int nr, int64_t h, int64_t G, int64_t T,
+                        int64_t t0, const int64_t* vis, const float (*s)[BLK]) {
+  for (int x = 0; x < nr; ++x) {
+    float* out = p.seen + (h * G + rows[x] / T) * p.seen_h + t0;
+    const float* sx = s[x];
+    int64_t t = 0;
+#if defined(__AVX2__)
+    for (; t + 8 <= vis[x]; t += 8)     // a max is exact: every build gives the same bits
+      _mm256_storeu_ps(out + t, _mm256_max_ps(_mm256_load_ps(sx + t), _mm256_loadu_ps(out + t)));
+#endif
+    for (; t < vis[x]; ++t) out[t] = std::max(out[t], sx[t]);
+  }
+}
+
+// A query head's seen scores become log-attention estimates: x[j] - log sum_j' exp(x[j']), a softmax
+// over the keys of each key's max score over the head's rows (vectorised exp: n keys a layer).
+inline void normalize_seen(float* x, int64_t n) {
+  float mx = NEG;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
+  // 8 lane sums (key j in lane j % 8), then the lanes and the tail in order: the same in every build
+  alignas(32) float lanes[8] = {};
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)   // (exp_neg_256 is the AVX2 build's)
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8)
+    acc = _mm256_add_ps(acc, exp_neg_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), _mm256_set1_ps(mx))));
+  _mm256_store_ps(lanes, acc);
+#else
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = lanes[l] + exp_neg(x[j + l] - mx);
+#endif
+  float sum = 0.f;
+  for (float v : lanes) sum += v;
+  for (; j < n; ++j) sum += exp_neg(x[j] - mx);
+  const float lse = mx + std::log(sum);
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) x[k] = x[k] - lse;
+}
+
 // One work item: rows (g, i) of its sequence for the G query heads of KV head h, over keys
 // [split * SPLIT, min(n, (split + 1) * SPLIT)), block by block (online softmax).
 // Partial results: m [R], l [R], acc [R, D] with R = G * T (row r = g * T + i).
@@ -366,6 +409,8 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
 #endif
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG; l[r] = 0.f; }
   std::fill(acc, acc + R * D, 0.f);
+  if (p.seen)   // this item owns keys lo..hi of its KV head's G query heads (no other item writes them)
+    for (int64_t g = 0; g < G; ++g) std::fill(p.seen + (h * G + g) * p.seen_h + lo, p.seen + (h * G + g) * p.seen_h + hi, NEG);
   std::vector<int64_t> rows;
   rows.reserve(R);
   for (int64_t t0 = lo; t0 < hi; t0 += BLK) {
@@ -419,6 +464,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
         vis[x] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
       }
       tile_scores<DFIX>(elt, nr, qp, krow, bt, D, s);
+      if (p.seen) record_seen(p, rows.data() + x0, nr, h, G, T, t0, vis, s);
       for (int x = 0; x < nr; ++x) {                 // online softmax: the block's max, exp, rescale
         const int64_t r = rows[x0 + x], vx = vis[x];
         float* sx = s[x];
@@ -434,8 +480,16 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
 }
 
 Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c10::optional<at::Tensor>>& ts,
-               size_t tat, int64_t H, int64_t D) {
+               size_t tat, int64_t H, int64_t G, int64_t D) {
   Part p{};
+  if (ts[tat + 7].has_value()) {
+    const at::Tensor& seen = *ts[tat + 7];
+    TORCH_CHECK(seen.scalar_type() == at::kFloat && seen.dim() == 2 && seen.size(0) == H * G &&
+                seen.size(1) >= ints[at + 1] && seen.stride(1) == 1,
+                "seen: fp32 [", H * G, ", >= ", ints[at + 1], "] with a contiguous last dim, got ", seen.sizes());
+    p.seen = seen.data_ptr<float>();
+    p.seen_h = seen.stride(0);
+  }
   p.seq = ints[at]; p.n = ints[at + 1]; p.diag = ints[at + 2];
   const int64_t k_kind = ints[at + 3], v_kind = ints[at + 6];
   p.dense = k_kind == DENSE;
@@ -466,7 +520,10 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 }  // namespace
 
 // seq_lens [S]; part_ints: 9 per part (seq, n, diag, k kind/bits/group, v kind/bits/group);
-// part_tensors: 7 per part (k or k codes, k scale, k zero, v or v codes, v scale, v zero, pos).
+// part_tensors: 8 per part (k or k codes, k scale, k zero, v or v codes, v scale, v zero, pos, seen:
+// an optional output [Hq, >= n] fp32: per query head, log softmax over keys j < n of the max over the
+// head's rows that see j of their scaled score: an estimate of how much the verified rows attended to
+// j, in logs; about -1e30 where no row sees j).
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
                          const std::vector<c10::optional<at::Tensor>>& part_tensors) {
@@ -474,8 +531,8 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), S = (int64_t)seq_lens.size();
   TORCH_CHECK(hkv > 0 && Hq % hkv == 0, "query heads ", Hq, " are not a multiple of KV heads ", hkv);
   TORCH_CHECK(D <= MAX_D && D % 8 == 0, "head dim must be a multiple of 8 and <= 256, got ", D);
-  TORCH_CHECK(part_ints.size() % 9 == 0 && part_tensors.size() == part_ints.size() / 9 * 7,
-              "9 ints and 7 tensors per part");
+  TORCH_CHECK(part_ints.size() % 9 == 0 && part_tensors.size() == part_ints.size() / 9 * 8,
+              "9 ints and 8 tensors per part");
   const int64_t G = Hq / hkv, P = (int64_t)part_ints.size() / 9;
   std::vector<int64_t> row0(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + seq_lens[s];
@@ -483,7 +540,7 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
 
   std::vector<Part> parts;
   for (int64_t i = 0; i < P; ++i) {
-    parts.push_back(make_part(part_ints, 9 * i, part_tensors, 7 * i, hkv, D));
+    parts.push_back(make_part(part_ints, 9 * i, part_tensors, 8 * i, hkv, G, D));
     TORCH_CHECK(parts.back().seq >= 0 && parts.back().seq < S, "part ", i, ": sequence ", parts.back().seq,
                 " out of range");
   }
@@ -549,6 +606,9 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
           for (int64_t j = 0; j < D; ++j) o[j] = o[j] * inv;
         }
       }
+      for (const Part& p : parts)
+        if (p.seen && p.seq == s)
+          for (int64_t g = 0; g < G; ++g) normalize_seen(p.seen + (h * G + g) * p.seen_h, p.n);
     }
   });
   return out;

@@ -174,7 +174,7 @@ struct SeqCache {               // one sequence's cache in the step (tensors wit
 
 // tokens: [N] int64; cos, sin: [N, D] fp32; logits_rows: [M] int64 indices into N, ascending;
 // per sequence: cache_ints (slot, number of parts, then 9 ints per part as kv.packed.op_args) and
-// cache_tensors (k, v, queries, then 7 per part, each with a leading layer dim). Returns logits [M, V].
+// cache_tensors (k, v, queries, then 8 per part, each with a leading layer dim). Returns logits [M, V].
 at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
                         const std::vector<int64_t>& seq_lens, int64_t n_draft, const at::Tensor& logits_rows,
                         const std::vector<int64_t>& cache_ints,
@@ -209,7 +209,7 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
                 c.slot + seq_lens[s] <= c.k.size(2) && c.v.sizes() == c.k.sizes(),
                 "sequence ", s, ": cache K/V [", L, ", ", Hkv, ", >= ", c.slot + seq_lens[s], ", ", D, "] expected");
     at += 2 + 9 * c.n_parts;
-    tat += 3 + 7 * c.n_parts;
+    tat += 3 + 8 * c.n_parts;
     caches.push_back(c);
   }
   TORCH_CHECK(at == cache_ints.size() && tat == cache_tensors.size(), "cache descriptions do not match the sequences");
@@ -254,10 +254,10 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
       c.v.select(0, l).narrow(1, c.slot, t).copy_(v_view.narrow(1, r0, t));
       if (c.queries.has_value()) observe(c.queries->select(0, l), q_view.narrow(1, r0, t));
       for (int64_t p = 0; p < c.n_parts; ++p) {
-        const size_t i0 = c.ints_at + 9 * p, t0 = c.tensors_at + 7 * p;
+        const size_t i0 = c.ints_at + 9 * p, t0 = c.tensors_at + 8 * p;
         ints.push_back(s);
         ints.insert(ints.end(), cache_ints.begin() + i0 + 1, cache_ints.begin() + i0 + 9);
-        for (size_t j = t0; j < t0 + 7; ++j)
+        for (size_t j = t0; j < t0 + 8; ++j)
           tensors.push_back(cache_tensors[j].has_value() ? c10::optional<at::Tensor>(cache_tensors[j]->select(0, l))
                                                          : c10::nullopt);
       }
@@ -318,9 +318,13 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
+                        int64_t count, int64_t limit, int64_t swaps);   // guide_select.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
+  m.def("guide_select", &guide_select, "a guided store's trades from a verification's attention (guide_select.cpp)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
   pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
       .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())

@@ -386,6 +386,26 @@ class CompressedKVCache:
             store[hole_h, hole_j] = vals
         self.count = b
 
+    def replace(self, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor) -> None:
+        """Under eviction, store slots (layer, head, slot) = ``index`` (three [n] tensors, slots < count)
+        take other tokens: positions ``positions`` [n] (< res_start) with exact K/V [n, D], stored as
+        the store holds tokens, carrying ``scores`` [n]. The count does not change (``drafting.guide``)."""
+        li, hi, si = index
+        if self.pos is None or not bool((si < self.count).all()) or not bool((positions < self.res_start).all()):
+            raise ValueError(f"replace needs an evicting store, slots < {self.count} and positions < {self.res_start}")
+        new = {"k.tok.x": k, "v.tok.x": v}
+        if self.layouts is not None:
+            new = {}
+            for p, layout, x in zip("kv", self.layouts, (k, v)):
+                grp = {name.split(".")[2]: t[li, hi, positions // layout.group]
+                       for name, t in self.fields.items() if name.startswith(f"{p}.grp.")}
+                new |= {f"{p}.tok.{f}": y for f, y in layout.encode_tokens(x, grp, positions).items()}
+        for name, y in new.items():
+            self.fields[name][li, hi, si] = y.to(self.fields[name].dtype)
+        self.pos[li, hi, si] = positions.to(torch.int32)
+        self.scores[li, hi, si] = scores
+
     def _store_tensor(self, name: str) -> torch.Tensor:
         return {"pos": self.pos, "scores": self.scores}.get(name, self.fields.get(name))
 

@@ -12,6 +12,7 @@ Shapes: Hq query heads, Hkv KV heads, N packed query rows, T a sequence's rows, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,6 +33,10 @@ class KeyPart:
     [Hkv, NG, D]}}, ``pos`` [Hkv, C] int32.
     ``diag`` >= 0 makes the part causal: query i sees key j iff j <= i + diag (so a full cache written
     at start s has n = s + T, diag = s); None: every query sees every key.
+    ``seen`` (optional, an output) [Hq, >= n] fp32: the op writes, per query head, a log softmax over keys
+    j < n of the max over the head's rows that see j of the scaled score q.k / sqrt(D) (about -1e30 where
+    no row sees j): in logs, how much the verified rows attended to j, for a guided drafter
+    (``drafting.guide``).
     """
 
     k: torch.Tensor | dict
@@ -40,6 +45,7 @@ class KeyPart:
     diag: int | None = None
     layouts: tuple | None = None
     pos: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.n < 0 or (self.diag is not None and self.diag < 0):
@@ -61,10 +67,10 @@ class LayeredParts:
 
 
 def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The op's 9 ints and 7 tensors for one part."""
+    """The op's 9 ints and 8 tensors for one part."""
     diag = -1 if p.diag is None else p.diag
     if p.layouts is None:
-        return [seq, p.n, diag, DENSE, 0, 0, DENSE, 0, 0], [p.k, None, None, p.v, None, None, None]
+        return [seq, p.n, diag, DENSE, 0, 0, DENSE, 0, 0], [p.k, None, None, p.v, None, None, None, p.seen]
     from vericache.kv.quantized import CHANNEL_GROUPS
 
     ints, tensors = [seq, p.n, diag], []
@@ -72,7 +78,7 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
         table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]
         ints += [layout.kind, layout.bits, layout.group_size(d)]
         tensors += [fields["tok"]["codes"], table["scale"], table.get("zero")]
-    return ints, [*tensors, p.pos]
+    return ints, [*tensors, p.pos, p.seen]
 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
@@ -87,6 +93,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
     if kernels == "triton":
         from vericache.kernels.triton_attention import attend_packed as attend_triton
 
+        record_seen_torch(q, seq_lens, parts)
         return attend_triton(q.float(), seq_lens, parts, n_kv_heads).to(q.dtype)
     if kernels != "torch" and q.device.type == "cpu" and q.dtype == torch.float32:
         ints: list[int] = []
@@ -97,12 +104,39 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                 ints += i
                 tensors += t
         return packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
+    record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0
     for t, seq_parts in zip(seq_lens, parts):
         qs = q[:, start : start + t]
         outs.append(merge([r for p in seq_parts for r in torch_part(qs, p)]))
         start += t
     return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def record_seen_torch(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]]) -> None:
+    """The op's ``seen`` output for the paths without it (PyTorch's kernels, Triton): dense parts only."""
+    start = 0
+    for t, seq_parts in zip(seq_lens, parts):
+        for p in seq_parts:
+            if p.seen is not None:
+                p.seen[:, : p.n] = seen_scores(q[:, start : start + t], p)
+        start += t
+
+
+def seen_scores(q: torch.Tensor, p: KeyPart) -> torch.Tensor:
+    """Reference of the op's ``seen`` for one dense part: q [Hq, T, D] -> [Hq, n]: per query head, a log
+    softmax over keys of each key's max scaled score over the rows that see it."""
+    if p.layouts is not None:
+        raise ValueError("seen scores are recorded over dense parts (a full cache) only")
+    hq, t, d = q.shape
+    hkv = p.k.shape[0]
+    keys = p.k[:, : p.n].float().repeat_interleave(hq // hkv, dim=0)                # [Hq, n, D]
+    scores = torch.matmul(q.float() * (1.0 / math.sqrt(d)), keys.transpose(1, 2))   # [Hq, T, n]
+    if p.diag is not None:
+        visible = torch.arange(p.n, device=q.device)[None] <= torch.arange(t, device=q.device)[:, None] + p.diag
+        scores = scores.masked_fill(~visible, -1e30)
+    top = scores.amax(dim=1)                                                        # [Hq, n]
+    return top - torch.logsumexp(top, dim=-1, keepdim=True)
 
 
 def torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:

@@ -107,6 +107,18 @@ class Layout:
         return ({"codes": pack_bits(codes.reshape(*lead, n, d), self.bits)},
                 {"scale": scale.squeeze(-2), "zero": zero.squeeze(-2)})
 
+    def encode_tokens(self, x: torch.Tensor, grp: dict[str, torch.Tensor] | None = None,
+                      pos: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Single tokens x [n, D] -> token fields {name: [n, w]}, as a store holds them. Channel groups
+        (KIVI keys) take the existing tables ``grp`` {name: [n, D]} of each token's position group
+        (``pos`` [n]; the token was part of its group when the tables were made)."""
+        if self.kind != CHANNEL_GROUPS:   # per-token fields: each token encoded alone
+            tok, _ = self.encode(x[:, None])
+            return {f: y[:, 0] for f, y in tok.items()}
+        levels = (1 << self.bits) - 1
+        codes = ((x.float() - grp["zero"].float()) / grp["scale"].float()).round().clamp(0, levels)
+        return {"codes": pack_bits(codes.to(torch.uint8), self.bits)}
+
     def decode(self, tok: dict[str, torch.Tensor], grp: dict[str, torch.Tensor], d: int,
                pos: torch.Tensor | None = None) -> torch.Tensor:
         """The reference dequantization: token fields [..., n, w] (and group tables [..., NG, D]

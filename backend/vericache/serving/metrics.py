@@ -37,6 +37,10 @@ class Metrics:
                                   ["position"])
         self.full_step_tokens = c("full_step_tokens", "Tokens VeriCache requests decoded by plain full-KV steps "
                                   "(their drafts would not have paid, or a cool-down)")
+        self.guided_swaps = c("guided_swaps", "Tokens verification-guided selection traded into drafters' "
+                              "compressed stores (all layers and KV heads; per round: over spec_decode_num_drafts)")
+        self.lookup_proposed = c("lookup_proposed_tokens", "Prompt-lookup proposal tokens drafters checked")
+        self.lookup_kept = c("lookup_kept_tokens", "Prompt-lookup proposal tokens drafters agreed with (kept as drafts)")
         self.acceptance_length = h("acceptance_length", "Tokens emitted per verification round",
                                    (1, 2, 4, 8, 12, 16, 24, 32, 48, 64))
         self.link_bytes = c("link_bytes", "Bytes moved by the host-to-device link", ["link"])
@@ -60,7 +64,7 @@ class Metrics:
         self.store_errors = c("prefix_store_errors", "Prefix store unreachable (the prompt was recomputed)")
         self.verifier_rtt = h("verifier_rtt_seconds", "Round trip of a draft to the remote verifier and back")
         for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt,
-                       self.full_step_tokens):
+                       self.full_step_tokens, self.guided_swaps, self.lookup_proposed, self.lookup_kept):
             self.lab(metric)  # exported (as zero) before the first event, so dashboards show them
         for kind in ("emulated", "pcie"):   # zero while the full KV is not tiered (the CPU's default)
             self.lab(self.link_bytes, link=kind)
@@ -90,6 +94,9 @@ def metrics_sink(m: Metrics):
             for pos in range(f["accepted"]):
                 m.lab(m.accepted_per_pos, position=str(pos), **labels).inc()
             m.lab(m.acceptance_length, **labels).observe(f["accepted"] + 1)
+            for metric, key in ((m.guided_swaps, "swapped"), (m.lookup_proposed, "proposed"), (m.lookup_kept, "kept")):
+                if f.get(key):
+                    m.lab(metric, **labels).inc(f[key])
         elif event == "phase":
             m.lab(m.busy).inc(f["seconds"])
             if "draft" in f["kind"] or "verify" in f["kind"]:

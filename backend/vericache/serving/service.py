@@ -169,8 +169,9 @@ class BackgroundService:
         now, wall = time.perf_counter(), time.time()
         for start, end, kind in events["phases"]:   # ``end``: wall-clock, so traces of several processes line up
             self.metrics("phase", {"kind": kind, "seconds": end - start, "end": wall - (now - end)})
-        for labels, drafted, accepted in events["rounds"]:
-            self.metrics("round", {"drafted": drafted, "accepted": accepted, **labels})
+        for labels, drafted, accepted, swapped, proposed, kept in events["rounds"]:
+            self.metrics("round", {"drafted": drafted, "accepted": accepted, "swapped": swapped,
+                                   "proposed": proposed, "kept": kept, **labels})
         for rtt in events["rtts"]:
             self.metrics("verifier_rtt", {"seconds": rtt})
         for event, fields in events["prefix"]:   # fetches and store outages (``remote.fetch``)

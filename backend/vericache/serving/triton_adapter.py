@@ -68,11 +68,13 @@ class TritonAdapter:
 
     @staticmethod
     def _options(inputs: dict) -> RequestOptions:
-        """The per-request ``mode``, ``compressor`` and ``draft_len`` inputs (0 or absent: the default;
-        draft_len 0 means "auto")."""
+        """The per-request ``mode``, ``compressor``, ``draft_len`` and ``lookup`` inputs (0 or absent: the
+        default; draft_len 0 means "auto")."""
         mode, comp, k = _scalar(inputs, "mode"), _scalar(inputs, "compressor"), _scalar(inputs, "draft_len")
+        lookup = _scalar(inputs, "lookup")
         return RequestOptions(mode=mode or None, compressor=comp or None,
-                              draft_len=None if k is None else "auto" if k == 0 else int(k))
+                              draft_len=None if k is None else "auto" if k == 0 else int(k),
+                              lookup=None if lookup is None else bool(lookup))
 
     def parse(self, inputs: dict) -> tuple[list[int], SamplingParams, RequestOptions, bool]:
         text = _scalar(inputs, "text_input")

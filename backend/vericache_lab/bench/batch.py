@@ -15,13 +15,15 @@ import torch
 from vericache_lab.bench import llama_cpp_bench
 from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
 from vericache_lab.report import draft_sources, markdown_table
+from vericache.engine.config import DEFAULTS
 from vericache.engine.engine import Engine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache_lab.sim import roofline
 
 COLUMNS = ["mode", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "identical_to_full",
-           "mean_acceptance_length", "acceptance_per_draft", "full_step_tokens", "kv_resident_bytes",
+           "mean_acceptance_length", "acceptance_per_draft", "full_step_tokens", "lookup_kept_of_proposed",
+           "guided_swaps_per_round", "kv_resident_bytes",
            "kv_resident_x_full", "decode_s", "load_s", "steps"]
 
 
@@ -81,14 +83,25 @@ def decode_all(engine: Engine, seqs, opts, prefills, log, label: str, from_first
             "step_records": [s for s in instruments.steps if s.start >= t0]}
 
 
+def decode_each(engine: Engine, seqs, opts, prefills, log, label: str) -> dict:
+    """``decode_all`` for one sequence at a time (``bench batch --acceptance``): the same figures summed."""
+    runs = [decode_all(engine, [s], opts, [p], log, label) for s, p in zip(seqs, prefills)]
+    total = {k: sum(r[k] for r in runs) for k in ("decode_s", "steps", "load_s", "decoded")}
+    return total | {"kv_resident_bytes": max(r["kv_resident_bytes"] for r in runs), "cut": False,
+                    "step_records": [s for r in runs for s in r["step_records"]]}
+
+
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
               dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
               llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False,
-              kv_dtype: str | None = None, numerics: str | None = None) -> dict:
+              kv_dtype: str | None = None, numerics: str | None = None, one_at_a_time: bool = False,
+              lookup: bool = DEFAULTS.lookup) -> dict:
     """Each mode's decode over the same shared prefills; on CPU also each step kind's time against
-    its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF."""
+    its roofline (``sim.roofline``) and, where ``llama_cpp`` is importable, llama.cpp on the same GGUF.
+    ``one_at_a_time``: each request decoded alone (``--acceptance``: the drafts' acceptance on these
+    prompts, without the batch's cost-model choices). ``lookup``: the requests' lookup proposals."""
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype,
-              numerics=numerics)
+              numerics=numerics, lookup=lookup)
     engine, tok, engines = llm.engine, llm.tokenizer, {}
     prompts = distinct_prompts(tok, n_requests, context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -103,7 +116,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
     for mode in modes:                     # a label: full, lossy, vericache or vericache+int8
         mode_engine, base = engine_for(llm, mode, engines)
         seqs = [engine.new_sequence(i, p, params) for i, p in enumerate(prompts)]
-        res = decode_all(mode_engine, seqs, None, prefills, log, mode)
+        res = (decode_each if one_at_a_time else decode_all)(mode_engine, seqs, None, prefills, log, mode)
         runs[mode] = (base, res["step_records"])
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
@@ -119,7 +132,8 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
                **(draft_sources([s.stats for s in seqs]) if rounds else {})}   # drafted rounds, full steps
         if predictor is not None:
             per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
-            row["predicted_tokens_per_s"] = round(predictor(mode_engine, base, n_requests, *per_round), 2)
+            row["predicted_tokens_per_s"] = round(predictor(mode_engine, base, 1 if one_at_a_time else n_requests,
+                                                            *per_round), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
         log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "

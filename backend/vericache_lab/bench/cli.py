@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from vericache.cli_args import add_kv_dtype_arg, add_numerics_arg, draft_len, ints, progress
+from vericache_lab.bench.common import mode_labels
 from vericache.engine.config import DEFAULTS
 from vericache.model.registry import DEFAULT_MODEL
 
@@ -20,7 +21,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = mode_labels(args.modes)
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
                            with_transformers=not args.no_transformers, dtype=args.dtype, kv_dtype=args.kv_dtype, log=progress(args),
                            llamacpp=not args.no_llamacpp, numerics=args.numerics)
@@ -70,7 +71,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     from vericache_lab.bench.throughput import MODES
 
     budget = args.device_budget_gb * 1e9 if args.device_budget_gb is not None else args.device_budget
-    modes = [m for m in args.modes.split(",") if m]
+    modes = mode_labels(args.modes)
     if not modes or set(modes) - set(MODES):
         raise ValueError(f"--modes must be among {', '.join(MODES)}, got {args.modes!r}")
     res = run_throughput(args.model, args.requests, args.context, args.max_tokens, budget,
@@ -126,7 +127,7 @@ def _cmd_prefix(args) -> int:
     try:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
                                Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps), args.compressor,
-                               [m for m in args.modes.split(",") if m], args.draft_dtype, args.threads_per_device,
+                               mode_labels(args.modes), args.draft_dtype, args.threads_per_device,
                                not args.no_predict, log=progress(args))
     except RuntimeError as exc:  # no namespaces, no redis-server, a failed run: say so, exit non-zero
         import sys
@@ -269,11 +270,11 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = mode_labels(args.modes)
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
                     args.draft_len, args.device, log=progress(args), llamacpp=not args.no_llamacpp,
                     llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies,
-                    kv_dtype=args.kv_dtype, numerics=args.numerics)
+                    kv_dtype=args.kv_dtype, numerics=args.numerics, one_at_a_time=args.acceptance, lookup=args.lookup)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -306,6 +307,11 @@ def _add_batch(bsub) -> None:
                     help="llama.cpp rows with its flash attention, without, or both (each prefills again)")
     bt.add_argument("--llamacpp-copies", action="store_true",
                     help="llama.cpp prefills the first prompt once and decodes every sequence from a copy of its KV")
+    bt.add_argument("--lookup", default=DEFAULTS.lookup, action=argparse.BooleanOptionalAction,
+                    help="the requests' prompt-lookup proposals (drafting.lookup)")
+    bt.add_argument("--acceptance", action="store_true",
+                    help="decode the requests one at a time (with a fixed --draft-len: the drafts' acceptance on "
+                         "these prompts, acceptance_per_draft and tokens_per_drafted_round, without batching)")
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--plot", default=None, help="PNG: every decode step's time against its roofline")
     bt.add_argument("--record", default=None)
@@ -385,7 +391,7 @@ def _cmd_serve_long(args: argparse.Namespace) -> int:
     from vericache_lab.bench.serve_long import COLUMNS, plot_serve_long, run_serve_long
     from vericache_lab.report import markdown_table, record
 
-    modes = [m for m in args.modes.split(",") if m]
+    modes = mode_labels(args.modes)
     if args.prompt_tokens < 1 or args.concurrency < 1:
         raise ValueError(f"--prompt-tokens and --concurrency must be >= 1, got {args.prompt_tokens}, {args.concurrency}")
     res = run_serve_long(args.model, args.prompt_tokens, args.concurrency, args.max_tokens, modes, args.compressor,

@@ -26,6 +26,21 @@ def label_parts(label: str) -> tuple[str, str, str | None]:
     return mode, weights or "fp32", compressor or None
 
 
+def mode_labels(text: str) -> list[str]:
+    """``--modes`` split into labels: at commas, except those inside a label's compressor spec
+    ("full,vericache@snapkv:ratio=0.125,guided=false" is two labels: an item that does not start
+    with a mode continues the one before)."""
+    from vericache.engine.options import MODES
+
+    labels: list[str] = []
+    for item in filter(None, text.split(",")):
+        if labels and "@" in labels[-1] and item.partition("+")[0].partition("@")[0] not in MODES:
+            labels[-1] += "," + item
+        else:
+            labels.append(item)
+    return labels
+
+
 def engine_for(llm, label: str, engines: dict):
     """A bench mode label's engine and mode (``label_parts``): ``llm``'s settings with the label's
     mode, draft weights and compressor, every cache in one memory (no tier, no budget: a bench

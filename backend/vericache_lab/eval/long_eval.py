@@ -48,7 +48,7 @@ def score(tasks: list[lt.LongTask], outs, full_outs) -> dict:
 
 def _output_record(o) -> dict:
     keep = ("compression_ratio", "rounds", "decode_tokens_per_s", "drafted_tokens", "accepted_tokens", "full_step_tokens",
-            "round_tokens")
+            "round_tokens", "lookup_proposed_tokens", "lookup_kept_tokens", "guided_swaps")
     return {"token_ids": o.token_ids, "text": o.text, "stats": {k: o.stats[k] for k in keep if k in o.stats}}
 
 

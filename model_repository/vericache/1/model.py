@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 from vericache.serving.triton_adapter import GenerationFailed, InvalidInput, TritonAdapter
 
 INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "random_seed", "stop_words",
-          "mode", "compressor", "draft_len")
+          "mode", "compressor", "draft_len", "lookup")
 
 
 class TritonPythonModel:

@@ -1,0 +1,97 @@
+"""Verification-guided selection: the drafter's store keeps what the verifier attends to.
+
+An eviction method chooses the kept tokens from the queries it saw when they entered the store. A
+verification attends k+1 new queries over *every* key of the full cache: exactly what the next drafts
+will need (Vegas, arXiv 2602.07223; SparseSpec, arXiv 2512.01278). The attention op records it as it
+goes, at the cost of a max per score (``KeyPart.seen``: per layer and query head, a log softmax over
+the keys of each key's max scaled score over the verified rows: an estimate, in logs, of how much the
+rows attended to it, [L, Hq, n]; measured better than normalising by the rows' own log-sum-exp). After the round, per
+layer and KV head, att[j] = the max of those over the group's query heads, and the store trades its
+least attended tokens for the most attended ones it lacks: the t-th most attended missing token
+replaces the t-th least attended kept one while it is attended more, and more than a uniform share
+(1/n), at most ``swaps`` a KV head and round (``kernels/guide_select.cpp``: O(keys) a head; the torch
+twin ``select_trades_torch`` runs elsewhere). The incoming token's exact K/V come from the full cache,
+stored as the store holds tokens (quantized for a ``+quant`` composition); it carries the larger of
+its slot's old score and the head's median, so the method's own moves do not evict it at once. The
+store keeps its size, and tokens that must stay (attention sinks, a stored prefix: score inf) are
+never traded.
+
+Drafts stay drafts: the full verification decides every token, so the output is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vericache.kernels import packed_kernels
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache
+from vericache.kv.packed import KeyPart, LayeredParts
+
+
+class SeenRecorder:
+    """A verification's cache (the full cache, or the link's streamed view of it) whose full causal
+    part records what the verified rows attend to into ``seen`` [L, Hq, >= start + T] fp32."""
+
+    def __init__(self, cache, seen: torch.Tensor) -> None:
+        self.cache, self.seen = cache, seen
+
+    def begin(self, start: int, count: int) -> None:
+        self.cache.begin(start, count)
+
+    def attention_cost(self, start: int, t: int) -> tuple[int, int]:
+        return self.cache.attention_cost(start, t)
+
+    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
+        parts = self.cache.parts(layer, q, k, v)
+        parts[-1].seen = self.seen[layer]        # the full cache: one causal part over every position
+        return parts
+
+    def layered_parts(self, t: int) -> LayeredParts | None:
+        layered = getattr(self.cache, "layered_parts", None)
+        lp = layered(t) if layered is not None else None
+        if lp is not None:
+            lp.parts[-1].seen = self.seen
+        return lp
+
+
+def select_trades_torch(seen: torch.Tensor, n: int, pos: torch.Tensor, scores: torch.Tensor, count: int,
+                        limit: int, swaps: int) -> torch.Tensor:
+    """``guide_select.cpp`` in torch (devices without it; the tests' reference): int64 [T, 4] rows
+    (layer, head, slot, position), heads in order. seen [L, Hq, >= n]; pos, scores [L, Hkv, C]."""
+    n_layers, hkv = pos.shape[:2]
+    m = min(swaps, count, limit - count)
+    if m <= 0:
+        return torch.zeros(0, 4, dtype=torch.long)
+    att = seen[:, :, :limit].reshape(n_layers, hkv, -1, limit).amax(dim=2)           # [L, Hkv, limit]
+    kept_pos = pos[:, :, :count].long()
+    kept_att = att.gather(2, kept_pos).masked_fill(scores[:, :, :count].isinf(), float("inf"))
+    missing = att.scatter(2, kept_pos, -float("inf"))
+    cand_att, cand_pos = missing.topk(m, dim=2)                                       # most attended first
+    victim_att, victim_slot = kept_att.topk(m, dim=2, largest=False)                  # least attended first
+    trade = (cand_att > victim_att) & (cand_att > -math.log(n))                       # a prefix of each head's m
+    li, hi, ji = trade.nonzero(as_tuple=True)
+    return torch.stack([li, hi, victim_slot[li, hi, ji], cand_pos[li, hi, ji]], dim=1).cpu()
+
+
+def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor, n: int, swaps: int) -> int:
+    """Trade the store's least attended tokens for the most attended missing ones (the module doc), after
+    a verification over positions 0..n-1 recorded ``seen``; ``full`` holds every committed position.
+    Returns the tokens traded (all layers and heads)."""
+    c, limit = draft.count, draft.res_start   # positions >= res_start are in the residual, kept whole
+    if draft.pos is None or not c or limit <= c:
+        return 0
+    if seen.device.type == "cpu":
+        trades = packed_kernels().guide_select(seen, n, draft.pos, draft.scores, c, limit, swaps)
+    else:
+        trades = select_trades_torch(seen, n, draft.pos, draft.scores, c, limit, swaps)
+    if not len(trades):
+        return 0
+    li, hi, slot, pos = trades.to(draft.pos.device).unbind(1)
+    kept_scores = draft.scores[:, :, :c]
+    median = kept_scores.median(dim=2).values                                        # [L, Hkv]
+    scores = torch.maximum(kept_scores[li, hi, slot], median[li, hi])
+    draft.replace((li, hi, slot), pos, full.k[li, hi, pos], full.v[li, hi, pos], scores)
+    return len(pos)

@@ -1,0 +1,143 @@
+"""Verification-guided selection (``drafting.guide``): the store trades its least attended tokens for the
+most attended ones it lacks, stored as it stores tokens, within its size; outputs never change."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vericache import SamplingParams
+from vericache.compress.registry import parse_compressor
+from vericache.drafting.guide import guide_store, select_trades_torch
+from vericache.kernels import packed_kernels
+from vericache.engine.engine import Engine
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.full import FullKVCache
+
+N = 400   # committed positions
+
+
+def _caches(llm, spec: str) -> tuple[CompressedKVCache, FullKVCache]:
+    cfg = llm.loaded.config
+    full = FullKVCache(cfg, "cpu", torch.float32, capacity=N + 8)
+    full.begin(0, N)
+    g = torch.Generator().manual_seed(3)
+    full.k[:, :, :N] = torch.randn(full.k[:, :, :N].shape, generator=g)
+    full.v[:, :, :N] = torch.randn(full.v[:, :, :N].shape, generator=g)
+    draft = CompressedKVCache(parse_compressor(spec), cfg, "cpu", torch.float32, capacity=N + 8)
+    draft.queries.normal_(generator=g)
+    draft.q_seen = draft.window
+    draft.commit(N, source=full)
+    return draft, full
+
+
+def _seen_favouring(draft: CompressedKVCache, wanted: torch.Tensor) -> torch.Tensor:
+    """A verification's record in which every query head attended strongly to positions ``wanted``."""
+    cfg = draft.cfg
+    seen = torch.full((cfg.num_hidden_layers, cfg.num_attention_heads, N), -20.0)    # log-attention estimates
+    seen[:, :, wanted] = -2.0
+    return seen
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.25,guided=true", "h2o:ratio=0.25,guided=true",
+                                  "snapkv:ratio=0.25,guided=true+kivi:bits=2", "kvzip:ratio=0.25,guided=true+int4",
+                                  "streaming:ratio=0.25,guided=true+fp8"])
+def test_attended_missing_tokens_replace_the_least_attended(llm, spec):
+    draft, full = _caches(llm, spec)
+    count, before = draft.count, draft.pos[:, :, : draft.count].clone()
+    held = torch.zeros(N, dtype=torch.bool)
+    held[before[0, 0].long()] = True
+    wanted = (~held[: draft.res_start]).nonzero()[:5, 0]          # 5 positions layer 0, head 0 lacks
+    sinks = draft.scores[:, :, :count] == float("inf")
+    swapped = guide_store(draft, full, _seen_favouring(draft, wanted), N, swaps=3)
+    assert draft.count == count                                     # the store keeps its size
+    pos = draft.pos[0, 0, :count].long()
+    got = [int(p) in set(pos.tolist()) for p in wanted]
+    assert sum(got) == 3                                            # ``swaps`` a head: 3 of the 5
+    assert 0 < swapped <= 3 * draft.cfg.num_hidden_layers * draft.cfg.num_key_value_heads
+    assert torch.equal(draft.pos[:, :, :count][sinks], before[sinks])   # sinks stay
+    assert len(set(pos.tolist())) == count                          # no position twice
+    # the incoming tokens are stored as the store stores tokens (their exact K/V, encoded as single
+    # tokens; KIVI keys with their position group's tables)
+    k, v = draft.dequantized(0)
+    for p in wanted[torch.tensor(got)]:
+        slot = int((pos == p).nonzero()[0, 0])
+        for x, stored, layout, name in zip((full.k, full.v), (k, v), draft.layouts or (None, None), "kv"):
+            ref = x[0, 0, p]
+            if layout is not None:
+                grp = {f.split(".")[2]: t[0, 0, p // layout.group][None]
+                       for f, t in draft.fields.items() if f.startswith(f"{name}.grp.")}
+                tok = layout.encode_tokens(ref[None], grp, p[None])
+                ref = layout.decode({f: y[None] for f, y in tok.items()}, {f: t[None] for f, t in grp.items()},
+                                    ref.shape[-1], torch.zeros(1, 1, dtype=torch.int32))[0, 0]
+            assert torch.equal(stored[0, slot], ref), name
+
+
+def test_nothing_is_traded_when_the_store_already_holds_what_was_attended(llm):
+    draft, full = _caches(llm, "snapkv:ratio=0.25,guided=true")
+    before = draft.pos.clone()
+    seen = torch.full((draft.cfg.num_hidden_layers, draft.cfg.num_attention_heads, N), -math.log(N))   # uniform
+    assert guide_store(draft, full, seen, N, swaps=8) == 0
+    assert torch.equal(draft.pos, before)
+
+
+def test_a_kivi_key_encoded_alone_has_the_codes_of_its_group():
+    from vericache.kv.quantized import CHANNEL_GROUPS, Layout
+
+    layout = Layout(CHANNEL_GROUPS, 2, 32)
+    x = torch.randn(3, 64, 64)                                      # [heads, positions, D]
+    tok, grp = layout.encode(x)
+    pos = torch.tensor([5, 40, 63])
+    alone = layout.encode_tokens(x[1, pos], {f: t[1, pos // 32] for f, t in grp.items()}, pos)
+    assert torch.equal(alone["codes"], tok["codes"][1, pos])
+
+
+def test_the_native_choice_is_the_torch_one(llm):
+    """``guide_select.cpp`` against its torch twin (distinct values, so ties cannot differ)."""
+    draft, full = _caches(llm, "h2o:ratio=0.25,guided=true")
+    seen = torch.randn(draft.cfg.num_hidden_layers, draft.cfg.num_attention_heads, N, generator=torch.Generator().manual_seed(5))
+    seen = seen * 3 - math.log(N)
+    args = (seen, N, draft.pos, draft.scores, draft.count, draft.res_start)
+    for swaps in (1, 7, 64, 10_000):
+        native = packed_kernels().guide_select(*args, swaps)
+        assert len(native) > 0 and torch.equal(native, select_trades_torch(*args, swaps)), swaps
+    with pytest.raises(RuntimeError, match="outside"):
+        packed_kernels().guide_select(seen, N, draft.pos, draft.scores, draft.count, 10, 8)   # positions past the limit
+
+
+@pytest.mark.parametrize("bad", ["snapkv:guided=maybe", "snapkv:swaps=0", "h2o:swaps=1.5"])
+def test_bad_guidance_options_are_refused(bad):
+    with pytest.raises(ValueError, match="guided|swaps"):
+        parse_compressor(bad)
+
+
+def test_guided_drafting_keeps_the_output_and_counts_its_swaps(llm, code_prompts):
+    """Guided selection changes only what the drafter holds: the output is full decoding's, the stats
+    count the swaps, and the drafts follow the verifier at least as well as unguided ones on a long
+    code prompt (tiny model; the real model's figures are in docs/BENCHMARKS.md)."""
+    prompt = llm.tokenizer.encode(code_prompts["long"])
+    params = SamplingParams(max_tokens=48)
+    full = Engine(llm.loaded, mode="full")
+    ref = full.generate([full.new_sequence(0, prompt, params)])[0].token_ids
+    stats = {}
+    for guided in ("false", "true"):
+        eng = Engine(llm.loaded, mode="vericache", compressor=f"snapkv:ratio=0.1,guided={guided}", draft_len=8)
+        out = eng.generate([eng.new_sequence(0, prompt, params)])[0]
+        assert out.token_ids == ref
+        stats[guided] = out.stats
+    assert stats["false"]["guided_swaps"] == 0 and stats["true"]["guided_swaps"] > 0
+    assert stats["true"]["compressor"].endswith("guided=True,swaps=64,kernel=7")
+
+
+def test_swaps_are_a_metric():
+    from vericache.serving.metrics import Metrics, metrics_sink
+
+    m = Metrics("tiny", "vericache", "snapkv")
+    sink = metrics_sink(m)
+    value = lambda: m.registry.get_sample_value("vericache_guided_swaps_total", m.labels)   # noqa: E731
+    assert value() == 0                                             # exported before the first round
+    sink("round", {"drafted": 4, "accepted": 3, "swapped": 17})
+    sink("round", {"drafted": 4, "accepted": 1, "swapped": 0})
+    assert value() == 17
