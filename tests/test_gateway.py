@@ -104,8 +104,12 @@ def test_per_request_vericache_options(llm, server, client):
     stats = own.model_extra["vericache"]
     assert own.choices[0].text == ref and stats["mode"] == "vericache" and stats["compressor"].startswith("kivi")
     assert 0 < stats["drafted_tokens"] <= 3 * stats["rounds"]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"vericache": {"lookup": False, "draft_len": 4}})
+    assert plain.choices[0].text == ref and plain.model_extra["vericache"]["lookup_proposed_tokens"] == 0
     for bad, param in (({"draft_len": 0}, "vericache.draft_len"), ({"mode": "turbo"}, "vericache.mode"),
-                       ({"compressor": "kivi:bits=3"}, "vericache.compressor")):
+                       ({"compressor": "kivi:bits=3"}, "vericache.compressor"), ({"lookup": "yes"}, "vericache.lookup"),
+                       ({"compressor": "snapkv:guided=maybe"}, "vericache.compressor")):
         r = httpx.post(server.url + "/v1/completions", timeout=30,
                        json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "vericache": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

@@ -65,6 +65,8 @@ def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):
             ins.append(t(name, np.array([extra[name].encode()], dtype=np.object_), "BYTES"))
     if "draft_len" in extra:
         ins.append(t("draft_len", np.array([extra["draft_len"]], dtype=np.int32), "INT32"))
+    if "lookup" in extra:
+        ins.append(t("lookup", np.array([extra["lookup"]]), "BOOL"))
     return ins
 
 
@@ -108,11 +110,11 @@ def test_unary_style_request_returns_whole_text(triton, smollm):
 
 
 def test_per_request_options(triton, smollm):
-    """A full-mode request and a request with its own compressor and draft length, on the same model
-    instance: both equal the full-KV text; an unknown compressor is INVALID_ARG."""
+    """A full-mode request, a request with its own compressor and draft length, one without lookup, on the
+    same model instance: each equals the full-KV text; an unknown compressor is INVALID_ARG."""
     prompt = "class Cache:\n"
     ref = smollm.generate(prompt, SamplingParams(max_tokens=12))[0].text
-    for extra in ({"mode": "full"}, {"compressor": "kivi:bits=2", "draft_len": 3}):
+    for extra in ({"mode": "full"}, {"compressor": "kivi:bits=2", "draft_len": 3}, {"lookup": False, "draft_len": 5}):
         texts, error = _stream(triton["grpc"], _inputs(prompt, 12, **extra))
         assert error is None and "".join(texts) == ref, extra
     _, error = _stream(triton["grpc"], _inputs(prompt, 4, compressor="zip"))

@@ -64,8 +64,10 @@ def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str |
             rounds = sum(o.stats["rounds"] for o in outs[mode])
             drafted, accepted = (sum(o.stats[k] for o in outs[mode]) for k in ("drafted_tokens", "accepted_tokens"))
             emitted = sum(len(o.token_ids) - 1 for o in outs[mode])
+            per_token = comp.stats["draft_steps"] / max(len(comp.token_ids) - 1, 1)
             notes += (f"; {emitted / rounds:.1f} tokens/round, acceptance {accepted / max(drafted, 1):.0%}"
-                      f", drafts on {draft_weights} weights")
+                      f", drafts on {draft_weights} weights; task 2: {per_token:.2f} drafter forwards a token"
+                      f" ({comp.stats['lookup_kept_tokens']} drafts from lookup)")
         kept = sum(o.stats.get("compression_ratio", 1.0) for o in outs[mode]) / len(tasks)
         print(f"{mode:>9} {speed[mode]:6.1f} {speed[mode] / speed['full']:6.2f}x {kept:7.1%}  "
               f"{right + ': ' + _first_line(ans.text):<38} {parses:<15} {notes}")

@@ -80,18 +80,14 @@ def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor,
     """Trade the store's least attended tokens for the most attended missing ones (the module doc), after
     a verification over positions 0..n-1 recorded ``seen``; ``full`` holds every committed position.
     Returns the tokens traded (all layers and heads)."""
-    c, limit = draft.count, draft.res_start   # positions >= res_start are in the residual, kept whole
-    if draft.pos is None or not c or limit <= c:
+    kept = draft.kept()
+    if kept is None:
         return 0
-    if seen.device.type == "cpu":
-        trades = packed_kernels().guide_select(seen, n, draft.pos, draft.scores, c, limit, swaps)
-    else:
-        trades = select_trades_torch(seen, n, draft.pos, draft.scores, c, limit, swaps)
-    if not len(trades):
+    pos, scores, count, limit = kept   # positions >= limit (res_start) are in the residual, kept whole
+    if not count or limit <= count:
         return 0
-    li, hi, slot, pos = trades.to(draft.pos.device).unbind(1)
-    kept_scores = draft.scores[:, :, :c]
-    median = kept_scores.median(dim=2).values                                        # [L, Hkv]
-    scores = torch.maximum(kept_scores[li, hi, slot], median[li, hi])
-    draft.replace((li, hi, slot), pos, full.k[li, hi, pos], full.v[li, hi, pos], scores)
-    return len(pos)
+    select = packed_kernels().guide_select if seen.device.type == "cpu" else select_trades_torch
+    trades = select(seen, n, pos, scores, count, limit, swaps)
+    if len(trades):
+        draft.trade(trades, full)
+    return len(trades)

@@ -45,6 +45,7 @@ class RoundState:
     accepted: int = 0
     full_steps: int = 0                          # rounds of k = 0: a token from a plain full-KV step
     swapped: int = 0                             # tokens guided selection traded into the store (drafting.guide)
+    draft_steps: int = 0                         # draft rows run (a checked lookup proposal is one), all rounds
     proposed: int = 0                            # this round's lookup proposal tokens (drafting.lookup) ...
     kept: int = 0                                # ... and those the drafter agreed with
     accepted_per_pos: list[int] = field(default_factory=list)

@@ -379,7 +379,8 @@ def request_stats(req: Request) -> dict:
             "guided_swaps": rs.swapped,
             # lookup proposals (drafting.lookup): tokens the drafter checked, and those it agreed with
             "lookup_proposed_tokens": req.lookup.proposed if req.lookup else 0,
-            "lookup_kept_tokens": req.lookup.kept if req.lookup else 0})
+            "lookup_kept_tokens": req.lookup.kept if req.lookup else 0,
+            "draft_steps": rs.draft_steps})   # drafter forwards this request took part in
     if req.prefix_tokens or req.fetch_bytes or req.verifier_hit_tokens:
         st.update({"prefix_tokens": req.prefix_tokens, "prefix_fetch_bytes": req.fetch_bytes,
                    "prefix_fetch_s": round(req.fetch_s, 6), "verifier_prefix_tokens": req.verifier_hit_tokens})

@@ -270,6 +270,7 @@ class Scheduler:
 
     def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
         req.draft_bytes_read += req.draft.nbytes()
+        req.round.draft_steps += 1
         if len(row.tokens) == 1:
             add_draft(req.seq, req.round, logits[0], argmax[0])
         else:   # a lookup proposal, checked by the drafter in one step

@@ -386,14 +386,21 @@ class CompressedKVCache:
             store[hole_h, hole_j] = vals
         self.count = b
 
-    def replace(self, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor) -> None:
-        """Under eviction, store slots (layer, head, slot) = ``index`` (three [n] tensors, slots < count)
-        take other tokens: positions ``positions`` [n] (< res_start) with exact K/V [n, D], stored as
-        the store holds tokens, carrying ``scores`` [n]. The count does not change (``drafting.guide``)."""
-        li, hi, si = index
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """An evicting store's (positions [L, Hkv, C] int32, scores [L, Hkv, C], count, res_start), for
+        reading (``drafting.guide`` chooses trades from them); None for a store that keeps every token."""
+        return None if self.pos is None else (self.pos, self.scores, self.count, self.res_start)
+
+    def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
+        """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
+        res_start); each incoming token's exact K/V come from ``full``, stored as the store holds tokens
+        (quantized codes; KIVI keys with their position group's tables), and it carries the larger of its
+        slot's old score and the head's median, so the method's own moves do not evict it at once. The
+        count does not change (verification-guided selection, ``drafting.guide``)."""
+        li, hi, si, positions = trades.to(self.pos.device).unbind(1)
         if self.pos is None or not bool((si < self.count).all()) or not bool((positions < self.res_start).all()):
-            raise ValueError(f"replace needs an evicting store, slots < {self.count} and positions < {self.res_start}")
+            raise ValueError(f"a trade needs an evicting store, slots < {self.count} and positions < {self.res_start}")
+        k, v = full.rows(li, hi, positions)
         new = {"k.tok.x": k, "v.tok.x": v}
         if self.layouts is not None:
             new = {}
@@ -401,6 +408,8 @@ class CompressedKVCache:
                 grp = {name.split(".")[2]: t[li, hi, positions // layout.group]
                        for name, t in self.fields.items() if name.startswith(f"{p}.grp.")}
                 new |= {f"{p}.tok.{f}": y for f, y in layout.encode_tokens(x, grp, positions).items()}
+        kept_scores = self.scores[:, :, : self.count]
+        scores = torch.maximum(kept_scores[li, hi, si], kept_scores.median(dim=2).values[li, hi])
         for name, y in new.items():
             self.fields[name][li, hi, si] = y.to(self.fields[name].dtype)
         self.pos[li, hi, si] = positions.to(torch.int32)

@@ -115,6 +115,12 @@ class FullKVCache:
             raise ValueError(f"cannot view positions {start}..{end - 1}: the cache holds {self.length}")
         return self.k[:, :, start:end], self.v[:, :, start:end]
 
+    def rows(self, layers: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n, D] of n (layer, head, position) triples (three [n] index tensors), as new tensors."""
+        if len(positions) and int(positions.max()) >= self.length:
+            raise ValueError(f"position {int(positions.max())} is not held: the cache holds {self.length}")
+        return self.k[layers, heads, positions], self.v[layers, heads, positions]
+
     def layer_views(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [Hkv, end, D] of one layer's positions 0 .. end-1, as views (for reading)."""
         return self.k[layer, :, :end], self.v[layer, :, :end]

@@ -11,6 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 class Metrics:
     def __init__(self, model: str, mode: str, compressor: str) -> None:
+        # Long: one declaration per metric, read as the list of what /metrics exports
         self.registry = r = CollectorRegistry()
         self.link_counted: dict[str, tuple[float, float]] = {}   # link -> (bytes, busy s) already counted
         self.labels = {"model": model, "mode": mode, "compressor": compressor}

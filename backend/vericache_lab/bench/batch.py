@@ -136,11 +136,7 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
                                                             *per_round), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
         rows.append(row)
-        log(f"{mode}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
-            f"identical={row['identical_to_full']}, "
-            f"resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB"
-            + (f", {row['mean_acceptance_length']} tokens/round ({row['full_step_tokens']} tokens from full steps)"
-               if rounds else ""))
+        log(row_line(row))
     if llamacpp and llama_cpp_bench.available() and llm.loaded.device.type == "cpu":
         rows += llama_cpp_bench.rows(model, prompts, max_tokens, log, llamacpp_flash_attn, llamacpp_copies)
     if roof is not None:  # measured again after the runs: each figure's better value counts
@@ -155,6 +151,15 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
             "stalls": [{"mode": label} | st for label, (m, steps) in runs.items()
                        if (st := roofline.stall(steps, m)) is not None],
             "step_records": runs}
+
+
+def row_line(row: dict) -> str:
+    """A mode's row as one progress line."""
+    line = (f"{row['mode']}: {row['tokens_per_s']} tok/s (model {row.get('predicted_tokens_per_s', '-')}), "
+            f"identical={row['identical_to_full']}, resident KV {row['kv_resident_bytes'] / 1e6:.0f} MB")
+    if row["mean_acceptance_length"]:
+        line += f", {row['mean_acceptance_length']} tokens/round ({row['full_step_tokens']} tokens from full steps)"
+    return line
 
 
 def add_x_full(rows: list[dict]) -> None:
