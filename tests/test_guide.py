@@ -13,7 +13,7 @@ from vericache.compress.registry import parse_compressor
 from vericache.drafting.guide import guide_store, select_trades_torch
 from vericache.kernels import packed_kernels
 from vericache.engine.engine import Engine
-from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.compressed import CompressedKVCache, KeptTokens
 from vericache.kv.full import FullKVCache
 
 N = 400   # committed positions
@@ -95,16 +95,39 @@ def test_a_kivi_key_encoded_alone_has_the_codes_of_its_group():
 
 
 def test_the_native_choice_is_the_torch_one(llm):
-    """``guide_select.cpp`` against its torch twin (distinct values, so ties cannot differ)."""
+    """``guide_select.cpp`` against its torch twin (distinct values, so ties cannot differ): the same
+    trades and the same memory, round after round."""
     draft, full = _caches(llm, "h2o:ratio=0.25,guided=true")
-    seen = torch.randn(draft.cfg.num_hidden_layers, draft.cfg.num_attention_heads, N, generator=torch.Generator().manual_seed(5))
-    seen = seen * 3 - math.log(N)
-    args = (seen, N, draft.pos, draft.scores, draft.count, draft.res_start)
+    kept = draft.kept()
+    g = torch.Generator().manual_seed(5)
+    native_memory, torch_memory = kept.memory.clone(), kept.memory.clone()
     for swaps in (1, 7, 64, 10_000):
-        native = packed_kernels().guide_select(*args, swaps)
-        assert len(native) > 0 and torch.equal(native, select_trades_torch(*args, swaps)), swaps
-    with pytest.raises(RuntimeError, match="outside"):
-        packed_kernels().guide_select(seen, N, draft.pos, draft.scores, draft.count, 10, 8)   # positions past the limit
+        seen = torch.randn(draft.cfg.num_hidden_layers, draft.cfg.num_attention_heads, N, generator=g) * 3 - math.log(N)
+        native = packed_kernels().guide_select(seen, N, kept.pos, kept.scores, native_memory, kept.count,
+                                               kept.res_start, swaps, 0.1)
+        twin = select_trades_torch(seen, N, KeptTokens(kept.pos, kept.scores, torch_memory, kept.count, kept.res_start),
+                                   swaps, 0.1)
+        assert len(native) > 0 and torch.equal(native, twin), swaps
+        assert torch.equal(native_memory, torch_memory), swaps
+    with pytest.raises(RuntimeError, match="outside"):   # positions past the limit
+        packed_kernels().guide_select(seen, N, kept.pos, kept.scores, native_memory, kept.count, 10, 8, 0.1)
+
+
+def test_what_a_recent_round_attended_is_remembered(llm):
+    """A kept token the last round attended strongly is not traded for one this round attends a little
+    more than it attends the kept token now: its memory (decayed) still beats it."""
+    draft, full = _caches(llm, "snapkv:ratio=0.25,guided=true")
+    kept = draft.kept()
+    held = kept.pos[0, 0, 0].long()
+    missing = next(p for p in range(draft.res_start) if p not in set(kept.pos[0, 0, : kept.count].tolist()))
+    first = _seen_favouring(draft, torch.tensor([held]))
+    guide_store(draft, full, first, N, swaps=4)
+    assert kept.memory[0, 0, 0] == pytest.approx(-2.0)
+    second = torch.full_like(first, -20.0)
+    second[:, :, missing] = -2.5                                     # attended now, less than remembered
+    guide_store(draft, full, second, N, swaps=4)
+    assert held.item() in set(draft.pos[0, 0, : draft.count].tolist())
+    assert missing in set(draft.pos[0, 0, : draft.count].tolist())   # it came in for a forgotten token
 
 
 @pytest.mark.parametrize("bad", ["snapkv:guided=maybe", "snapkv:swaps=0", "h2o:swaps=1.5"])

@@ -5,16 +5,18 @@ verification attends k+1 new queries over *every* key of the full cache: exactly
 will need (Vegas, arXiv 2602.07223; SparseSpec, arXiv 2512.01278). The attention op records it as it
 goes, at the cost of a max per score (``KeyPart.seen``: per layer and query head, a log softmax over
 the keys of each key's max scaled score over the verified rows: an estimate, in logs, of how much the
-rows attended to it, [L, Hq, n]; measured better than normalising by the rows' own log-sum-exp). After the round, per
-layer and KV head, att[j] = the max of those over the group's query heads, and the store trades its
-least attended tokens for the most attended ones it lacks: the t-th most attended missing token
-replaces the t-th least attended kept one while it is attended more, and more than a uniform share
-(1/n), at most ``swaps`` a KV head and round (``kernels/guide_select.cpp``: O(keys) a head; the torch
-twin ``select_trades_torch`` runs elsewhere). The incoming token's exact K/V come from the full cache,
-stored as the store holds tokens (quantized for a ``+quant`` composition); it carries the larger of
-its slot's old score and the head's median, so the method's own moves do not evict it at once. The
-store keeps its size, and tokens that must stay (attention sinks, a stored prefix: score inf) are
-never traded.
+rows attended to it, [L, Hq, n]; measured better than normalising by the rows' own log-sum-exp).
+
+After the round, per layer and KV head: att[j] = the max of those over the group's query heads; each
+kept token's *memory* becomes max(memory - MEMORY_DECAY, att) (what a recent round attended still
+counts); and the store trades its least remembered tokens for the most attended ones it lacks: the
+t-th most attended missing token replaces the t-th least remembered kept one while its attention beats
+that memory and a uniform share (1/n), at most ``swaps`` a KV head and round
+(``kernels/guide_select.cpp``: O(keys) a head; its torch twin ``select_trades_torch`` runs elsewhere).
+The incoming token's exact K/V come from the full cache, stored as the store holds tokens (quantized
+for a ``+quant`` composition); it carries the larger of its slot's old score and the head's median, so
+the method's own moves do not evict it at once. The store keeps its size, and tokens that must stay
+(attention sinks, a stored prefix: score inf) are never traded.
 
 Drafts stay drafts: the full verification decides every token, so the output is unchanged.
 """
@@ -26,9 +28,15 @@ import math
 import torch
 
 from vericache.kernels import packed_kernels
-from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.compressed import CompressedKVCache, KeptTokens
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, LayeredParts
+
+
+# log units a round: a kept token's verifier attention fades by ~10% a round in its memory, so what a
+# recent round attended stays (measured: trading on one round's attention alone evicted tokens the next
+# rounds needed; 8K decode acceptance 0.88 -> 0.63, with the memory 0.88)
+MEMORY_DECAY = 0.1
 
 
 class SeenRecorder:
@@ -57,37 +65,41 @@ class SeenRecorder:
         return lp
 
 
-def select_trades_torch(seen: torch.Tensor, n: int, pos: torch.Tensor, scores: torch.Tensor, count: int,
-                        limit: int, swaps: int) -> torch.Tensor:
-    """``guide_select.cpp`` in torch (devices without it; the tests' reference): int64 [T, 4] rows
-    (layer, head, slot, position), heads in order. seen [L, Hq, >= n]; pos, scores [L, Hkv, C]."""
+def select_trades_torch(seen: torch.Tensor, n: int, kept: KeptTokens, swaps: int, decay: float) -> torch.Tensor:
+    """``guide_select.cpp`` in torch (devices without it; the tests' reference): updates ``kept.memory``
+    and returns int64 [T, 4] rows (layer, head, slot, position), heads in order. seen [L, Hq, >= n]."""
+    pos, scores, memory, count, limit = kept.pos, kept.scores, kept.memory, kept.count, kept.res_start
     n_layers, hkv = pos.shape[:2]
+    att = seen[:, :, :limit].reshape(n_layers, hkv, -1, limit).amax(dim=2)           # [L, Hkv, limit]
+    kept_pos = pos[:, :, :count].long()
+    mem = memory[:, :, :count]
+    mem.copy_(torch.maximum(mem - decay, att.gather(2, kept_pos)))
     m = min(swaps, count, limit - count)
     if m <= 0:
         return torch.zeros(0, 4, dtype=torch.long)
-    att = seen[:, :, :limit].reshape(n_layers, hkv, -1, limit).amax(dim=2)           # [L, Hkv, limit]
-    kept_pos = pos[:, :, :count].long()
-    kept_att = att.gather(2, kept_pos).masked_fill(scores[:, :, :count].isinf(), float("inf"))
+    victims = mem.masked_fill(scores[:, :, :count].isinf(), float("inf"))
     missing = att.scatter(2, kept_pos, -float("inf"))
     cand_att, cand_pos = missing.topk(m, dim=2)                                       # most attended first
-    victim_att, victim_slot = kept_att.topk(m, dim=2, largest=False)                  # least attended first
-    trade = (cand_att > victim_att) & (cand_att > -math.log(n))                       # a prefix of each head's m
+    victim_mem, victim_slot = victims.topk(m, dim=2, largest=False)                   # least remembered first
+    trade = (cand_att > victim_mem) & (cand_att > -math.log(n))                       # a prefix of each head's m
     li, hi, ji = trade.nonzero(as_tuple=True)
-    return torch.stack([li, hi, victim_slot[li, hi, ji], cand_pos[li, hi, ji]], dim=1).cpu()
+    slot = victim_slot[li, hi, ji]
+    mem[li, hi, slot] = cand_att[li, hi, ji]
+    return torch.stack([li, hi, slot, cand_pos[li, hi, ji]], dim=1).cpu()
 
 
 def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor, n: int, swaps: int) -> int:
     """Trade the store's least attended tokens for the most attended missing ones (the module doc), after
     a verification over positions 0..n-1 recorded ``seen``; ``full`` holds every committed position.
     Returns the tokens traded (all layers and heads)."""
-    kept = draft.kept()
-    if kept is None:
+    kept = draft.kept()   # positions >= res_start are in the residual, held whole
+    if kept is None or not kept.count or kept.res_start <= kept.count:
         return 0
-    pos, scores, count, limit = kept   # positions >= limit (res_start) are in the residual, kept whole
-    if not count or limit <= count:
-        return 0
-    select = packed_kernels().guide_select if seen.device.type == "cpu" else select_trades_torch
-    trades = select(seen, n, pos, scores, count, limit, swaps)
+    if seen.device.type == "cpu":
+        trades = packed_kernels().guide_select(seen, n, kept.pos, kept.scores, kept.memory, kept.count,
+                                               kept.res_start, swaps, MEMORY_DECAY)
+    else:
+        trades = select_trades_torch(seen, n, kept, swaps, MEMORY_DECAY)
     if len(trades):
         draft.trade(trades, full)
     return len(trades)

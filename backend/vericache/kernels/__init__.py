@@ -8,7 +8,8 @@
   with ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
   AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``. Built with
   torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>`` (the tag covers the CPU
-  flags, torch version, flags and sources: a build is only reused where it fits).
+  flags, torch version, flags and sources: a build is only reused where it fits), under a lock the OS
+  releases if the builder is stopped (``build.py``).
 - ``linear_op.linear_op()``: ``linear.cpp`` (+ ``linear_q8.cpp``), the batch-invariant linear over
   GGUF blocks, plain C built by g++ per ISA (``linear_op.py`` says how).
 
@@ -54,9 +55,13 @@ def _load(name: str, sources: list[Path], cflags: list[str], verbose: bool):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
+    from vericache.kernels.build import load_guarded
+
     cpp = [str(s) for s in sources if s.suffix == ".cpp"]
-    return load(name=name, sources=cpp, build_directory=str(_build_dir(cflags, sources)),
-                extra_cflags=cflags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)], verbose=verbose)
+    build = _build_dir(cflags, sources)
+    return load_guarded(build, lambda: load(name=name, sources=cpp, build_directory=str(build), extra_cflags=cflags,
+                                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
+                                            verbose=verbose))
 
 
 def packed_kernels(isa: str | None = None, verbose: bool = False):

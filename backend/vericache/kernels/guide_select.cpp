@@ -4,11 +4,14 @@
 // of every head cost more than the verification it follows.
 //
 // seen: [L, Hq, >= n] fp32, log-attention estimates of keys 0..n-1; pos: [L, Hkv, C] int32 the store's
-// positions (slots 0..count-1 in use, each < limit); scores: [L, Hkv, C] fp32 (inf: never traded).
+// positions (slots 0..count-1 in use, each < limit); scores: [L, Hkv, C] fp32 (inf: never traded);
+// memory: [L, Hkv, C] fp32, in and out, each kept token's attention memory (log).
 // Per (layer, head): att[j] = max over the group's query heads of seen[j], for positions j < limit;
+// each kept token's memory becomes max(memory - decay, att) (attended in a recent round still counts);
 // candidates: positions the head lacks with att > -log(n) (above a uniform share), most attended
-// first; victims: kept slots, least attended first; the t-th candidate replaces the t-th victim while
-// it is attended more, at most ``swaps`` a head. Ties go to the lower position / slot.
+// first; victims: kept slots, least remembered first; the t-th candidate replaces the t-th victim
+// while its attention beats the victim's memory (and takes it as its memory), at most ``swaps`` a
+// head. Ties go to the lower position / slot.
 // Returns int64 [T, 4]: (layer, head, slot, position) of each trade, heads in order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -18,13 +21,15 @@
 #include <vector>
 
 at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
-                        int64_t count, int64_t limit, int64_t swaps) {
+                        const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps, double decay) {
   TORCH_CHECK(seen.dim() == 3 && seen.scalar_type() == at::kFloat && seen.stride(2) == 1 && seen.size(2) >= n,
               "seen: fp32 [L, Hq, >= ", n, "] with a contiguous last dim, got ", seen.sizes());
   TORCH_CHECK(pos.dim() == 3 && pos.scalar_type() == at::kInt && pos.is_contiguous() && pos.size(0) == seen.size(0),
               "pos: contiguous int32 [L, Hkv, C], got ", pos.sizes());
   TORCH_CHECK(scores.sizes() == pos.sizes() && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
               "scores: contiguous fp32 like pos, got ", scores.sizes());
+  TORCH_CHECK(memory.sizes() == pos.sizes() && memory.scalar_type() == at::kFloat && memory.is_contiguous(),
+              "memory: contiguous fp32 like pos, got ", memory.sizes());
   const int64_t L = pos.size(0), Hkv = pos.size(1), C = pos.size(2), Hq = seen.size(1);
   TORCH_CHECK(Hq % Hkv == 0 && 0 <= count && count <= C && 0 <= limit && limit <= n && swaps >= 0,
               "guide_select: count ", count, " of ", C, ", limit ", limit, " of ", n, ", ", Hq, " query heads for ",
@@ -33,6 +38,7 @@ at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos
   const float thr = -std::log((float)std::max<int64_t>(n, 1));
   const int32_t* pp = pos.data_ptr<int32_t>();
   const float* sp = scores.data_ptr<float>();
+  float* mp = memory.data_ptr<float>();
   std::vector<std::vector<std::array<int64_t, 4>>> out(L * Hkv);
   at::parallel_for(0, L * Hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> att(limit);
@@ -53,13 +59,16 @@ at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos
         TORCH_CHECK(ph[i] >= 0 && ph[i] < limit, "stored position ", ph[i], " outside [0, ", limit, ")");
         held[ph[i]] = 1;
       }
+      float* mh = mp + lh * C;
       victim.clear();
-      float least = INFINITY;                     // a candidate must beat the least attended victim
-      for (int64_t i = 0; i < count; ++i)
+      float least = INFINITY;                     // a candidate must beat the least remembered victim
+      for (int64_t i = 0; i < count; ++i) {
+        mh[i] = std::max(mh[i] - (float)decay, att[ph[i]]);
         if (!std::isinf(sh[i])) {
-          victim.emplace_back(att[ph[i]], i);                                  // least attended first
-          least = std::min(least, att[ph[i]]);
+          victim.emplace_back(mh[i], i);                                       // least remembered first
+          least = std::min(least, mh[i]);
         }
+      }
       const size_t m = std::min<size_t>((size_t)swaps, victim.size());
       if (m == 0) continue;
       // the m most attended missing positions: a min-heap of m (most keys fail its top at once)
@@ -82,8 +91,10 @@ at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos
       std::sort_heap(cand.begin(), cand.end(), later);                        // most attended first
       if (m < victim.size()) std::nth_element(victim.begin(), victim.begin() + m, victim.end());
       std::sort(victim.begin(), victim.begin() + std::min(m, victim.size()));
-      for (size_t t = 0; t < cand.size() && cand[t].first > victim[t].first; ++t)
+      for (size_t t = 0; t < cand.size() && cand[t].first > victim[t].first; ++t) {
         out[lh].push_back({l, h, victim[t].second, cand[t].second});
+        mh[victim[t].second] = cand[t].first;
+      }
     }
   });
   int64_t total = 0;

@@ -319,7 +319,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 }
 
 at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
-                        int64_t count, int64_t limit, int64_t swaps);   // guide_select.cpp
+                        const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps,
+                        double decay);   // guide_select.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");

@@ -71,6 +71,22 @@ class ScoreInputs:
     carried: torch.Tensor | None = None
 
 
+NO_MEMORY = -1e30   # a kept token no verification has attended to yet
+
+
+@dataclass
+class KeptTokens:
+    """An evicting store's bookkeeping, for verification-guided selection (``drafting.guide``): per layer,
+    KV head and slot, ``pos`` [L, Hkv, C] int32 and ``scores`` [L, Hkv, C] (read only), ``memory``
+    [L, Hkv, C] (the guide's own: each kept token's verifier attention, log; updated in place by it);
+    slots < ``count`` in use, holding positions < ``res_start``."""
+    pos: torch.Tensor
+    scores: torch.Tensor
+    memory: torch.Tensor
+    count: int
+    res_start: int
+
+
 def store_capacity(comp: Compressor, capacity: int) -> int:
     """Tokens per KV head the store can ever hold for a sequence of ``capacity`` positions."""
     return comp.keep_budget(capacity) if comp.evicts else capacity
@@ -97,6 +113,7 @@ def store_spec(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity:
     if comp.evicts:
         spec["pos"] = ((n_layers, hkv, c), torch.int32)
         spec["scores"] = ((n_layers, hkv, c), torch.float32)
+        spec["memory"] = ((n_layers, hkv, c), torch.float32)   # verification-guided selection's (drafting.guide)
     spec["queries"] = ((n_layers, hq, comp.window, d), dtype)
     return spec
 
@@ -121,6 +138,7 @@ class CompressedKVCache:
         t = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
         self.pos: torch.Tensor | None = t.pop("pos", None)          # [L, Hkv, C] int32
         self.scores: torch.Tensor | None = t.pop("scores", None)    # [L, Hkv, C] each kept token's score
+        self.memory: torch.Tensor | None = t.pop("memory", None)    # [L, Hkv, C] its verifier attention (log)
         self.queries = t.pop("queries")                            # [L, Hq, W, D], the last W in order
         self.fields = t                                            # "k.tok.codes" -> [L, Hkv, C, w], ...
         self.count = 0                                             # tokens per KV head in the store
@@ -246,6 +264,7 @@ class CompressedKVCache:
         if self.pos is not None:
             self.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(self.pos)
             self.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
+            self.memory[:, :, :count] = NO_MEMORY
         self.count = count
         self.res_start = self.committed = self.prompt_len = n
         self.residual.truncate(0)
@@ -341,7 +360,8 @@ class CompressedKVCache:
         positions = torch.arange(rs, rs + n, device=k.device, dtype=torch.int32).expand(n_l, hkv, n)
         scores = self._candidate_scores(k, positions)                                   # [L*Hkv, c+n]
         budget = max(comp.keep_budget(committed) - (committed - rs - n), 0)
-        entering = new | {"pos": positions, "scores": scores[:, c:].view(n_l, hkv, n)}
+        entering = new | {"pos": positions, "scores": scores[:, c:].view(n_l, hkv, n),
+                          "memory": torch.full((n_l, hkv, n), NO_MEMORY, device=k.device)}
         self._keep_top(scores, min(budget, c + n), entering)
 
     def _candidate_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -386,10 +406,10 @@ class CompressedKVCache:
             store[hole_h, hole_j] = vals
         self.count = b
 
-    def kept(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """An evicting store's (positions [L, Hkv, C] int32, scores [L, Hkv, C], count, res_start), for
-        reading (``drafting.guide`` chooses trades from them); None for a store that keeps every token."""
-        return None if self.pos is None else (self.pos, self.scores, self.count, self.res_start)
+    def kept(self) -> KeptTokens | None:
+        """An evicting store's bookkeeping (``KeptTokens``), for verification-guided selection; None for a
+        store that keeps every token."""
+        return None if self.pos is None else KeptTokens(self.pos, self.scores, self.memory, self.count, self.res_start)
 
     def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
         """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
@@ -416,7 +436,7 @@ class CompressedKVCache:
         self.scores[li, hi, si] = scores
 
     def _store_tensor(self, name: str) -> torch.Tensor:
-        return {"pos": self.pos, "scores": self.scores}.get(name, self.fields.get(name))
+        return {"pos": self.pos, "scores": self.scores, "memory": self.memory}.get(name, self.fields.get(name))
 
     def _stored_keys(self) -> torch.Tensor:
         """The store's keys in fp32: [L, Hkv, count, D] (dequantized for scoring)."""
@@ -449,7 +469,7 @@ class CompressedKVCache:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds."""
         state = [x for x in self.state.values() if isinstance(x, torch.Tensor)]
-        evict = [self.pos, self.scores] if self.pos is not None else []
+        evict = [self.pos, self.scores, self.memory] if self.pos is not None else []
         return [*self.fields.values(), self.queries, self.residual.k, self.residual.v, *state, *evict]
 
     def resident_bytes(self) -> int:
