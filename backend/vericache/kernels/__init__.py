@@ -44,7 +44,9 @@ def _build_dir(cflags: list[str], sources: list[Path]) -> Path:
     return path
 
 
-def _load(name: str, sources: list[Path], cflags: list[str], verbose: bool):
+def load_extension(name: str, sources: list[Path], cflags: list[str], verbose: bool = False):
+    """Build (or find built) and import the torch extension ``name`` from ``sources`` (``.cpp`` compiled,
+    headers hashed into the tag), in its tagged directory under the stop-proof lock (``build.py``)."""
     from torch.utils.cpp_extension import load
 
     try:  # torch runs `ninja` from PATH; the PyPI package's binary works where the venv is not on PATH
@@ -79,4 +81,4 @@ def packed_kernels(isa: str | None = None, verbose: bool = False):
 def _packed_build(isa: str, verbose: bool):
     from vericache.kernels.linear_op import ISA_FLAGS
 
-    return _load(f"vericache_packed_attention_{isa}", PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[isa], verbose)
+    return load_extension(f"vericache_packed_attention_{isa}", PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[isa], verbose)
