@@ -51,7 +51,8 @@ def test_attended_missing_tokens_replace_the_least_attended(llm, spec):
     held[before[0, 0].long()] = True
     wanted = (~held[: draft.res_start]).nonzero()[:5, 0]          # 5 positions layer 0, head 0 lacks
     sinks = draft.scores[:, :, :count] == float("inf")
-    swapped = guide_store(draft, full, _seen_favouring(draft, wanted), N, swaps=3)
+    swapped = guide_store(draft, full, _seen_favouring(draft, wanted), N, swaps=3,
+                          native_select=packed_kernels().guide_select)
     assert draft.count == count                                     # the store keeps its size
     pos = draft.pos[0, 0, :count].long()
     got = [int(p) in set(pos.tolist()) for p in wanted]

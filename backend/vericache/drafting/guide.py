@@ -24,10 +24,10 @@ Drafts stay drafts: the full verification decides every token, so the output is 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
-from vericache.kernels import packed_kernels
 from vericache.kv.compressed import CompressedKVCache, KeptTokens
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, LayeredParts
@@ -88,16 +88,18 @@ def select_trades_torch(seen: torch.Tensor, n: int, kept: KeptTokens, swaps: int
     return torch.stack([li, hi, slot, cand_pos[li, hi, ji]], dim=1).cpu()
 
 
-def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor, n: int, swaps: int) -> int:
-    """Trade the store's least attended tokens for the most attended missing ones (the module doc), after
+def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor, n: int, swaps: int,
+                native_select: Callable | None = None) -> int:
+    """Trade the store's least remembered tokens for the most attended missing ones (the module doc), after
     a verification over positions 0..n-1 recorded ``seen``; ``full`` holds every committed position.
-    Returns the tokens traded (all layers and heads)."""
+    ``native_select``: ``guide_select.cpp``'s op (CPU tensors), else the torch twin runs. Returns the
+    tokens traded (all layers and heads)."""
     kept = draft.kept()   # positions >= res_start are in the residual, held whole
     if kept is None or not kept.count or kept.res_start <= kept.count:
         return 0
-    if seen.device.type == "cpu":
-        trades = packed_kernels().guide_select(seen, n, kept.pos, kept.scores, kept.memory, kept.count,
-                                               kept.res_start, swaps, MEMORY_DECAY)
+    if native_select is not None and seen.device.type == "cpu":
+        trades = native_select(seen, n, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps,
+                               MEMORY_DECAY)
     else:
         trades = select_trades_torch(seen, n, kept, swaps, MEMORY_DECAY)
     if len(trades):

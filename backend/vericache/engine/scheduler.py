@@ -97,6 +97,8 @@ class Scheduler:
                                     lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments)
         self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
                                    self.charge) if prefix is not None or verifier is not None else None
+        native = getattr(loaded.model, "native", None)   # guided selection's native choice, where the step is native
+        self.guide_select = None if native is None else native.kernels.guide_select
 
     # ------------------------------------------------------------------ admit
     def admit(self) -> None:
@@ -291,7 +293,7 @@ class Scheduler:
         swapped = 0
         if isinstance(row.cache, SeenRecorder):   # the drafter's store takes what the verifier attended to
             swapped = guide_store(req.draft, req.full, row.cache.seen, row.start + len(row.tokens),
-                                  req.opts.compressor.swaps)
+                                  req.opts.compressor.swaps, self.guide_select)
         self.requests.round_done(req, m, swapped)
         if req.state == State.TRANSFERRING:
             self.memory.device.free(("verify", req.id))
