@@ -417,9 +417,12 @@ class CompressedKVCache:
         (quantized codes; KIVI keys with their position group's tables), and it carries the larger of its
         slot's old score and the head's median, so the method's own moves do not evict it at once. The
         count does not change (verification-guided selection, ``drafting.guide``)."""
+        if self.pos is None:
+            raise ValueError("trades need an evicting store; this one keeps every token")
         li, hi, si, positions = trades.to(self.pos.device).unbind(1)
-        if self.pos is None or not bool((si < self.count).all()) or not bool((positions < self.res_start).all()):
-            raise ValueError(f"a trade needs an evicting store, slots < {self.count} and positions < {self.res_start}")
+        if len(si) and (int(si.max()) >= self.count or int(positions.max()) >= self.res_start):
+            raise ValueError(f"a trade needs slots < {self.count} and positions < {self.res_start}, got slot "
+                             f"{int(si.max())}, position {int(positions.max())}")
         k, v = full.rows(li, hi, positions)
         new = {"k.tok.x": k, "v.tok.x": v}
         if self.layouts is not None:
