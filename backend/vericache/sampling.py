@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import secrets
+
 import torch
 
 from vericache.model.tokenizer import Tokenizer
+from vericache.noise import gumbel, uniforms
 
 
 @dataclass
@@ -47,62 +50,75 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def make_generator(self) -> torch.Generator:
-        """The request's own RNG: seeded runs are reproducible whatever else is batched with them."""
-        g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        return g
+
+# How a sampled draft is accepted (``EngineConfig.acceptance``):
+#   coupled    the draft and the verifier sample with the same Gumbel noise g(seed, position): a draft
+#              is accepted while it equals the verifier's own sample, exactly as greedy rounds accept
+#              argmax matches, so a seeded request's text is the same bits as seeded full decoding's
+#              whatever the rounds, the compressor or the batch (docs/DESIGN.md, "Sampling");
+#   rejection  Leviathan et al.'s rule: accept with min(1, p/q), else resample from max(p - q, 0);
+#              exact in distribution, and the text of a seed follows the request's round lengths.
+ACCEPTANCE_RULES = ("coupled", "rejection")
+# independent noise streams of one request (``noise.uniforms``' ``stream``)
+SAMPLE_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0, 1, 2
+
+
+def tempered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [T, V] -> float64 [T, V]: (logits - max) / temperature, -inf outside top-k and top-p.
+    softmax of it is the distribution a request samples from."""
+    # shifted by the max before dividing: a temperature near 0 (1e-300, below fp32's range) sends the
+    # others to -inf instead of every logit to +-inf or 0/0 (NaN); softmax ignores the shift
+    logits = logits.double()
+    scores = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.softmax(scores, dim=-1).sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    return scores
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [T, V] -> probabilities [T, V] after temperature, top-k and top-p (fp32)."""
-    # in fp64 and shifted by the max before dividing: a temperature near 0 (1e-300, below fp32's range)
-    # sends the others to -inf instead of every logit to +-inf or 0/0 (NaN probabilities); the
-    # distribution is the same (softmax ignores a shift)
-    logits = logits.double()
-    logits = ((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature).float()
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        drop[..., 0] = False   # a top_p below fp32's smallest number rounds to 0: keep the first anyway
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return torch.softmax(tempered_logits(logits, params), dim=-1).float()
 
 
-def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """probs: [V] -> one token id, drawn with the request's generator (on CPU, for reproducibility)."""
-    return int(torch.multinomial(probs.detach().cpu(), 1, generator=generator).item())
-
-
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits: [V] -> the next token: argmax when greedy, else a draw."""
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
+    """logits: [T, V] for positions first_position .. +T-1 -> their tokens: the argmax when greedy,
+    else argmax(tempered logits + g(seed, position)), the Gumbel-max trick: an exact sample of the
+    truncated, tempered distribution whose noise depends on (seed, position) only."""
     if params.greedy:
-        return int(logits.argmax().item())
-    return sample_token(probs_from_logits(logits[None], params)[0], generator)
+        return logits.argmax(dim=-1).tolist()
+    positions = torch.arange(first_position, first_position + logits.shape[0])
+    noise = gumbel(seed, SAMPLE_STREAM, positions, logits.shape[-1])
+    return (tempered_logits(logits.detach().cpu(), params) + noise).argmax(dim=-1).tolist()
 
 
-def speculative_accept(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int | None]:
+def choose_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """logits: [V] -> the token at ``position`` (``choose_tokens`` for one row)."""
+    return choose_tokens(logits[None], params, seed, position)[0]
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, token: int, seed: int,
+                       position: int) -> tuple[bool, int | None]:
     """Leviathan et al.: accept a draft token x ~ q with prob min(1, p[x]/q[x]).
 
-    p, q: [V] target and draft probabilities at one position. Returns
-    (accepted, replacement): on rejection the replacement is drawn from
-    normalise(max(p - q, 0)), which makes the output distributed exactly as p.
-    """
+    p, q: [V] target and draft probabilities at ``position``. Returns (accepted, replacement): on
+    rejection the replacement is drawn from normalise(max(p - q, 0)), which makes the output
+    distributed exactly as p. The uniform and the replacement's noise are the request's own streams
+    at this position (independent of the draft's)."""
+    at = torch.tensor([position])
     ratio = (p[token] / q[token].clamp_min(1e-20)).item()
-    u = torch.rand(1, generator=generator).item()
-    if u < min(1.0, ratio):
+    if uniforms(seed, ACCEPT_STREAM, at, 1).item() < min(1.0, ratio):
         return True, None
     residual = (p - q).clamp_min(0.0)
-    total = residual.sum()
-    residual = p if total.item() <= 0 else residual / total
-    return False, sample_token(residual, generator)
+    residual = p if residual.sum().item() <= 0 else residual
+    noise = gumbel(seed, RESIDUAL_STREAM, at, p.shape[-1])[0]
+    return False, int((residual.double().log() + noise).argmax())
 
 
 @dataclass
@@ -136,7 +152,8 @@ class Sequence:
         self.params = params
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.generator: torch.Generator = params.make_generator()
+        # an unseeded request draws a seed: from here on its randomness is g(seed, position) only
+        self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
         self._tokenizer = tokenizer
         self._eos = set() if params.ignore_eos else set(eos_ids)
         # a stop string of c characters spans at most 4c byte-level tokens
@@ -147,6 +164,16 @@ class Sequence:
     def capacity(self) -> int:
         """``positions_needed`` for this request."""
         return positions_needed(len(self.prompt_ids), self.params.max_tokens)
+
+    @property
+    def next_position(self) -> int:
+        """The sequence position of the next token (prompt and output so far)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def choose(self, logits: torch.Tensor, ahead: int = 0) -> int:
+        """The token at ``next_position + ahead`` from logits [V] (argmax, or this request's coupled
+        sample: the same for a draft, a verification and full decoding)."""
+        return choose_token(logits, self.params, self.seed, self.next_position + ahead)
 
     @property
     def remaining(self) -> int:

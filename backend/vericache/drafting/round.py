@@ -4,8 +4,10 @@ A round for a request whose last token x (at position n) is not yet in any cache
   draft   x, d1 .. d(k-1) through the compressed cache -> d1 .. dk          (k cheap steps)
   verify  [x, d1 .. dk] at positions n .. n+k through the full cache -> p0 .. pk   (one forward)
   accept  d(i+1) while it equals p_i's choice; then append p_m's choice (a correction, or a
-          bonus token when all k matched). Under sampling: accept with min(1, p/q), else resample
-          from normalise(max(p - q, 0)) (Leviathan et al.), so outputs are distributed as full-KV.
+          bonus token when all k matched). Sampled requests do the same with choices that are
+          coupled samples: the drafter and the verifier add the same Gumbel noise g(seed, position)
+          to their logits, so the verifier's choices are full decoding's and the text is its text
+          (``sampling.ACCEPTANCE_RULES``; the "rejection" rule accepts with min(1, p/q) instead).
   commit  the full cache keeps n .. n+m; the compressed cache drops its speculative tail and takes
           the full-KV K/V of the accepted positions, so the drafter tracks the full model.
 
@@ -24,13 +26,7 @@ import torch
 from vericache.drafting.cost import DraftCost
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
-from vericache.sampling import (
-    Sequence,
-    choose_token,
-    probs_from_logits,
-    sample_token,
-    speculative_accept,
-)
+from vericache.sampling import Sequence, probs_from_logits, speculative_accept
 
 
 @dataclass
@@ -39,7 +35,7 @@ class RoundState:
     started: bool = False                        # k is chosen for the current round
     k: int = 0                                   # tokens to draft this round (0: a plain full-KV step)
     drafts: list[int] = field(default_factory=list)
-    qs: list[torch.Tensor | None] = field(default_factory=list)   # the drafter's distributions (sampling)
+    qs: list[torch.Tensor | None] = field(default_factory=list)   # the drafter's distributions (rejection rule)
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -62,30 +58,33 @@ class RoundState:
         self.started, self.k, self.drafts, self.qs = False, 0, [], []
 
 
-def draft_token(seq: Sequence, logits: torch.Tensor, argmax: int | None = None) -> tuple[int, torch.Tensor | None]:
-    """The drafter's choice from logits [V]: argmax when greedy (``argmax`` if already known), else a
-    draw (with its distribution q)."""
+def draft_token(seq: Sequence, logits: torch.Tensor, ahead: int, argmax: int | None = None,
+                rule: str = "coupled") -> tuple[int, torch.Tensor | None]:
+    """The drafter's choice from logits [V] for the token ``ahead`` past the committed ones: the
+    argmax (``argmax`` if already known) or the request's coupled sample there; under the rejection
+    rule also its distribution q."""
     if seq.params.greedy:
         return (int(logits.argmax()) if argmax is None else argmax), None
-    q = probs_from_logits(logits[None], seq.params)[0]
-    return sample_token(q, seq.generator), q
+    q = probs_from_logits(logits[None], seq.params)[0] if rule == "rejection" else None
+    return seq.choose(logits, ahead), q
 
 
-def add_draft(seq: Sequence, rs: RoundState, logits: torch.Tensor, argmax: int | None = None) -> None:
+def add_draft(seq: Sequence, rs: RoundState, logits: torch.Tensor, argmax: int | None = None,
+              rule: str = "coupled") -> None:
     """One draft step's result for this request: logits [V] at its newest draft position."""
-    token, q = draft_token(seq, logits, argmax)
+    token, q = draft_token(seq, logits, len(rs.drafts), argmax, rule)
     rs.drafts.append(token)
     rs.qs.append(q)
 
 
 def add_checked_proposal(seq: Sequence, rs: RoundState, proposal: list[int], logits: torch.Tensor,
-                         argmax: list[int]) -> int:
+                         argmax: list[int], rule: str = "coupled") -> int:
     """A multi-row draft step over rows [t, p1 .. pL] (``drafting.lookup``): row i's own choice is a draft,
     and row i + 1 counts only while that choice was p(i+1). logits: [L+1, V], argmax: their greedy
     choices. Returns the proposal tokens kept (the drafts equal to them)."""
     kept = 0
     for i in range(len(proposal) + 1):
-        add_draft(seq, rs, logits[i], argmax[i])
+        add_draft(seq, rs, logits[i], argmax[i], rule)
         if i == len(proposal) or rs.drafts[-1] != proposal[i]:
             break
         kept += 1
@@ -103,35 +102,40 @@ def greedy_accepted(targets: list[int], draft: list[int]) -> int:
 
 
 def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q: list,
-                 targets: list[int] | None = None) -> int:
-    """Append accepted draft tokens and the verifier's token; returns m, the accepted draft count.
+                 targets: list[int] | None = None, rule: str = "coupled") -> int:
+    """Append accepted draft tokens and the verifier's token; returns m, the accepted count.
 
     target_logits: [k+1, V], the verifier's logits at the last token and at each draft token;
-    ``targets``: their argmax, when already known.
+    ``targets``: their argmax, when already known. A row's choice is computed only when reached (a
+    sampled row's noise and truncation cost ~1 ms): the rows after a rejection are never looked at.
     """
     params = seq.params
     if params.greedy and targets is None:  # one argmax over the chunk: no per-row device sync
         targets = target_logits.argmax(dim=-1).tolist()
+
+    def verifier_choice(i: int) -> int:   # row i decides the token at seq.next_position
+        return targets[i] if params.greedy else seq.choose(target_logits[i])
+
     for i, d in enumerate(draft):
-        if params.greedy:
-            ok, replacement = targets[i] == d, targets[i]
+        if params.greedy or rule == "coupled":
+            replacement = verifier_choice(i)
+            ok = replacement == d
         else:
             p = probs_from_logits(target_logits[i][None], params)[0]
-            ok, replacement = speculative_accept(p, q[i], d, seq.generator)
+            ok, replacement = speculative_accept(p, q[i], d, seq.seed, seq.next_position)
         if not ok:
             seq.append(replacement)
             return i
         if seq.append(d):
             return i + 1
-    seq.append(targets[len(draft)] if params.greedy else
-               choose_token(target_logits[len(draft)], params, seq.generator))  # the bonus token
+    seq.append(verifier_choice(len(draft)))  # the bonus token
     return len(draft)
 
 
 def finish_round(seq: Sequence, rs: RoundState, start: int, draft: CompressedKVCache, *,
                  logits: torch.Tensor | None = None, targets: list[int] | None = None,
                  full: FullKVCache | None = None, write_back: Callable[[int, int], None] | None = None,
-                 exact_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+                 exact_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rule: str = "coupled") -> int:
     """Accept, commit both caches, record: the one end of every round (local, offloaded, remote).
 
     Accepts against the verifier's logits [k+1, V] (or their greedy choices ``targets``) for the
@@ -141,7 +145,7 @@ def finish_round(seq: Sequence, rs: RoundState, start: int, draft: CompressedKVC
       the full cache rolls back past them and the draft cache takes their exact K/V from it;
     - a remote one (``exact_kv``: K, V [L, Hkv, m+1, D] of start .. keep-1, sent by the verifier): the
       draft cache takes those instead of its own. Returns m, the accepted count."""
-    m = accept_draft(seq, logits, rs.drafts, rs.qs, targets)
+    m = accept_draft(seq, logits, rs.drafts, rs.qs, targets, rule)
     keep = start + 1 + m
     if write_back is not None:
         write_back(start, keep)

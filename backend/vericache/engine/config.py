@@ -18,6 +18,7 @@ from vericache.engine.options import MODES
 from vericache.kernels.linear_op import NUMERICS
 from vericache.model.draft_weights import DRAFT_WEIGHTS
 from vericache.model.registry import DEFAULT_MODEL
+from vericache.sampling import ACCEPTANCE_RULES
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -37,6 +38,7 @@ class EngineConfig:
     draft_len: int | str = "auto"   # tokens a round, or "auto" (the cost model decides per round)
     draft_weights: str = "auto"     # what drafts read on the CPU: auto (fp32 or q8, measured), fp32, q8, int8, int4
     lookup: bool = True             # prompt-lookup proposals checked by the drafter (drafting.lookup)
+    acceptance: str = "coupled"     # sampled drafts: coupled (seeded text == full decoding's) | rejection
     # the step loop
     prefill_chunk: int = 512        # prompt tokens a request prefills per step (others wait at most one chunk)
     max_running: int = 64
@@ -64,6 +66,8 @@ class EngineConfig:
             bad("draft_len", "must be an integer >= 1 or 'auto'")
         if not isinstance(self.lookup, bool):
             bad("lookup", "must be true or false")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            bad("acceptance", f"must be one of {', '.join(ACCEPTANCE_RULES)}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             bad("draft_weights", f"must be one of {', '.join(DRAFT_WEIGHTS)}")
         if self.numerics is not None and self.numerics not in NUMERICS:
@@ -150,7 +154,7 @@ ARG_GROUPS = ("model", "mode", "loop")
 
 def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:
     """The engine's flags, each default the config's: "model" (--model --device --dtype --kv-dtype
-    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights --lookup), "loop" (--prefill-chunk
+    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights --lookup --acceptance), "loop" (--prefill-chunk
     --max-queue --device-budget-gb --tiered --scheduler). ``EngineConfig.from_args`` reads them back."""
     d = DEFAULTS
     if "model" in groups:
@@ -175,6 +179,10 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
         p.add_argument("--lookup", default=d.lookup, action=argparse.BooleanOptionalAction,
                        help="prompt-lookup proposals: where the last tokens occurred earlier, the drafter checks "
                             "what followed them in one step (a request's own option overrides it)")
+        p.add_argument("--acceptance", default=d.acceptance, choices=ACCEPTANCE_RULES,
+                       help="how sampled drafts are accepted: coupled (drafter and verifier share the Gumbel "
+                            "noise of (seed, position): a seeded text is seeded full decoding's) or rejection "
+                            "(min(1, p/q): exact in distribution only)")
     if "loop" in groups:
         p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                        help="prompt tokens a request prefills per engine step (smaller: other requests wait less)")

@@ -63,7 +63,8 @@ class Engine:
                                                                    kv_dtype=c.kv_dtype, kernels=c.kernels,
                                                                    numerics=c.numerics)
         self.runner = ModelRunner(self.loaded, mode=c.mode, compressor=c.compressor, draft_len=c.draft_len,
-                                  prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights, lookup=c.lookup)
+                                  prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights, lookup=c.lookup,
+                                  acceptance=c.acceptance)
         self.tiered = c.is_tiered(self.loaded.device.type)
         self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,

@@ -42,6 +42,7 @@ class ResolvedOptions:
     compressor: Compressor
     policy: DraftLengthPolicy
     lookup: bool = False
+    acceptance: str = "coupled"     # how sampled drafts are accepted (sampling.ACCEPTANCE_RULES)
 
     @property
     def compressor_label(self) -> str:
@@ -82,7 +83,7 @@ def resolve_options(options: RequestOptions | None, default: ResolvedOptions) ->
     if options.lookup is not None and not isinstance(options.lookup, bool):
         raise InvalidOption("lookup", f"lookup must be true or false, got {options.lookup!r}")
     lookup = default.lookup if options.lookup is None else options.lookup
-    return ResolvedOptions(mode, compressor, policy, lookup)
+    return ResolvedOptions(mode, compressor, policy, lookup, default.acceptance)
 
 
 def context_limit(cfg: ModelConfig) -> int:

@@ -70,14 +70,15 @@ class SharedPrefill:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULTS.compressor,
                  draft_len: int | str = DEFAULTS.draft_len, prefill_chunk: int = DEFAULTS.prefill_chunk,
-                 draft_weights: str = "fp32", lookup: bool = False) -> None:
+                 draft_weights: str = "fp32", lookup: bool = False, acceptance: str = "coupled") -> None:
         """Built by ``Engine`` with ``EngineConfig``'s values; the defaults here are a bare runner's (exact
         full decoding, as unit tests use it), not the product's. ``draft_weights``: what draft rows read, "fp32" (the exact weights), "q8" (integer dots on
         the stored weights), "int8" or "int4" copies (``model.draft_weights``), or "auto": on CPU the
         exact weights and "q8" (no copies), each step's draft rows on the one measured faster for their
         count here (``DraftChoice``), on other devices fp32. Verification,
         full and lossy rows always read the exact weights. ``lookup``: requests' default for prompt-lookup
-        proposals (``drafting.lookup``)."""
+        proposals (``drafting.lookup``); ``acceptance``: how sampled drafts are accepted
+        (``sampling.ACCEPTANCE_RULES``)."""
         check_mode(mode)
         check_draft_weights(draft_weights)
         if draft_weights == "auto" and loaded.device.type != "cpu":
@@ -92,7 +93,7 @@ class ModelRunner:
         self.mode = mode
         self.compressor = parse_compressor(compressor)
         self.policy = DraftLengthPolicy.from_arg(draft_len)
-        self.defaults = ResolvedOptions(mode, self.compressor, self.policy, lookup)
+        self.defaults = ResolvedOptions(mode, self.compressor, self.policy, lookup, acceptance)
         self.draft_weights = draft_weights
         if mode == "vericache":  # otherwise on the first draft step (a request that asks for vericache)
             self._build_drafts()

@@ -36,7 +36,6 @@ from vericache.kv.full import FullKVCache
 from vericache.kv.link import StreamedKV
 from vericache.kv.tee import TeeCache
 from vericache.model.loader import LoadedModel
-from vericache.sampling import choose_token
 
 log = logging.getLogger("vericache.engine")
 
@@ -246,7 +245,7 @@ class Scheduler:
         req.prefill_buf = None
         if req.served is not None:  # a verifier session: the drafter appends the first token, not us
             self.requests.set_state(req, State.SERVING)
-            req.served.opened(choose_token(logits, seq.params, seq.generator))
+            req.served.opened(seq.choose(logits))
             return
         if self.memory.is_remote(req):  # the first token is the verifier's (exact), not the drafter's
             req.prefilled = True
@@ -254,7 +253,7 @@ class Scheduler:
                 self.requests.set_state(req, State.DRAFTING)
             return
         if not seq.output_ids:
-            seq.append(choose_token(logits, seq.params, seq.generator))
+            seq.append(seq.choose(logits))
             req.first_token_at = time.perf_counter()
         self.requests.set_state(req, State.DRAFTING if req.mode == "vericache" else State.DECODING)
 
@@ -268,15 +267,15 @@ class Scheduler:
             req.draft_bytes_read += req.draft.nbytes()
             req.draft.commit(req.position + 1)
         params = req.seq.params
-        req.seq.append(argmax[0] if params.greedy else choose_token(logits[0], params, req.seq.generator))
+        req.seq.append(argmax[0] if params.greedy else req.seq.choose(logits[0]))
 
     def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
         req.draft_bytes_read += req.draft.nbytes()
         req.round.draft_steps += 1
         if len(row.tokens) == 1:
-            add_draft(req.seq, req.round, logits[0], argmax[0])
+            add_draft(req.seq, req.round, logits[0], argmax[0], req.opts.acceptance)
         else:   # a lookup proposal, checked by the drafter in one step
-            kept = add_checked_proposal(req.seq, req.round, row.tokens[1:], logits, argmax)
+            kept = add_checked_proposal(req.seq, req.round, row.tokens[1:], logits, argmax, req.opts.acceptance)
             req.lookup.record(len(row.tokens) - 1, kept)
 
     def _after_verify(self, req: Request, row: Row, logits, argmax) -> None:
@@ -289,7 +288,7 @@ class Scheduler:
             write_back = lambda s, e: self._write_back(req, view, s, e)  # noqa: E731
         req.verify_bytes_read += req.full.nbytes()
         m = finish_round(req.seq, req.round, req.position, req.draft, logits=logits, targets=argmax,
-                         full=req.full, write_back=write_back)
+                         full=req.full, write_back=write_back, rule=req.opts.acceptance)
         swapped = 0
         if isinstance(row.cache, SeenRecorder):   # the drafter's store takes what the verifier attended to
             swapped = guide_store(req.draft, req.full, row.cache.seen, row.start + len(row.tokens),
