@@ -4,7 +4,7 @@ Reports TTFT, inter-token latency and end-to-end latency percentiles, request an
 throughput, errors by status, and the acceptance figures read from the server's /metrics.
 Clients can hang up at random (``--cancel-prob``) to exercise abort-on-disconnect, ask for a whole
 body instead of a stream (``--nonstream-prob``) or send a bad request (``--bad-prob``: it must get a
-4xx); at the end the server's running-request and KV gauges are read back (they must return to 0).
+4xx); half the requests are greedy, half sample (T 0.8, top-p 0.95) with a seed; at the end the server's running-request and KV gauges are read back (they must return to 0).
 Every 10 s the server's resident memory (``--server-pid``) and its KV bytes in use are sampled.
 
 ``--soak MINUTES`` (``soak_verdict``): the load above at concurrency 8 for that long against a server
@@ -56,7 +56,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, max_token
                       cancel_prob: float, nonstream_prob: float = 0.0, bad_prob: float = 0.0) -> Result:
     kind = "bad" if rng.random() < bad_prob else "whole" if rng.random() < nonstream_prob else "stream"
     r = Result(kind=kind)
-    body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "temperature": 0,
+    # half the requests greedy, half sampled with a seed (coupled sampling's path)
+    sampling = {"temperature": 0} if rng.random() < 0.5 else {"temperature": 0.8, "top_p": 0.95,
+                                                             "seed": rng.randrange(1 << 31)}
+    body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, **sampling,
             "stream": True, "stream_options": {"include_usage": True}}
     if kind != "stream":
         body = {"model": model, **rng.choice(BAD_BODIES)} if kind == "bad" else {**body, "stream": False}
