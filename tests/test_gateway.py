@@ -392,33 +392,70 @@ def test_a_thousand_cancelled_streams_leave_nothing_behind(server):
     assert gauges and all(v == 0 for v in gauges.values()), gauges
 
 
-@pytest.mark.parametrize("mode", ["full", "vericache"])
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_a_request_decodes_the_same_alone_and_among_fifteen_others(server, mode, sampling):
-    """Through the gateway, a request's text is the same bits alone and among 15 concurrent requests of
-    other prompts, lengths, modes and sampling (the forward is batch-invariant). Seeded VeriCache runs a
-    fixed draft length: with "auto" the round lengths follow measured step costs, and a seeded request's
-    random draws follow its rounds."""
+# greedy, and seeded sampling with top-p and with top-k (tests/test_identity.py's settings)
+SAMPLING = {"greedy": {"temperature": 0}, "T0.7-top_p": {"temperature": 0.7, "top_p": 0.9},
+            "T1.0-top_k": {"temperature": 1.0, "top_k": 20}}
+
+
+def _family_prompts(code_prompts) -> list[str]:
+    return [code_prompts["medium"] + f"\n\ndef helper_{i}(x):\n    " + "y = x + 1\n    " * (i % 5) for i in range(16)]
+
+
+def _body(prompt: str, mode: str, sampling: str, seed: int, spec: str | None = None, max_tokens: int = 24) -> dict:
+    opts = {"mode": mode, **({"compressor": spec} if spec else {})}
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "vericache": opts, "seed": seed,
+            **SAMPLING[sampling]}
+
+
+def _texts(url: str, bodies: list[dict]) -> list[str]:
+    """The completions of ``bodies``, sent concurrently."""
     import asyncio
-    import random
 
-    prompts = [f"def helper_{i}(x):\n    " + "y = x + 1\n    " * (i % 5) for i in range(16)]
-
-    def body(i: int, mode: str, sampling: str, max_tokens: int = 24) -> dict:
-        opts = {"mode": mode, **({"draft_len": 4} if sampling == "seeded" else {})}
-        return {"model": "tiny", "prompt": prompts[i], "max_tokens": max_tokens, "vericache": opts,
-                **({"temperature": 0} if sampling == "greedy" else {"temperature": 0.8, "seed": 11})}
-
-    async def texts(bodies: list[dict]) -> list[str]:
-        async with httpx.AsyncClient(timeout=120) as c:
-            replies = await asyncio.gather(*(c.post(server.url + "/v1/completions", json=b) for b in bodies))
-        assert all(r.status_code == 200 for r in replies)
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as c:
+            replies = await asyncio.gather(*(c.post(url + "/v1/completions", json=b) for b in bodies))
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
         return [r.json()["choices"][0]["text"] for r in replies]
 
-    rng = random.Random(f"{mode}-{sampling}")
-    others = [body(i, rng.choice(["full", "vericache", "lossy"]), rng.choice(["greedy", "seeded"]), rng.randint(8, 40))
-              for i in range(1, 16)]
-    alone = asyncio.run(texts([body(0, mode, sampling)]))[0]
-    among = asyncio.run(texts([body(0, mode, sampling)] + others))
-    assert alone and among[0] == alone
-    assert len(set(among)) > 8          # the others really decoded other things beside it
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_every_family_decodes_full_decodings_text_alone_and_among_fifteen_others(server, code_prompts, sampling):
+    """Through the gateway, each compressor family's VeriCache request (draft length auto) gives full
+    decoding's text for its seed, bit for bit, alone and among 15 concurrent requests of other prompts,
+    lengths, modes and sampling: the forward is batch-invariant and a sampled token is a function of
+    (seed, position) only (coupled sampling)."""
+    import random
+
+    from test_identity import COMPRESSORS
+
+    prompts = _family_prompts(code_prompts)
+    full = [_texts(server.url, [_body(prompts[i], "full", sampling, 100 + i)])[0] for i in range(len(COMPRESSORS))]
+    targets = [_body(prompts[i], "vericache", sampling, 100 + i, spec) for i, spec in enumerate(COMPRESSORS)]
+    alone = [_texts(server.url, [b])[0] for b in targets]
+    rng = random.Random(sampling)
+    others = [_body(prompts[i], rng.choice(["full", "vericache", "lossy"]), rng.choice(list(SAMPLING)), i,
+                    max_tokens=rng.randint(8, 40)) for i in range(len(targets), 16)]
+    among = _texts(server.url, targets + others)
+    assert all(full) and alone == full
+    assert among[: len(targets)] == full
+    assert len(set(among)) > 8          # the others really decoded other things beside them
+
+
+def test_two_server_processes_give_the_same_seeded_text(server, code_prompts):
+    """Two ``vericache serve`` processes (own loads, own kernels, own random state) answer a seeded
+    request with the same text, and it is seeded full decoding's on this test's own server."""
+    from vericache_lab.bench.serve import LaunchedServer
+
+    prompts = _family_prompts(code_prompts)[:4]
+    bodies = [_body(p, "vericache", sampling, 7 + i, spec) for i, (p, sampling, spec) in enumerate(
+        zip(prompts, ["T0.7-top_p", "T1.0-top_k"] * 2, ["snapkv:ratio=0.1", "kivi:bits=2", "h2o:ratio=0.1", "int4"]))]
+    full = _texts(server.url, [{**b, "vericache": {"mode": "full"}} for b in bodies])
+    procs = [LaunchedServer("tiny", extra=["--dtype", "float32"], log=lambda m: None) for _ in range(2)]
+    try:
+        answers = [_texts(p.url, bodies) for p in procs]
+    finally:
+        for p in procs:
+            p.close()
+    assert answers[0] == answers[1] == full

@@ -58,8 +58,10 @@ def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):
     ins = [t("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
            t("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
            t("stream", np.array([stream]), "BOOL")]
-    if "temperature" in extra:
-        ins.append(t("temperature", np.array([extra["temperature"]], dtype=np.float32), "FP32"))
+    for name, dtype, triton_type in (("temperature", np.float32, "FP32"), ("top_p", np.float32, "FP32"),
+                                     ("top_k", np.int32, "INT32"), ("random_seed", np.uint64, "UINT64")):
+        if name in extra:
+            ins.append(t(name, np.array([extra[name]], dtype=dtype), triton_type))
     for name in ("mode", "compressor"):
         if name in extra:
             ins.append(t(name, np.array([extra[name].encode()], dtype=np.object_), "BYTES"))
@@ -119,6 +121,17 @@ def test_per_request_options(triton, smollm):
         assert error is None and "".join(texts) == ref, extra
     _, error = _stream(triton["grpc"], _inputs(prompt, 4, compressor="zip"))
     assert error is not None and "unknown compressor" in str(error)
+
+
+def test_seeded_sampling_equals_seeded_full_decoding(triton, smollm):
+    """The Triton parameters ``random_seed``, ``temperature``, ``top_p`` / ``top_k`` reach coupled
+    sampling: a seeded VeriCache request's text is the embedded engine's seeded full decoding's."""
+    prompt = "def merge_sorted(a, b):\n"
+    for seed, extra in ((5, {"temperature": 0.7, "top_p": 0.9}), (6, {"temperature": 1.0, "top_k": 20})):
+        params = SamplingParams(max_tokens=16, seed=seed, **extra)
+        ref = smollm.generate(prompt, params)[0].text
+        texts, error = _stream(triton["grpc"], _inputs(prompt, 16, random_seed=seed, **extra))
+        assert error is None and "".join(texts) == ref, (seed, extra)
 
 
 def test_bad_input_is_invalid_arg(triton):
