@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vericache.cli import main
 from vericache_lab.eval.long_tasks import function_parses
 
@@ -36,6 +38,20 @@ def test_eval_command_shows_vericache_equals_full(tmp_path, capsys):
                  "--context-max", "600", "--json", "--checkpoint", str(tmp_path / "rows.jsonl")]) == 0
     again = {r["config"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert again == rows and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # nothing rerun
+
+
+def test_eval_samples_with_both_acceptance_rules(tmp_path, capsys):
+    """``--temperature`` seeds task i with seed + i in every mode: the coupled row is full decoding's
+    text; the rejection rule's row is there beside it, with its own acceptance."""
+    assert main(["eval", "--model", "tiny", "--compressors", "snapkv:ratio=0.125", "--n", "1", "--context-min", "400",
+                 "--context-max", "500", "--json", "--temperature", "0.7", "--top-p", "0.9", "--draft-len", "4",
+                 "--acceptance", "coupled,rejection"]) == 0
+    rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    coupled, rejection = rows["vericache snapkv:ratio=0.125"], rows["vericache/rejection snapkv:ratio=0.125"]
+    assert coupled["identical_to_full"] == 1.0 and coupled["acceptance"] == "coupled"
+    assert rejection["acceptance"] == "rejection" and 0 <= rejection["acceptance_per_draft"] <= 1
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", "tiny", "--acceptance", "coupled,maybe"])
 
 
 def test_bench_decode_command(tmp_path, capsys):

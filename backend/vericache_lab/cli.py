@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from vericache.cli_args import add_model_args
+from vericache.engine.config import draft_len_arg
 from vericache.model.registry import DEFAULT_MODEL
 
 
@@ -99,7 +100,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else FULL_GRID)
     rows = run_long_eval(args.model, configs, n=args.n, lo=args.context_min, hi=args.context_max,
                          checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True),
-                         draft_weights=args.draft_weights)
+                         draft_weights=args.draft_weights, acceptance=tuple(args.acceptance.split(",")),
+                         draft_len=args.draft_len,
+                         sampling=None if args.temperature == 0 else {"temperature": args.temperature, "top_p": args.top_p,
+                                                                      "top_k": args.top_k, "seed": args.seed})
     cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length",
             "acceptance_per_draft", "full_step_tokens", "lookup_kept_of_proposed", "guided_swaps_per_round"]
     table = markdown_table(rows, cols)
@@ -125,10 +129,26 @@ def _add_eval(sub) -> None:
     q.add_argument("--checkpoint", default=None, help="JSON-lines file of finished rows (resumable)")
     q.add_argument("--draft-weights", default="fp32", choices=DRAFT_WEIGHTS,
                    help="what VeriCache's drafts read (fp32: exact numerics; q8: integer dots on the stored blocks)")
+    q.add_argument("--draft-len", default="auto", type=draft_len_arg, help="VeriCache rows' draft length (or auto)")
+    q.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else every request samples")
+    q.add_argument("--top-p", type=float, default=1.0)
+    q.add_argument("--top-k", type=int, default=0)
+    q.add_argument("--seed", type=int, default=0, help="task i samples with seed + i (in every mode)")
+    q.add_argument("--acceptance", default="coupled", type=_acceptance_list,
+                   help="VeriCache rows' acceptance rules, comma-separated: coupled, rejection (a row each)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--plot", default=None)
     q.add_argument("--record", default=None)
     q.set_defaults(func=_cmd_eval)
+
+
+def _acceptance_list(text: str) -> str:
+    from vericache.sampling import ACCEPTANCE_RULES
+
+    bad = [r for r in text.split(",") if r not in ACCEPTANCE_RULES]
+    if bad or not text:
+        raise argparse.ArgumentTypeError(f"acceptance rules must be among {', '.join(ACCEPTANCE_RULES)}, got {text!r}")
+    return text
 
 
 def _cmd_netlab(args: argparse.Namespace) -> int:

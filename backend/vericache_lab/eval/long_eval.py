@@ -61,12 +61,18 @@ class _Saved:
 
 def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, n: int = 20, lo: int = 2048,
                   hi: int = 6144, batch: int = 20, checkpoint: str | None = None, log=print,
-                  draft_weights: str = "fp32") -> list[dict]:
-    """``draft_weights``: what VeriCache's drafts read (``EngineConfig.draft_weights``); full and lossy rows are exact."""
+                  draft_weights: str = "fp32", sampling: dict | None = None,
+                  acceptance: tuple[str, ...] = ("coupled",), draft_len: int | str = "auto") -> list[dict]:
+    """``draft_weights``: what VeriCache's drafts read (``EngineConfig.draft_weights``); full and lossy rows are exact.
+    ``sampling``: ``SamplingParams`` fields for every request (temperature, top_p, top_k; task i is seeded
+    ``seed + i``), greedy if None; ``acceptance``: the VeriCache rows' rules (``sampling.ACCEPTANCE_RULES``),
+    a row each ("vericache/rejection <spec>" for a rule other than coupled); ``draft_len``: theirs."""
     llm = LLM(model, device="cpu", dtype="float32")
     tasks = build_tasks(llm.tokenizer, n, lo, hi)
     configs = configs or FULL_GRID
-    labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
+    sampling = dict(sampling or {})
+    rules = ["vericache" + ("" if rule == "coupled" else f"/{rule}") for rule in acceptance]
+    labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", *rules)]
     log(f"{len(tasks)} tasks ({n} code, {n} needle, {n} tool), contexts {lo}-{hi} tokens, "
         f"{len(configs)} compressors x (lossy, vericache) + full")
     # checkpoint: one JSON line per (prompt batch, config) with its outputs and decode seconds
@@ -75,7 +81,8 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
         for line in Path(checkpoint).read_text().splitlines():
             rec = json.loads(line)
             if (rec.get("model") == model and rec.get("n") == n and rec.get("contexts") == [lo, hi]
-                    and rec.get("draft_weights", "fp32") == draft_weights):
+                    and rec.get("draft_weights", "fp32") == draft_weights and rec.get("sampling", {}) == sampling
+                    and rec.get("draft_len", "auto") == draft_len):
                 done[(rec["batch"], rec["config"])] = rec
     t0 = time.perf_counter()
     for b in range(0, len(tasks), batch):
@@ -84,16 +91,18 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
             continue
         part = tasks[b : b + batch]
         base = Engine(llm.loaded, mode="full", device_budget_gb=None)
-        shared = [base.shared_prefill(s) for s in _sequences(base, part)]
+        shared = [base.shared_prefill(s) for s in _sequences(base, part, sampling, b)]
         log(f"[{time.perf_counter() - t0:6.0f} s] prompts {b + 1}-{b + len(part)}: prefilled once "
             f"({sum(p.seconds for p in shared):.0f} s), {len(todo)} configs to run")
         for label in todo:
             mode, _, spec = label.partition(" ")
+            mode, _, rule = mode.partition("/")
             e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.25", device_budget_gb=None,
-                       draft_weights=draft_weights if mode == "vericache" else "fp32")
+                       draft_weights=draft_weights if mode == "vericache" else "fp32", acceptance=rule or "coupled", draft_len=draft_len)
             t = time.perf_counter()
-            res = e.generate(_sequences(e, part), mode, prefills=shared)
-            rec = {"model": model, "n": n, "contexts": [lo, hi], "draft_weights": draft_weights, "batch": b, "config": label,
+            res = e.generate(_sequences(e, part, sampling, b), mode, prefills=shared)
+            rec = {"model": model, "n": n, "contexts": [lo, hi], "draft_weights": draft_weights, "sampling": sampling,
+                   "draft_len": draft_len, "batch": b, "config": label,
                    "seconds": time.perf_counter() - t, "outputs": [_output_record(o) for o in res]}
             done[(b, label)] = rec
             if checkpoint:
@@ -104,8 +113,12 @@ def run_long_eval(model: str = DEFAULT_MODEL, configs: list[str] | None = None, 
     return [_row(label, tasks, labels, done, batch) for label in labels]
 
 
-def _sequences(runner: Engine, tasks: list[lt.LongTask]) -> list:
-    return [runner.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens)) for i, t in enumerate(tasks)]
+def _sequences(runner: Engine, tasks: list[lt.LongTask], sampling: dict, first: int) -> list:
+    """The tasks' requests; sampled ones seeded ``sampling["seed"] + task index`` (the same in every mode)."""
+    fields = {k: v for k, v in sampling.items() if k != "seed"}
+    seed = sampling.get("seed", 0)
+    return [runner.new_sequence(i, t.prompt_ids, SamplingParams(max_tokens=t.max_tokens, seed=seed + first + i, **fields))
+            for i, t in enumerate(tasks)]
 
 
 def _row(label: str, tasks, labels, done, batch: int) -> dict:
@@ -113,6 +126,7 @@ def _row(label: str, tasks, labels, done, batch: int) -> dict:
         return [_Saved(o) for b in range(0, len(tasks), batch) for o in done[(b, lab)]["outputs"]]
 
     mode, _, spec = label.partition(" ")
+    mode, _, rule = mode.partition("/")
     res, full = outputs(label), outputs("full")
     secs = sum(done[(b, label)]["seconds"] for b in range(0, len(tasks), batch))
     tokens = sum(max(len(o.token_ids) - 1, 0) for o in res)
@@ -120,6 +134,7 @@ def _row(label: str, tasks, labels, done, batch: int) -> dict:
            "decode_tokens_per_s": round(tokens / secs, 2) if secs else 0.0,
            "kv_kept": round(sum(o.stats.get("compression_ratio", 1.0) for o in res) / len(res), 4)}
     if mode == "vericache":
+        row["acceptance"] = rule or "coupled"
         rounds = sum(o.stats["rounds"] for o in res)
         row["mean_acceptance_length"] = round(tokens / rounds, 2) if rounds else 0.0
         row.update(draft_sources([o.stats for o in res]))   # drafted rounds and plain full steps
