@@ -293,3 +293,18 @@ def test_a_killed_gateway_leaves_no_orphaned_requests_in_triton(triton, free_por
     finally:
         gw.terminate()
         gw.wait(timeout=30)
+
+
+def test_bench_triton_streams_against_the_embedded_engine(triton, capsys):
+    """``vericache bench triton`` (short): 4 gRPC streams and 4 embedded ones decode the same texts, and
+    the report carries each side's tokens/s and their ratio."""
+    import json
+
+    from vericache.cli import main
+
+    assert main(["bench", "triton", "--grpc-url", triton["grpc"], "--streams", "4", "--requests", "1",
+                 "--max-tokens", "8", "--repeats", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["identical_texts"] and [r["mode"] for r in res["rows"]] == ["triton-grpc", "embedded"]
+    assert all(r["requests"] == 4 and r["tokens"] > 4 and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert res["triton_over_embedded"] > 0

@@ -416,6 +416,41 @@ def _serve_defaults(args: argparse.Namespace) -> int:
     return _cmd_serve_load(args)
 
 
+def _cmd_triton(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from vericache_lab.bench.triton_streams import COLUMNS, run_triton_streams
+    from vericache_lab.report import markdown_table, record
+
+    if min(args.streams, args.requests, args.max_tokens, args.repeats) < 1:
+        raise ValueError(f"--streams, --requests, --max-tokens and --repeats must be >= 1, got "
+                         f"{args.streams}, {args.requests}, {args.max_tokens}, {args.repeats}")
+    with tempfile.TemporaryDirectory(prefix="vericache-bench-triton-") as work:
+        res = run_triton_streams(Path(work), args.model, args.streams, args.requests, args.max_tokens, args.repeats,
+                                 grpc_url=args.grpc_url, log=progress(args))
+    text = (f"{res['cpu']}; {res['model']}; {res['streams']} streams x {res['requests_per_stream']} requests x "
+            f"{res['max_tokens']} tokens (greedy).\n\n" + markdown_table(res["rows"], COLUMNS) +
+            f"\n\nTriton / embedded tokens/s: {res['triton_over_embedded']} (median of {res['ratios']}); "
+            f"identical texts: {res['identical_texts']}")
+    print(json.dumps(res) if args.json else text)
+    record(args.record, f"Triton under {args.streams} gRPC streams vs the embedded engine", text, args.argv)
+    return 0 if res["identical_texts"] else 1
+
+
+def _add_triton(bsub) -> None:
+    tr = bsub.add_parser("triton", help="the Triton model under N gRPC streams (tritonclient) vs the embedded "
+                                        "engine at the same load, alternating, side by side")
+    tr.add_argument("--model", default=None, help="the engine's model (default: the model repository's default)")
+    tr.add_argument("--streams", type=int, default=32)
+    tr.add_argument("--requests", type=int, default=2, help="requests each stream sends, one after another")
+    tr.add_argument("--max-tokens", type=int, default=64)
+    tr.add_argument("--repeats", type=int, default=2, help="Triton/embedded pairs (alternating)")
+    tr.add_argument("--grpc-url", default=None, help="a running tritonserver's gRPC host:port (default: start one)")
+    tr.add_argument("--json", action="store_true")
+    tr.add_argument("--record", default=None)
+    tr.set_defaults(func=_cmd_triton)
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (figures, not tests)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -427,6 +462,7 @@ def add_bench_parser(sub) -> None:
     _add_linear(bsub)
     _add_prefix(bsub)
     _add_serve(bsub)
+    _add_triton(bsub)
     _add_gpu_check(bsub)
 
 
