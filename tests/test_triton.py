@@ -4,7 +4,6 @@ real default model, SmolLM2-135M-Instruct), reached with tritonclient over gRPC 
 from __future__ import annotations
 
 import queue
-import socket
 import time
 
 import httpx
@@ -13,23 +12,14 @@ import pytest
 
 from vericache import SamplingParams
 from vericache.serving.triton_launcher import start_triton, stop_triton
+from vericache_lab.bench.triton_streams import free_ports
 
 g = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev extra")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     log = open(tmp_path_factory.mktemp("triton") / "server.log", "w")
     proc = start_triton(http_port=http, grpc_port=grpc, metrics_port=metrics, log_file=log,
                         workdir=tmp_path_factory.mktemp("triton-work"))
@@ -213,7 +203,7 @@ def test_chat_completion_over_triton_uses_the_models_template(triton, smollm, fr
 
 
 def test_gateway_503_while_triton_is_down_then_recovers(tmp_path, free_port):
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     server, url = _gateway(f"127.0.0.1:{grpc}", free_port)
     proc = None
     try:

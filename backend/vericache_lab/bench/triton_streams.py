@@ -152,7 +152,8 @@ def triton_load(grpc_url: str, streams: int, requests: int, max_tokens: int) -> 
     return {**_summary("triton-grpc", logs, seconds), "texts": [s.texts for s in logs]}
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports of 127.0.0.1."""
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -170,7 +171,7 @@ class LaunchedTriton:
 
         from vericache.serving.triton_launcher import DEFAULT_REPOSITORY, start_triton
 
-        http, grpc, metrics = _free_ports(3)
+        http, grpc, metrics = free_ports(3)
         repo = DEFAULT_REPOSITORY
         if model is not None:   # the repository with its model parameter set
             repo = workdir / "repository"
