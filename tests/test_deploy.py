@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,5 +115,37 @@ def test_triton_adapter_translates_and_validates(llm):
         from vericache import SamplingParams
 
         assert outs[0]["text_output"][0].decode() == llm.generate("import os\n", SamplingParams(max_tokens=6))[0].text
+    finally:
+        svc.shutdown(drain_timeout=5)
+
+
+def test_triton_adapter_streams_every_token_and_asks_about_cancellation_sparingly(llm):
+    """Streaming responses carry every token once (deltas queued together go out as one response), and
+    ``cancelled`` (an IPC round trip in Triton) is asked at most every ``check_every_s``; a cancelled
+    request is aborted within that time."""
+    from vericache import SamplingParams
+    from vericache.engine.engine import Engine
+    from vericache.serving.service import BackgroundService
+    from vericache.serving.triton_adapter import TritonAdapter
+
+    svc = BackgroundService(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", device_budget_gb=1))
+    try:
+        ad = TritonAdapter(svc)
+        inputs = {"text_input": np.array([b"class Stack:\n"], dtype=object), "max_tokens": np.array([40]),
+                  "stream": np.array([True])}
+        asked = []
+        outs = list(ad.responses(ad.start(inputs), cancelled=lambda: asked.append(1) or False, check_every_s=30))
+        ref = llm.generate("class Stack:\n", SamplingParams(max_tokens=40))[0]
+        assert [t for o in outs for t in o["output_ids"].tolist()] == ref.token_ids
+        assert "".join(o["text_output"][0].decode() for o in outs) == ref.text
+        assert len(asked) <= 1 and len(outs) >= 2
+        job = ad.start({**inputs, "max_tokens": np.array([2000]), "text_input": np.array([b"def run():\n"], dtype=object)})
+        started = time.monotonic()
+        assert list(ad.responses(job, cancelled=lambda: time.monotonic() - started > 0.3, check_every_s=0.1)) != []
+        assert time.monotonic() - started < 5
+        deadline = time.monotonic() + 10
+        while svc.num_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.num_running() == 0
     finally:
         svc.shutdown(drain_timeout=5)
