@@ -3,11 +3,12 @@ into buffers of their size), redis-py with hiredis, redis-py's pure-Python parse
 TCP stream to the same host (``remote.netprobe``), the ceiling. The cache is allocated before each timed fetch (its pages touched
 or not: set THP_MEM_ALLOC_ENABLE=1 for PyTorch's huge-page allocations, as the bench does).
 
-    python scripts/store_fetch_bench.py [--url redis://host:port] [--blocks 23] [--repeat 5]
+    python scripts/store_fetch_bench.py [--url redis://host:port] [--blocks 23] [--repeat 5] [--connections 1,4]
 
 Without --url it starts its own redis-server on 127.0.0.1 (loopback). Values are real codec blocks
 of SmolLM2-135M's KV shape (256 positions: 11.8 MB each); the timed work is ``PrefixStore.get``
-into a session's cache, checksum included. Prints Gbit/s per reader (best of --repeat).
+into a session's cache, checksum included, over 1 and 4 connections (``--connections``). Prints Gbit/s
+per reader (best of --repeat).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--url")
     ap.add_argument("--blocks", type=int, default=23)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--connections", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4],
+                    help="comma-separated connection counts for the into-the-rows reader (get_full_into)")
     args = ap.parse_args()
     server = None
     if args.url is None:
@@ -64,8 +67,9 @@ def main() -> None:
         from redis._parsers import _HiredisParser, _RESP2Parser
         from redis.utils import HIREDIS_AVAILABLE
 
-        readers = {"bulk, into the cache rows": PrefixStore(args.url, "fetch-bench"),
-                   "bulk, then copied": PrefixStore(args.url, "fetch-bench")}
+        readers = {f"bulk, into the rows, {c} conn": PrefixStore(args.url, "fetch-bench", connections=c)
+                   for c in args.connections}
+        readers["bulk, then copied"] = PrefixStore(args.url, "fetch-bench")
         if HIREDIS_AVAILABLE:
             readers["redis-py + hiredis"] = PrefixStore(args.url, "fetch-bench", reader="redis-py")
             readers["redis-py + hiredis"].client.connection_pool.connection_kwargs["parser_class"] = _HiredisParser
@@ -76,7 +80,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 full = FullKVCache(cfg, "cpu", torch.float32, capacity=len(ids))
                 t0 = time.perf_counter()
-                if name.endswith("rows"):
+                if "into the rows" in name:
                     got = st.get_full_into(ids, full, args.blocks)
                 else:
                     got = st.get(ids, "full", args.blocks, into=lambda b: full.append(b["k"], b["v"]))

@@ -102,6 +102,14 @@ def test_bulk_reader_matches_redis_py_and_streams_into_a_cache(llm, stored, pref
     assert got.reason == "hit" and straight.length == full.length
     assert torch.equal(straight.k[:, :, : full.length], full.k[:, :, : full.length])
     assert torch.equal(straight.v[:, :, : full.length], full.v[:, :, : full.length])
+    for connections in (1, 3, 16):   # one prefix's blocks spread over connections: the same rows
+        spread = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
+        one = PrefixStore(redis_server.url, store.model_id, BT, connections=connections)
+        assert one.get_full_into(prefix, spread).reason == "hit" and spread.length == full.length
+        assert torch.equal(spread.k[:, :, : full.length], full.k[:, :, : full.length])
+        assert torch.equal(spread.v[:, :, : full.length], full.v[:, :, : full.length])
+    with pytest.raises(ValueError, match="connections must be an integer >= 1, got 0"):
+        PrefixStore(redis_server.url, "m", BT, connections=0)
     with pytest.raises(ValueError, match="reader"):
         PrefixStore(redis_server.url, "m", BT, reader="fast")
     with pytest.raises(ValueError, match="do not fit"):

@@ -28,6 +28,7 @@ from vericache.remote.forms import Form
 
 
 READERS = ("bulk", "redis-py")
+FETCH_CONNECTIONS = 4   # connections one full-KV fetch is spread over (the verifier's open)
 
 
 class StoreUnavailable(RuntimeError):
@@ -67,11 +68,22 @@ def _redis():
     return redis
 
 
+def _runs(n: int, parts: int) -> list[tuple[int, int]]:
+    """0 .. n-1 cut into at most ``parts`` contiguous (lo, hi) runs of nearly equal length."""
+    parts = max(1, min(parts, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
 class PrefixStore:
     def __init__(self, url: str, model_id: str, block_tokens: int = BLOCK_TOKENS, timeout_s: float = 10.0,
-                 reader: str = "bulk") -> None:
+                 reader: str = "bulk", connections: int = FETCH_CONNECTIONS) -> None:
         """``reader``: how block values are read, "bulk" (``remote.bulk``: pipelined, into buffers of
-        their size; redis:// URLs) or "redis-py" (its parser: hiredis when installed)."""
+        their size; redis:// URLs) or "redis-py" (its parser: hiredis when installed). ``connections``:
+        how many the bulk reader spreads one prefix's full-KV fetch over (``get_full_into``)."""
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ValueError(f"connections must be an integer >= 1, got {connections!r}")
+        self.connections = connections
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"prefix store URL must be redis://host:port[/db], got {url!r}")
         if not model_id:
@@ -183,34 +195,55 @@ class PrefixStore:
     def get_full_into(self, token_ids: list[int], full: FullKVCache, max_blocks: int | None = None) -> Fetched:
         """The leading blocks' full form written into the empty ``full`` at positions 0.. (the
         verifier's open). With the bulk reader and a CPU cache each block's bytes are received straight
-        into the cache's rows, checksummed as they land (a corrupt block is cut off again: ``full``
-        ends at the last good block); otherwise through ``get``."""
+        into the cache's rows, checksummed as they land, over ``connections`` connections at once (each
+        a contiguous run of the blocks: Redis answers one connection's pipeline in order, and one
+        stream's reads in one Python thread were the fetch's limit); ``full`` ends at the last good
+        block before the first missing or corrupt one. Otherwise through ``get``."""
         if full.length:
             raise ValueError(f"get_full_into needs an empty cache; it holds {full.length} positions")
         if self.bulk is None or full.device.type != "cpu":
             return self.get(token_ids, "full", max_blocks, full.device, into=lambda b: full.append(b["k"], b["v"]))
         hashes = self.hashes(token_ids)[:max_blocks]
-        want = [[full.layers, full.cfg.num_key_value_heads, self.block_tokens, full.cfg.head_dim], str(full.dtype)]
+        bt = self.block_tokens
+        want = [[full.layers, full.cfg.num_key_value_heads, bt, full.cfg.head_dim], str(full.dtype)]
+        keys = [self.key(h, "full") for h in hashes]
+        statuses: list[str | None] = [None] * len(keys)
+        errors: list[Exception] = []
 
         def dest(i: int, entries: list[dict]) -> list[memoryview] | None:
             if [e["name"] for e in entries] != ["k", "v"] or any([e["shape"], e["dtype"]] != want for e in entries):
                 return None
-            full.begin(i * self.block_tokens, self.block_tokens)
-            return full.byte_views(i * self.block_tokens, self.block_tokens)
+            return full.byte_views(i * bt, bt)
 
-        t0, count, reason = time.perf_counter(), 0, "hit" if hashes else "miss"
-        statuses = self.bulk.get_many_into([self.key(h, "full") for h in hashes], dest)
-        try:
-            for status in statuses:
-                if status != "ok":
-                    reason = status if status == "corrupt" else ("miss" if count == 0 else "partial")
-                    break
-                count += 1
-        except (OSError, RedisReplyError) as exc:
-            raise StoreUnavailable(f"prefix store {self.url} unreachable: {exc}") from None
-        finally:
-            statuses.close()
-            full.truncate(count * self.block_tokens)
+        def fetch(lo: int, hi: int) -> None:   # blocks lo .. hi-1 on a connection of their own
+            replies = self.bulk.get_many_into(keys[lo:hi], lambda j, entries: dest(lo + j, entries))
+            try:
+                for j, status in enumerate(replies):
+                    statuses[lo + j] = status
+                    if status != "ok":
+                        break
+            except (OSError, RedisReplyError) as exc:
+                errors.append(exc)
+            finally:
+                replies.close()
+
+        t0 = time.perf_counter()
+        full.begin(0, len(keys) * bt)    # every block's rows, received in place; cut to the good ones below
+        runs = _runs(len(keys), self.connections)
+        threads = [threading.Thread(target=fetch, args=run, daemon=True) for run in runs[1:]]
+        for t in threads:
+            t.start()
+        if runs:
+            fetch(*runs[0])
+        for t in threads:
+            t.join()
+        count = next((i for i, st in enumerate(statuses) if st != "ok"), len(statuses))
+        full.truncate(count * bt)
+        if errors and count < len(keys):
+            raise StoreUnavailable(f"prefix store {self.url} unreachable: {errors[0]}")
+        stop = statuses[count] if count < len(keys) else None
+        reason = ("hit" if keys else "miss") if stop is None else "corrupt" if stop == "corrupt" else (
+            "miss" if count == 0 else "partial")
         seconds, nbytes = time.perf_counter() - t0, full.nbytes()
         self.stats.add("full", nbytes, seconds, count, len(hashes) - count, int(reason == "corrupt"))
         return Fetched([], nbytes, seconds, reason, count)
