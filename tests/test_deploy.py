@@ -121,8 +121,8 @@ def test_triton_adapter_translates_and_validates(llm):
 
 def test_triton_adapter_streams_every_token_and_asks_about_cancellation_sparingly(llm):
     """Streaming responses carry every token once (deltas queued together go out as one response), and
-    ``cancelled`` (an IPC round trip in Triton) is asked at most every ``check_every_s``; a cancelled
-    request is aborted within that time."""
+    ``cancelled`` (an IPC round trip in Triton) is asked once a response and otherwise every
+    ``check_every_s`` of silence; a cancelled request is aborted within that time."""
     from vericache import SamplingParams
     from vericache.engine.engine import Engine
     from vericache.serving.service import BackgroundService
@@ -138,7 +138,7 @@ def test_triton_adapter_streams_every_token_and_asks_about_cancellation_sparingl
         ref = llm.generate("class Stack:\n", SamplingParams(max_tokens=40))[0]
         assert [t for o in outs for t in o["output_ids"].tolist()] == ref.token_ids
         assert "".join(o["text_output"][0].decode() for o in outs) == ref.text
-        assert len(asked) <= 1 and len(outs) >= 2
+        assert len(outs) >= 2 and len(asked) <= len(outs) + 1     # once a response, not once a wake-up
         job = ad.start({**inputs, "max_tokens": np.array([2000]), "text_input": np.array([b"def run():\n"], dtype=object)})
         started = time.monotonic()
         assert list(ad.responses(job, cancelled=lambda: time.monotonic() - started > 0.3, check_every_s=0.1)) != []

@@ -38,3 +38,25 @@ def test_bench_prefix_refuses_without_namespaces(monkeypatch, capsys):
     assert "network namespaces need root (test)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="slow_gbps"):
         netlab.Shape(slow_gbps=0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_bench_prefix_short_run(capsys):
+    """``bench prefix`` end to end on ``tiny``, small: full-remote and VeriCache on the shaped network,
+    VeriCache's output identical to full-remote's, its rows carrying the cost model's prediction and the
+    verifier's fetch rate."""
+    import json
+
+    from vericache.cli import main
+
+    system_command("redis-server")
+    assert main(["bench", "prefix", "--model", "tiny", "--prefix-tokens", "600", "--requests", "2", "--max-tokens", "8",
+                 "--slow-gbps", "0.5", "--fast-gbps", "5", "--modes", "full-remote,vericache",
+                 "--compressor", "snapkv:ratio=0.25", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert set(rows) == {"full-remote", "vericache"} and rows["vericache"]["identical_to_full"]
+    for row in rows.values():
+        assert row["ttft_s"] > 0 and row["measured_over_predicted"] > 0, row
+    assert rows["vericache"]["verifier_fetch_gbps"] > 0
+    assert rows["vericache"]["slow_link_bytes"] < rows["full-remote"]["slow_link_bytes"]
