@@ -12,31 +12,19 @@ import pytest
 
 from vericache import SamplingParams
 from vericache.serving.triton_launcher import start_triton, stop_triton
-from vericache_lab.bench.triton_streams import free_ports
+from vericache_lab.bench.triton_streams import LaunchedTriton, free_ports
 
 g = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev extra")
 
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
-    http, grpc, metrics = free_ports(3)
-    log = open(tmp_path_factory.mktemp("triton") / "server.log", "w")
-    proc = start_triton(http_port=http, grpc_port=grpc, metrics_port=metrics, log_file=log,
-                        workdir=tmp_path_factory.mktemp("triton-work"))
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, open(log.name).read()[-3000:]
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("tritonserver did not become ready: " + open(log.name).read()[-3000:])
-    yield {"grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
-    stop_triton(proc)
+    try:
+        server = LaunchedTriton(tmp_path_factory.mktemp("triton"), log=lambda m: None, ready_timeout_s=180)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield {"grpc": server.grpc, "metrics": server.metrics}
+    server.close()
 
 
 def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):

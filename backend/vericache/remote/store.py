@@ -239,7 +239,7 @@ class PrefixStore:
             t.join()
         count = next((i for i, st in enumerate(statuses) if st != "ok"), len(statuses))
         full.truncate(count * bt)
-        if errors and count < len(keys):
+        if errors:   # a connection failed: the blocks after its last good one never arrived
             raise StoreUnavailable(f"prefix store {self.url} unreachable: {errors[0]}")
         stop = statuses[count] if count < len(keys) else None
         reason = ("hit" if keys else "miss") if stop is None else "corrupt" if stop == "corrupt" else (

@@ -14,6 +14,7 @@ Triton's own path cost.
 from __future__ import annotations
 
 import queue
+import shutil
 import socket
 import statistics
 import threading
@@ -164,19 +165,18 @@ def free_ports(n: int) -> list[int]:
 
 
 class LaunchedTriton:
-    """``tritonserver`` on our model repository, on free ports of 127.0.0.1, stopped by ``close``."""
+    """``tritonserver`` on our model repository (its ``model`` parameter set when given), on free ports
+    of 127.0.0.1, ready within ``ready_timeout_s`` or stopped with its log's tail; ``close`` stops it."""
 
-    def __init__(self, workdir: Path, model: str | None = None, log=print) -> None:
+    def __init__(self, workdir: Path, model: str | None = None, log=print, ready_timeout_s: float = 600) -> None:
         import httpx
 
         from vericache.serving.triton_launcher import DEFAULT_REPOSITORY, start_triton
 
         http, grpc, metrics = free_ports(3)
         repo = DEFAULT_REPOSITORY
-        if model is not None:   # the repository with its model parameter set
+        if model is not None:   # a copy of the repository with its model parameter set
             repo = workdir / "repository"
-            import shutil
-
             shutil.copytree(DEFAULT_REPOSITORY, repo, dirs_exist_ok=True)
             cfg = repo / "vericache" / "config.pbtxt"
             cfg.write_text(cfg.read_text().replace('key: "model", value: { string_value: "" }',
@@ -184,17 +184,15 @@ class LaunchedTriton:
         self.log_path = workdir / "tritonserver.log"
         self.proc = start_triton(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                  log_file=open(self.log_path, "w"), workdir=workdir / "work")
-        self.grpc = f"127.0.0.1:{grpc}"
-        deadline = time.time() + 600
-        while time.time() < deadline:
+        self.grpc, self.metrics = f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics"
+        deadline = time.time() + ready_timeout_s
+        while time.time() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1).status_code == 200:
                     log(f"tritonserver ready (gRPC {self.grpc})")
                     return
             except httpx.HTTPError:
                 pass
-            if self.proc.poll() is not None:
-                break
             time.sleep(0.5)
         self.close()
         raise RuntimeError("tritonserver did not become ready: " + self.log_path.read_text()[-3000:])
