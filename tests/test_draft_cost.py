@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from vericache.drafting.calibrate import Calibration
 from vericache.drafting.round import DraftLengthPolicy
 from vericache.drafting.cost import CostsAt, DraftCost, StepCosts, best_draft_len, expected_tokens
 from vericache_lab.predict import predict_offloaded
@@ -119,7 +121,8 @@ def test_a_request_whose_drafts_cannot_pay_decodes_full_steps_and_probes_again(l
         outs += [o for o in engine.step() if o.request_id == rid]
     stats = outs[-1].stats
     assert [t for o in outs for t in o.token_ids] == full                 # the same tokens either way
-    # 16 full steps, a probe round (1-5 tokens), 32, a probe, then 64 (cut by max_tokens): 3 fallbacks
+    # a first probe round (2 drafts: priced at an optimistic acceptance, still no round pays), 16 full
+    # steps, a probe round (1-3 tokens), 32, a probe, then 64 (cut by max_tokens): 3 fallbacks
     assert stats["cost_fallbacks"] == 3 and stats["full_step_tokens"] >= 63 - 2 * 5
     assert stats["drafted_tokens"] > 0                                    # the probe rounds between them
     assert stats["full_step_tokens"] + stats["round_tokens"] == 63        # the first token came from prefill
@@ -146,3 +149,93 @@ def test_a_full_step_counts_as_a_full_step_token_not_a_verification_round():
     value = lambda name: m.registry.get_sample_value(name, m.labels)   # noqa: E731
     assert value("vericache_full_step_tokens_total") == 1
     assert value("vericache_spec_decode_num_drafts_total") == 1 and value("vericache_spec_decode_num_draft_tokens_total") == 4
+
+
+def test_a_collapsed_fit_never_decides_and_the_calibration_stands():
+    """Steps too fast for the clock fit every term to 0.0 (seen with ``tiny`` on a quiet Zen 5): such a
+    fit prices every choice at nothing, so it never replaces the costs in hand, and alone it decides nothing."""
+    instant = [StepRecord(1.0, 1.0, "draft+verify" if i % 3 == 0 else "draft", 8, 8 + i, 1e8 + i * 1e6, 9000 * i)
+               for i in range(20)]
+    collapsed = StepCosts.fit(instant)
+    assert collapsed is not None and collapsed.to_dict() == dict.fromkeys(collapsed.to_dict(), 0.0)
+    assert not collapsed.usable() and not StepCosts(c0=float("nan")).usable() and StepCosts(c0=0.01).usable()
+    row, chunk = (1e6, 1000), lambda k: (4e8, (k + 1) * 8000)   # noqa: E731
+    assert DraftCost(fitted=collapsed).choose(0.9, 8, row, chunk, 16) is None
+
+    prior, calls = StepCosts(c0=0.01, t_row=0.001, t_byte=1e-10, t_pair=1e-8), []
+    calibration = Calibration(np.zeros((0, 4)), np.zeros(0), prior)   # its costs; no forwards to anchor the fit
+    cost = DraftCost(every=1, calibrate=lambda: calls.append(1) or calibration)
+    assert cost.source == "none"
+    cost.refit(instant, len(instant))
+    assert cost.fitted is prior and cost.source == "calibrated" and calls == [1]   # the collapsed fit is dropped
+    assert cost.choose(0.9, 8, row, chunk, 16) is not None
+    true = (0.02, 0.002, 5e-11, 4e-9)
+    cost.refit(_steps(*true), 40)                                                  # a real fit replaces the prior
+    assert cost.source == "fitted" and calls == [1]
+    assert cost.fitted.c0 == pytest.approx(0.02, rel=1e-3) and cost.fitted.t_pair == pytest.approx(4e-9, rel=1e-3)
+
+
+def test_calibration_anchors_tell_rows_from_pairs_where_the_steps_cannot():
+    """A window of steps at one context whose chunks have as many pairs as rows x context leaves rows
+    and pairs collinear; the calibration's forwards at two contexts, joined to the fit, recover both."""
+    true = StepCosts(c0=0.02, t_row=0.003, t_byte=1e-10, t_pair=2e-6)
+    steps = []
+    for i in range(24):   # one context (4000): a row's pairs are always 4000 x its rows
+        rows = 8 + 3 * (i % 3 == 0) * (1 + i % 4)
+        kv, pairs = 8 * 4000 * 2e4, rows * 4000
+        t = true.seconds(rows, kv, pairs)
+        steps.append(StepRecord(0.0, t, "draft+verify" if i % 3 == 0 else "decode", 8, rows, kv, pairs))
+    x = np.array([[1.0, n * r, n * c * 2e4, n * r * c] for c in (256, 4096) for n, r in ((1, 1), (4, 1), (2, 9))])
+    anchors = (x, np.array([true.seconds(*row[1:]) for row in x]))
+    fit = StepCosts.fit(steps, anchors)
+    for term in ("c0", "t_row", "t_byte", "t_pair"):
+        assert getattr(fit, term) == pytest.approx(getattr(true, term), rel=1e-3)
+    # without the anchors the same steps give some split of rows and pairs, but not the true one
+    alone = StepCosts.fit(steps)
+    assert (alone.t_row, alone.t_pair) != pytest.approx((true.t_row, true.t_pair), rel=0.05)
+
+
+def test_calibration_times_the_model_itself(llm):
+    """``drafting.calibrate``: timed forwards of the real model give usable costs before any step, and
+    a verification chunk of 4 x 9 rows over 1536 positions is priced above one decode row over 256."""
+    from vericache.drafting.calibrate import calibrate
+
+    calibration = calibrate(llm.loaded)
+    costs = calibration.costs
+    assert costs is not None and costs.usable() and len(calibration.x) == len(calibration.seconds) == 6
+    assert costs.seconds(36, 4 * 1545 * 1e4, 36 * 1536) > costs.seconds(1, 257 * 1e4, 256) > 0
+
+
+def test_the_first_round_is_priced_before_any_step_and_explores_short(llm):
+    """With costs from the first step (the calibration), a request's first round is priced at an
+    optimistic acceptance: where even then no round pays it drafts ``min_len``, not the policy's start (8)."""
+    from vericache import Engine, SamplingParams
+
+    engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+    planner = engine.loop.scheduler.planner
+    # every forward costs the same: no round pays
+    planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), StepCosts(c0=1.0))
+    engine.add_request(llm.tokenizer.encode("def f(x):\n    return x\n" * 8), SamplingParams(max_tokens=24, ignore_eos=True))
+    while not engine.instruments.round_log:
+        engine.step()
+    assert planner.cost.source == "calibrated"
+    assert engine.instruments.round_log[0][1] == DraftLengthPolicy().min_len == 2
+
+
+def test_engines_over_one_model_share_one_calibration_made_at_load():
+    """A VeriCache engine times its model once when it is built (not in its first request's path), and
+    every engine over that model takes the same costs; a full-mode engine times nothing."""
+    from vericache import Engine
+    from vericache.model.loader import load_model
+
+    loaded = load_model("tiny", device="cpu", dtype="float32")
+    Engine(loaded, mode="full")
+    assert loaded.calibration == []
+    first = Engine(loaded, mode="vericache", draft_len="auto")
+    assert len(loaded.calibration) == 1 and loaded.calibration[0].costs.usable()
+    second = Engine(loaded, mode="vericache", draft_len="auto")
+    for engine in (first, second):
+        cost = engine.loop.scheduler.planner.cost
+        cost.refit([], 0)
+        assert cost.fitted is loaded.calibration[0].costs and cost.source == "calibrated"
+    assert len(loaded.calibration) == 1

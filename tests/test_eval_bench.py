@@ -150,3 +150,17 @@ def test_bench_attention_op_command(tmp_path, capsys):
     assert full["MB"] > fp8["MB"] > 0 and all(r["ms"] > 0 for r in res["rows"])   # fp16: 2 bytes a channel, fp8: 1
     assert "Command: `vericache bench attention-op" in (tmp_path / "B.md").read_text()
     assert main(["bench", "attention-op", "--caches", "full,nope", "--context", "256"]) != 0
+
+
+def test_repeated_modes_keep_each_modes_median_run():
+    """``bench batch --repeat``: alternating runs of each mode, the median one as its row, every run listed."""
+    from vericache_lab.bench.batch import median_rows, run_batch
+
+    runs = [{"mode": m, "tokens_per_s": t, "steps": i} for i, (m, t) in enumerate(
+        [("full", 40.0), ("vericache", 41.0), ("full", 44.0), ("vericache", 30.0), ("full", 42.0), ("vericache", 35.0)])]
+    rows = median_rows(runs)
+    assert [(r["mode"], r["tokens_per_s"], r["steps"]) for r in rows] == [("full", 42.0, 4), ("vericache", 35.0, 5)]
+    assert rows[0]["tokens_per_s_runs"] == [40.0, 44.0, 42.0] and rows[1]["tokens_per_s_runs"] == [41.0, 30.0, 35.0]
+    assert median_rows(runs[:2]) == runs[:2]                      # run once: the rows as they were
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        run_batch("tiny", 1, 10, 2, ["full"], "snapkv", repeats=0)

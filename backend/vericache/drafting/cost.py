@@ -37,6 +37,7 @@ import numpy as np
 
 MIN_STEPS = 12   # forwards (with and without verification rows) before the fit is trusted
 TERMS = ("c0", "t_row", "t_seq", "t_byte", "t_pair")
+ANCHOR_WEIGHT = 4   # a calibration forward weighs as this many of the engine's steps in the online fit
 
 
 @dataclass
@@ -64,17 +65,36 @@ class StepCosts:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence) -> "StepCosts | None":
+    def fit(cls, steps: Sequence, anchors: tuple[np.ndarray, np.ndarray] | None = None) -> "StepCosts | None":
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence). None until there are enough
-        steps, with and without verification."""
+        steps, with and without verification. ``anchors`` (x [N, 4], seconds [N]: a calibration's
+        forwards, ``drafting.calibrate``) join the steps, each weighing as ``ANCHOR_WEIGHT`` steps: they
+        span contexts and chunk sizes a window of recent steps may not (a few short chunks at one context
+        cannot tell a row's weights from its attention)."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        c0, t_row, t_byte, t_pair = nonnegative_lstsq(x, np.array([s.end - s.start for s in steps]))
+        y = np.array([s.end - s.start for s in steps])
+        if anchors is not None:
+            x = np.vstack([x, np.repeat(anchors[0], ANCHOR_WEIGHT, axis=0)])
+            y = np.concatenate([y, np.repeat(anchors[1], ANCHOR_WEIGHT)])
+        return cls.from_samples(x, y)
+
+    @classmethod
+    def from_samples(cls, x: np.ndarray, seconds: np.ndarray) -> "StepCosts":
+        """The terms fitted to forwards: x [N, 4] holds each forward's (1, rows, K/V bytes, pairs)."""
+        c0, t_row, t_byte, t_pair = nonnegative_lstsq(x, seconds)
         return cls(c0, t_row, 0.0, t_byte, t_pair)
+
+    def usable(self) -> bool:
+        """Whether these terms may decide: finite, none negative, and a step costing something. Timings
+        too small for the clock (the ``tiny`` model's steps on a fast CPU) can fit every term to 0.0, and
+        such a fit prices every choice at zero seconds."""
+        terms = list(self.to_dict().values())
+        return all(np.isfinite(t) and t >= 0 for t in terms) and self.c0 + self.t_row + self.t_seq > 0
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -142,18 +162,31 @@ def best_draft_len(alpha: float, draft_s: float, verify_s: Callable[[int], float
 
 @dataclass
 class DraftCost:
-    """The engine's cost-based draft length: refits from its recent forwards, at most every ``every`` steps."""
+    """The engine's cost-based draft length: costs from ``calibrate`` (timed forwards of the model, asked
+    once at the first choice: ``drafting.calibrate``) until the engine's own forwards fit, then refitted
+    from them and the calibration's forwards at most every ``every`` steps. A fit that is not ``usable``
+    never replaces the costs in hand."""
 
     every: int = 8
+    calibrate: Callable[[], object] | None = field(default=None, repr=False)   # -> a ``Calibration``
     fitted: StepCosts | None = None
+    source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
+    anchors: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     _fitted_at: int = field(default=0, repr=False)
 
     def refit(self, steps: Sequence, n_steps: int) -> None:
         """Before a choice: refit from the latest 96 ``steps`` when ``every`` forwards ran since the
-        last fit (``n_steps``: forwards recorded so far)."""
+        last fit (``n_steps``: forwards recorded so far); calibrate first if nothing is in hand."""
+        if self.calibrate is not None:
+            calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
+            self.anchors = (calibration.x, calibration.seconds)
+            if self.fitted is None and calibration.costs is not None:
+                self.fitted, self.source = calibration.costs, "calibrated"
         if n_steps - self._fitted_at >= self.every:
             self._fitted_at = n_steps
-            self.fitted = StepCosts.fit(list(steps)[-96:]) or self.fitted
+            fit = StepCosts.fit(list(steps)[-96:], self.anchors)
+            if fit is not None and fit.usable():
+                self.fitted, self.source = fit, "fitted"
 
     def choose(self, alpha: float, n_active: int, draft_cost: tuple[int, int], verify_cost: Callable[[int], tuple[int, int]],
                k_max: int) -> int | None:
@@ -168,6 +201,8 @@ class DraftCost:
         share = f.c0 / max(n_active, 1)
         draft_s = share + f.weights(1) + f.seq(*draft_cost)
         verify_s = lambda k: share + f.weights(k + 1) + f.seq(*verify_cost(k))  # noqa: E731
+        if not draft_s > 0 or not verify_s(0) > 0:   # costs that price a step at nothing cannot decide
+            return None
         k = best_draft_len(alpha, draft_s, verify_s, k_max)
         return k if expected_tokens(alpha, k) / (k * draft_s + verify_s(k)) > 1.0 / verify_s(0) else 0
 

@@ -144,7 +144,10 @@ def finish_round(seq: Sequence, rs: RoundState, start: int, draft: CompressedKVC
       verified positions from the buffer it wrote (a device buffer) into ``full`` (their home tier);
       the full cache rolls back past them and the draft cache takes their exact K/V from it;
     - a remote one (``exact_kv``: K, V [L, Hkv, m+1, D] of start .. keep-1, sent by the verifier): the
-      draft cache takes those instead of its own. Returns m, the accepted count."""
+      draft cache takes those instead of its own.
+    A plain full step (no drafts) over a full cache in place leaves the draft cache behind: a stretch of
+    them (a fallback) would pay its compression moves token by token for drafts nobody makes, so the
+    drafter catches up once when it drafts again (``catch_up``). Returns m, the accepted count."""
     m = accept_draft(seq, logits, rs.drafts, rs.qs, targets, rule)
     keep = start + 1 + m
     if write_back is not None:
@@ -153,10 +156,23 @@ def finish_round(seq: Sequence, rs: RoundState, start: int, draft: CompressedKVC
         full.truncate(keep)
     if exact_kv is not None:
         draft.commit_exact(start, *exact_kv, keep)
-    else:
+    elif rs.drafts or write_back is not None:
         draft.commit(keep, source=full)
     record_round(rs, len(rs.drafts), m)
     return m
+
+
+def catch_up(draft: CompressedKVCache, full: FullKVCache, position: int) -> None:
+    """Before a drafted round: the draft cache takes the positions plain full steps left it behind on
+    (``finish_round``), their exact K/V from ``full``, in one commit."""
+    if draft.committed < position:
+        draft.commit(position, source=full)
+
+
+def draft_position(draft: CompressedKVCache, position: int) -> int:
+    """Where a draft row is priced: at ``position``, or at the draft cache's last commit while plain full
+    steps leave it behind (a residual counted up to ``position`` would price positions it never reads)."""
+    return min(position, draft.committed)
 
 
 def verify_for_drafter(full: FullKVCache, start: int, drafts: list[int],
@@ -210,9 +226,18 @@ class DraftState:
     accepted_total: int = 0       # drafted tokens accepted, all rounds
     rejections: int = 0           # rounds that ended at a mismatch
 
-    def acceptance(self) -> float:
-        """Per-token acceptance, a geometric model's estimate (Laplace-smoothed)."""
-        return (self.accepted_total + 1) / (self.accepted_total + self.rejections + 2)
+    def acceptance(self, optimistic: bool = False) -> float:
+        """Per-token acceptance, a geometric model's estimate: the mean of its Beta posterior from a
+        uniform prior (Laplace-smoothed), or with ``optimistic`` that mean plus one standard deviation
+        (what a probe round prices: with no rounds yet 0.79, narrowing as rounds come in)."""
+        n = self.accepted_total + self.rejections
+        mean = (self.accepted_total + 1) / (n + 2)
+        return min(mean + (mean * (1 - mean) / (n + 3)) ** 0.5, 1.0) if optimistic else mean
+
+    @property
+    def measured(self) -> bool:
+        """Whether a drafted round has been verified (the acceptance rests on more than the prior)."""
+        return self.accepted_total + self.rejections > 0
 
 
 @dataclass
@@ -276,11 +301,12 @@ class DraftPlanner:
        turn drafts on while its drafts are mostly accepted (P2)."""
 
     def __init__(self, offload, is_offloaded: Callable[[object], bool], n_active: Callable[[], int],
-                 instruments) -> None:
+                 instruments, calibrate: Callable[[], object] | None = None) -> None:
         """``offload``: the engine's ``Offload``; ``is_offloaded(request)``: its full KV is behind the link;
-        ``n_active()``: requests drafting or decoding now; ``instruments``: the measured steps."""
+        ``n_active()``: requests drafting or decoding now; ``instruments``: the measured steps;
+        ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``), asked once at the first choice."""
         self.offload, self.is_offloaded, self.n_active, self.instruments = offload, is_offloaded, n_active, instruments
-        self.cost = DraftCost()   # draft lengths from this engine's fitted step costs
+        self.cost = DraftCost(calibrate=calibrate)   # draft lengths from this engine's step costs
 
     def new_round(self, r) -> int:
         """The draft length of ``r``'s next round (0: a plain full-KV step)."""
@@ -323,24 +349,30 @@ class DraftPlanner:
             rs.k = min(rs.k + 1, policy.max_len, max(r.seq.remaining - 1, rs.k))
 
     def _cost_len(self, r, k: int) -> int:
-        """The draft length the fitted step costs call for; the policy's ``k`` until fitted. Where
-        they find plain full steps faster than any round at the request's acceptance, the request
-        decodes full steps (the same tokens either way: ``cooldown`` of them, doubling up to 16x
-        while the costs keep saying so), then drafts one probe round at the policy's length, so its
-        acceptance is measured again before the costs decide."""
+        """The draft length the step costs call for (``DraftCost``: calibrated on the model, then fitted
+        to the engine's own forwards); the policy's ``k`` when no costs exist. Where they find plain full
+        steps faster than any round at the request's acceptance, the request decodes full steps (the same
+        tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
+        drafts one probe round. A probe, and a request's first round, is the round the costs call for at
+        an optimistic acceptance (``DraftState.acceptance``), at least ``min_len``: exploring costs a short
+        round where rounds hardly pay (a CPU batch, whose verified rows cost a third of a full row), not
+        the policy's long one. The draft row is priced at the drafter's last commit (``draft_position``)."""
         st, policy = r.policy_state, r.opts.policy
-        if st.probe:
-            st.probe = False
-            return k
+        probing = st.probe or not st.measured
         pos, k_max = r.position, min(policy.max_len, r.seq.remaining - 1)
-        n = self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps)
-        choice = self.cost.choose(st.acceptance(), n, r.draft.attention_cost(pos, 1),
+        choice = self.cost.choose(st.acceptance(optimistic=probing), self.n_active(),
+                                  r.draft.attention_cost(draft_position(r.draft, pos), 1),
                                   lambda j: r.full.attention_cost(pos, j + 1), k_max)
+        if choice is None:
+            return k
+        if probing:   # explore: the round the costs call for at the optimistic acceptance, at least min_len
+            st.probe = False
+            return min(max(choice, policy.min_len), k_max)
         if choice == 0:
             st.backoff = min(2 * st.backoff, 16 * policy.cooldown) if st.backoff else policy.cooldown
             st.cooldown, st.probe = st.backoff, True
             st.cost_fallbacks += 1
-        elif choice is not None:
+        else:
             st.backoff = 0
-        return k if choice is None else choice
+        return choice

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vericache.drafting.calibrate import model_calibration
 from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.engine.options import RequestOptions, ResolvedOptions, check_mode
 from vericache.engine.requests import Served, State, StepOutput
@@ -69,6 +70,8 @@ class Engine:
         self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,
                              resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
+        if c.mode == "vericache" and c.draft_len == "auto":
+            model_calibration(self.loaded)   # the draft lengths' first costs, timed now, not in a request's path
         self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
         self._ended: dict[int, dict] = {}   # labels of the requests the last step ended (its round events')
 

@@ -26,8 +26,10 @@ from enum import StrEnum
 
 import torch
 
+from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.guide import SeenRecorder, guide_store
-from vericache.drafting.round import DraftPlanner, add_checked_proposal, add_draft, finish_round, verify_for_drafter
+from vericache.drafting.round import (DraftPlanner, add_checked_proposal, add_draft, catch_up, finish_round,
+                                      verify_for_drafter)
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.remote_rounds import RemoteRounds
@@ -93,7 +95,8 @@ class Scheduler:
         self.offload = Offload(schedule, loaded, memory, requests, instruments, self.make_room,
                                lambda r: self.planner.extend_waiting(r), link)
         self.planner = DraftPlanner(self.offload, memory.is_offloaded,   # every draft length
-                                    lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments)
+                                    lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments,
+                                    lambda: model_calibration(loaded))
         self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
                                    self.charge) if prefix is not None or verifier is not None else None
         native = getattr(loaded.model, "native", None)   # guided selection's native choice, where the step is native
@@ -148,6 +151,8 @@ class Scheduler:
         rs, offloaded = r.round, self.memory.is_offloaded(r)
         if not rs.started:  # a new round
             rs.start(self.planner.new_round(r))
+            if rs.k and r.full is not None and not offloaded and r.session is None:
+                catch_up(r.draft, r.full, r.position)   # plain full steps may have left the drafter behind
         remote_verified = r.session is not None  # a complete round goes out in RemoteRounds.send_verifies
         if not rs.complete and (not offloaded or self.offload.may_draft(r)):
             tok = rs.drafts[-1] if rs.drafts else r.last_token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -93,6 +93,9 @@ class LoadedModel:
     kv_dtype: torch.dtype = torch.float32   # what the KV caches hold, full and compressed (``parse_kv_dtype``)
     kernels: str = "native"                  # what the forward runs on (``parse_kernels``)
     numerics: str = "fp32"                   # the linears' arithmetic (``parse_numerics``)
+    # [Calibration] once timed (``drafting.calibrate.model_calibration``): every engine over this
+    # model shares one calibration
+    calibration: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def attn_dtype(self) -> torch.dtype:

@@ -24,7 +24,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     modes = mode_labels(args.modes)
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
                            with_transformers=not args.no_transformers, dtype=args.dtype, kv_dtype=args.kv_dtype, log=progress(args),
-                           llamacpp=not args.no_llamacpp, numerics=args.numerics)
+                           llamacpp=not args.no_llamacpp, numerics=args.numerics, openvino=not args.no_openvino)
     runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
     if args.plot:
@@ -50,6 +50,8 @@ def _add_decode(bsub) -> None:
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
+    b.add_argument("--no-openvino", action="store_true",
+                   help="skip the OpenVINO GenAI rows (they run where openvino_genai imports: pip install -e '.[openvino]')")
     b.add_argument("--dtype", default="float32", help="weights: float32 or bfloat16 (attention stays fp32)")
     add_numerics_arg(b)
     add_kv_dtype_arg(b)
@@ -274,7 +276,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     res = run_batch(args.model, args.requests, args.context, args.max_tokens, modes, args.compressor, args.dtype,
                     args.draft_len, args.device, log=progress(args), llamacpp=not args.no_llamacpp,
                     llamacpp_flash_attn=args.llamacpp_flash_attn, llamacpp_copies=args.llamacpp_copies,
-                    kv_dtype=args.kv_dtype, numerics=args.numerics, one_at_a_time=args.acceptance, lookup=args.lookup)
+                    kv_dtype=args.kv_dtype, numerics=args.numerics, one_at_a_time=args.acceptance, lookup=args.lookup,
+                    openvino=not args.no_openvino, repeats=args.repeat)
     runs = res.pop("step_records")
     table = batch_markdown(res)
     print(json.dumps(res) if args.json else table)
@@ -303,6 +306,10 @@ def _add_batch(bsub) -> None:
     bt.add_argument("--device", default=None)
     bt.add_argument("--threads", type=int, default=0)
     bt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
+    bt.add_argument("--repeat", type=int, default=1,
+                    help="run the modes this many times, alternating; each row is its mode's median run")
+    bt.add_argument("--no-openvino", action="store_true",
+                    help="skip the OpenVINO GenAI rows (they run where openvino_genai imports: pip install -e '.[openvino]')")
     bt.add_argument("--llamacpp-flash-attn", default="both", choices=["both", "on", "off"],
                     help="llama.cpp rows with its flash attention, without, or both (each prefills again)")
     bt.add_argument("--llamacpp-copies", action="store_true",

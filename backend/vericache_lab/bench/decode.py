@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from vericache_lab.bench import llama_cpp_bench
+from vericache_lab.bench import llama_cpp_bench, openvino_bench
 from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for
 from vericache_lab.report import markdown_table
 from vericache.llm import LLM
@@ -50,7 +50,7 @@ def generate_with_steps(engine, mode: str, prompt: list[int], params: SamplingPa
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
                      draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
                      device: str = "cpu", log=print, llamacpp: bool = True, kv_dtype: str | None = None,
-                     numerics: str | None = None) -> dict:
+                     numerics: str | None = None, openvino: bool = True) -> dict:
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
     each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
     # Long: one bench run read top to bottom (per context: every mode on the same prompt, side by side,
@@ -96,6 +96,11 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             for lc in llama_cpp_bench.rows(model, [prompt], max_tokens, log):
                 rows.append({"context": ctx, "mode": lc["mode"], "tokens_per_s": round(lc["tokens_per_s"], 1),
                              "ratio_to_full": round(lc["tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2) if ref else ""})
+        if openvino and roof is not None:
+            for ov in openvino_bench.rows(model, [prompt], max_tokens, compressor, [ref.token_ids] if ref else None, log):
+                rows.append({"context": ctx, "mode": ov["mode"], "tokens_per_s": round(ov["tokens_per_s"], 1),
+                             "ratio_to_full": round(ov["tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2) if ref else "",
+                             "identical_to_full": ov["identical_to_full"]})
         if with_transformers:
             # transformers in fp32, its fastest setting on this CPU (its bf16 attention is ~10x slower)
             hf_dtype = torch.float32 if llm.loaded.device.type == "cpu" else llm.loaded.dtype

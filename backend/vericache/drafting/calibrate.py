@@ -1,0 +1,75 @@
+"""Step costs before the engine has run a step: a few timed forwards over scratch caches.
+
+The draft length is chosen from fitted step costs (``drafting.cost``), and the engine's own fit needs a
+dozen forwards with and without verification rows. Without a prior, a batch's first rounds ran at the
+policy's length whatever they cost: at 8 requests x 4K on a CPU those rounds alone made VeriCache slower
+than full decoding. So the engine times its model when it is built: the same model, kernels and KV
+dtype, forwards of 1 and 4 sequences of one row and of 2 sequences of 9 rows (a verification chunk),
+over full caches of a short and a long context (random K/V: a forward's time does not depend on the
+values). The two contexts separate a row's weights (``t_row``) from its attention (``t_byte``,
+``t_pair``); 1 and 4 sequences the step's fixed work (``c0``). The long context is 4096 positions (or
+the model's limit): at a short one a verified row's attention is too small to time, and a calibration
+that prices it at nothing sends a batch into rounds that cost more than they give. About 2 s for
+SmolLM2 on 2 Zen 2 cores, 0.3 s for ``tiny``. The samples stay as anchors of the online fit
+(``StepCosts.fit``): a window of short verification chunks alone cannot tell pairs from rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vericache.drafting.cost import StepCosts
+from vericache.engine.options import context_limit
+from vericache.kv.full import FullKVCache
+from vericache.timing import best_seconds
+
+CONTEXTS = (256, 4096)   # positions in each scratch cache (the long one within the model's limit)
+SHAPES = ((1, 1), (4, 1), (2, 9))   # (sequences, rows each): decode steps, verification chunks
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Timed forwards of one model: x [N, 4] (1, rows, K/V bytes, pairs) and their seconds [N]; ``costs``
+    fitted to them, None where they give no usable fit (``StepCosts.usable``)."""
+    x: np.ndarray
+    seconds: np.ndarray
+    costs: StepCosts | None
+
+
+@torch.inference_mode()
+def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2) -> Calibration:
+    """Time ``loaded`` (a ``LoadedModel``) at ``SHAPES`` over scratch caches of each context."""
+    model, cfg, dev = loaded.model, loaded.config, loaded.device
+    features, seconds = [], []
+    longest_rows = max(r for _, r in SHAPES)
+    for context in sorted({min(c, context_limit(cfg) - longest_rows) for c in contexts}):
+        caches = []
+        for _ in range(max(n for n, _ in SHAPES)):
+            cache = FullKVCache(cfg, dev, loaded.kv_dtype, capacity=context + longest_rows)
+            cache.begin(0, context)   # every run writes positions context.. (``begin`` there drops the last run's)
+            cache.k.normal_()
+            cache.v.normal_()
+            caches.append(cache)
+        for n, rows in SHAPES:
+            toks = torch.zeros(n * rows, dtype=torch.long, device=dev)
+            last = torch.arange(rows - 1, n * rows, rows, device=dev)   # one logits row per sequence
+            # .item(): the logits reach the host, so a CUDA forward is timed to its end
+            run = lambda: model(toks, [context] * n, [rows] * n, caches[:n], logits_index=last)[0, 0].item()  # noqa: E731
+            kv_bytes, pairs = (n * x for x in caches[0].attention_cost(context, rows))
+            features.append([1.0, n * rows, kv_bytes, pairs])
+            seconds.append(best_seconds(run, repeats))
+    x, y = np.array(features), np.array(seconds)
+    costs = StepCosts.from_samples(x, y)
+    return Calibration(x, y, costs if costs.usable() else None)
+
+
+def model_calibration(loaded) -> Calibration:
+    """``loaded``'s calibration, timed at the first ask and kept on it (``LoadedModel.calibration``), so
+    every engine over one model shares it: the engine asks when it is built (``Engine``), not in a
+    request's path."""
+    if not loaded.calibration:
+        loaded.calibration.append(calibrate(loaded))
+    return loaded.calibration[0]
