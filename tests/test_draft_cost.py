@@ -114,7 +114,8 @@ def test_a_request_whose_drafts_cannot_pay_decodes_full_steps_and_probes_again(l
     prompt = llm.tokenizer.encode(text)
     engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
     cost = engine.loop.scheduler.planner.cost
-    cost.fitted, cost.every = StepCosts(c0=1.0), 10 ** 9   # every forward costs the same: no round can beat a full step
+    # fitted costs (never refitted) where every forward costs the same: no round can beat a full step
+    cost.fitted, cost.source, cost.every = StepCosts(c0=1.0), "fitted", 10 ** 9
     rid = engine.add_request(prompt, params)
     outs = []
     while engine.has_unfinished():
@@ -163,7 +164,7 @@ def test_a_collapsed_fit_never_decides_and_the_calibration_stands():
     assert DraftCost(fitted=collapsed).choose(0.9, 8, row, chunk, 16) is None
 
     prior, calls = StepCosts(c0=0.01, t_row=0.001, t_byte=1e-10, t_pair=1e-8), []
-    calibration = Calibration(np.zeros((0, 4)), np.zeros(0), prior)   # its costs; no forwards to anchor the fit
+    calibration = Calibration(np.zeros((0, 4)), np.zeros(0), prior)   # its costs only
     cost = DraftCost(every=1, calibrate=lambda: calls.append(1) or calibration)
     assert cost.source == "none"
     cost.refit(instant, len(instant))
@@ -173,26 +174,6 @@ def test_a_collapsed_fit_never_decides_and_the_calibration_stands():
     cost.refit(_steps(*true), 40)                                                  # a real fit replaces the prior
     assert cost.source == "fitted" and calls == [1]
     assert cost.fitted.c0 == pytest.approx(0.02, rel=1e-3) and cost.fitted.t_pair == pytest.approx(4e-9, rel=1e-3)
-
-
-def test_calibration_anchors_tell_rows_from_pairs_where_the_steps_cannot():
-    """A window of steps at one context whose chunks have as many pairs as rows x context leaves rows
-    and pairs collinear; the calibration's forwards at two contexts, joined to the fit, recover both."""
-    true = StepCosts(c0=0.02, t_row=0.003, t_byte=1e-10, t_pair=2e-6)
-    steps = []
-    for i in range(24):   # one context (4000): a row's pairs are always 4000 x its rows
-        rows = 8 + 3 * (i % 3 == 0) * (1 + i % 4)
-        kv, pairs = 8 * 4000 * 2e4, rows * 4000
-        t = true.seconds(rows, kv, pairs)
-        steps.append(StepRecord(0.0, t, "draft+verify" if i % 3 == 0 else "decode", 8, rows, kv, pairs))
-    x = np.array([[1.0, n * r, n * c * 2e4, n * r * c] for c in (256, 4096) for n, r in ((1, 1), (4, 1), (2, 9))])
-    anchors = (x, np.array([true.seconds(*row[1:]) for row in x]))
-    fit = StepCosts.fit(steps, anchors)
-    for term in ("c0", "t_row", "t_byte", "t_pair"):
-        assert getattr(fit, term) == pytest.approx(getattr(true, term), rel=1e-3)
-    # without the anchors the same steps give some split of rows and pairs, but not the true one
-    alone = StepCosts.fit(steps)
-    assert (alone.t_row, alone.t_pair) != pytest.approx((true.t_row, true.t_pair), rel=0.05)
 
 
 def test_calibration_times_the_model_itself(llm):
@@ -239,3 +220,26 @@ def test_engines_over_one_model_share_one_calibration_made_at_load():
         cost.refit([], 0)
         assert cost.fitted is loaded.calibration[0].costs and cost.source == "calibrated"
     assert len(loaded.calibration) == 1
+
+
+def test_calibrated_costs_veto_a_batchs_rounds_but_not_one_requests(llm):
+    """Until the engine's own fit, costs from the calibration (random K/V) veto rounds only in a batch:
+    there, after each request's short probe, plain full steps; one request alone drafts the policy's rounds."""
+    from vericache import Engine, SamplingParams
+
+    def second_rounds(n: int) -> list[int]:
+        engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+        planner = engine.loop.scheduler.planner
+        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), StepCosts(c0=1.0))
+        planner.cost.every = 10 ** 9   # no online fit in this test: the calibration's costs throughout
+        for i in range(n):
+            engine.add_request(llm.tokenizer.encode(f"def f{i}(x):\n    return x\n" * 8),
+                               SamplingParams(max_tokens=24, ignore_eos=True))
+        while engine.has_unfinished() and len(engine.instruments.round_log) < 2 * n:
+            engine.step()
+        log = list(engine.instruments.round_log)
+        return [next(d for rid, d, *_ in log[n:] if rid == r) if any(x[0] == r for x in log[n:]) else None
+                for r in sorted({x[0] for x in log[:n]})]
+
+    assert all(d == 0 for d in second_rounds(3))     # a batch: full steps after the probes (drafted 0)
+    assert second_rounds(1)[0] >= 4                  # alone: the policy's round

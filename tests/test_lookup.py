@@ -56,8 +56,11 @@ def test_a_checked_proposal_keeps_what_the_drafter_would_draft():
 def test_the_cost_model_prices_a_proposal_step():
     cost = DraftCost()
     assert cost.proposal_len(0.9, 1, lambda rows: (0, 0), 6) == 6       # before the fit: as much as fits
-    # a step costs 10 ms of weights plus 1 ms a row: rows are cheap, a likely proposal pays in full
-    cost.fitted = StepCosts(c0=0.010, t_row=0.001)
+    # rows as dear as steps, but only calibrated (random K/V, a linear row cost): it never sizes a step
+    cost.fitted, cost.source = StepCosts(c0=0.0, t_row=0.010), "calibrated"
+    assert cost.proposal_len(0.9, 1, lambda rows: (0, 0), 6) == 6
+    # fitted to the engine's steps: 10 ms of weights plus 1 ms a row: rows are cheap, a likely proposal pays in full
+    cost.fitted, cost.source = StepCosts(c0=0.010, t_row=0.001), "fitted"
     assert cost.proposal_len(0.9, 1, lambda rows: (0, 0), 6) == 6
     # rows as dear as steps (a compute-bound CPU): no proposal pays
     cost.fitted = StepCosts(c0=0.0, t_row=0.010)

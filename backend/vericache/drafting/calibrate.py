@@ -10,8 +10,8 @@ values). The two contexts separate a row's weights (``t_row``) from its attentio
 ``t_pair``); 1 and 4 sequences the step's fixed work (``c0``). The long context is 4096 positions (or
 the model's limit): at a short one a verified row's attention is too small to time, and a calibration
 that prices it at nothing sends a batch into rounds that cost more than they give. About 2 s for
-SmolLM2 on 2 Zen 2 cores, 0.3 s for ``tiny``. The samples stay as anchors of the online fit
-(``StepCosts.fit``): a window of short verification chunks alone cannot tell pairs from rows.
+SmolLM2 on 2 Zen 2 cores, 0.5 s for ``tiny``. Random K/V is not real attention (real scores have a
+few strong keys), so the planner lets these costs veto rounds but not size them (``DraftPlanner``).
 """
 
 from __future__ import annotations

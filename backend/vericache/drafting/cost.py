@@ -37,7 +37,6 @@ import numpy as np
 
 MIN_STEPS = 12   # forwards (with and without verification rows) before the fit is trusted
 TERMS = ("c0", "t_row", "t_seq", "t_byte", "t_pair")
-ANCHOR_WEIGHT = 4   # a calibration forward weighs as this many of the engine's steps in the online fit
 
 
 @dataclass
@@ -65,23 +64,16 @@ class StepCosts:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence, anchors: tuple[np.ndarray, np.ndarray] | None = None) -> "StepCosts | None":
+    def fit(cls, steps: Sequence) -> "StepCosts | None":
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence). None until there are enough
-        steps, with and without verification. ``anchors`` (x [N, 4], seconds [N]: a calibration's
-        forwards, ``drafting.calibrate``) join the steps, each weighing as ``ANCHOR_WEIGHT`` steps: they
-        span contexts and chunk sizes a window of recent steps may not (a few short chunks at one context
-        cannot tell a row's weights from its attention)."""
+        steps, with and without verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        y = np.array([s.end - s.start for s in steps])
-        if anchors is not None:
-            x = np.vstack([x, np.repeat(anchors[0], ANCHOR_WEIGHT, axis=0)])
-            y = np.concatenate([y, np.repeat(anchors[1], ANCHOR_WEIGHT)])
-        return cls.from_samples(x, y)
+        return cls.from_samples(x, np.array([s.end - s.start for s in steps]))
 
     @classmethod
     def from_samples(cls, x: np.ndarray, seconds: np.ndarray) -> "StepCosts":
@@ -164,14 +156,12 @@ def best_draft_len(alpha: float, draft_s: float, verify_s: Callable[[int], float
 class DraftCost:
     """The engine's cost-based draft length: costs from ``calibrate`` (timed forwards of the model, asked
     once at the first choice: ``drafting.calibrate``) until the engine's own forwards fit, then refitted
-    from them and the calibration's forwards at most every ``every`` steps. A fit that is not ``usable``
-    never replaces the costs in hand."""
+    from them at most every ``every`` steps. A fit that is not ``usable`` never replaces the costs in hand."""
 
     every: int = 8
     calibrate: Callable[[], object] | None = field(default=None, repr=False)   # -> a ``Calibration``
     fitted: StepCosts | None = None
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
-    anchors: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     _fitted_at: int = field(default=0, repr=False)
 
     def refit(self, steps: Sequence, n_steps: int) -> None:
@@ -179,12 +169,11 @@ class DraftCost:
         last fit (``n_steps``: forwards recorded so far); calibrate first if nothing is in hand."""
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
-            self.anchors = (calibration.x, calibration.seconds)
             if self.fitted is None and calibration.costs is not None:
                 self.fitted, self.source = calibration.costs, "calibrated"
         if n_steps - self._fitted_at >= self.every:
             self._fitted_at = n_steps
-            fit = StepCosts.fit(list(steps)[-96:], self.anchors)
+            fit = StepCosts.fit(list(steps)[-96:])
             if fit is not None and fit.usable():
                 self.fitted, self.source = fit, "fitted"
 
@@ -211,8 +200,9 @@ class DraftCost:
         ``room`` at most: the L that maximises drafts a second, expected_tokens(keep, L) drafts from one
         step of L + 1 rows over the compressed KV (``keep``: the request's per-token rate of kept
         proposal tokens), against one draft a single-row step. ``draft_cost(rows)``: (K/V bytes, pairs)
-        of that many rows over the compressed KV. Before the fit: ``room``."""
-        if room < 1 or self.fitted is None:
+        of that many rows over the compressed KV. Before the engine's own fit: ``room`` (the calibration's
+        linear row cost prices a few more rows at one weight read too high: it never sizes a step)."""
+        if room < 1 or self.source != "fitted":
             return max(room, 0)
         f = self.fitted
         share = f.c0 / max(n_active, 1)
