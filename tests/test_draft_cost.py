@@ -243,3 +243,14 @@ def test_calibrated_costs_veto_a_batchs_rounds_but_not_one_requests(llm):
 
     assert all(d == 0 for d in second_rounds(3))     # a batch: full steps after the probes (drafted 0)
     assert second_rounds(1)[0] >= 4                  # alone: the policy's round
+
+
+def test_nothing_is_timed_under_tritons_interpreter(llm):
+    """The Triton kernels on a CPU run in Triton's interpreter (gpu-check's dry run): a calibration there
+    would take minutes and describe no machine, so none is made and the policy decides as before a fit."""
+    from dataclasses import replace
+
+    from vericache.drafting.calibrate import calibrate
+
+    interpreted = replace(llm.loaded, kernels="triton", calibration=[])
+    assert calibrate(interpreted).costs is None and len(calibrate(interpreted).x) == 0
