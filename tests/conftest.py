@@ -65,9 +65,6 @@ class RedisServer:
     """A real redis-server on a free port of 127.0.0.1, in its own temp dir, no persistence."""
 
     def __init__(self, tmp_dir) -> None:
-        import subprocess
-        import time
-
         exe = system_command("redis-server")
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}"

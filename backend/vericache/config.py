@@ -72,6 +72,12 @@ class ModelConfig:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
+    @property
+    def context_limit(self) -> int:
+        """Positions a request may use: the model's, inside its sliding window (we attend densely)."""
+        limit = self.max_position_embeddings
+        return min(limit, self.sliding_window) if self.sliding_window else limit
+
     def kv_bytes_per_position(self, itemsize: int) -> int:
         """Bytes of K and V for one position over all layers, at ``itemsize`` bytes per element."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize

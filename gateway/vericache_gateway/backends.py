@@ -15,7 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from vericache.engine.config import DEFAULTS, EngineConfig
-from vericache.engine.options import RequestOptions, ResolvedOptions, check_prompt, context_limit
+from vericache.engine.options import RequestOptions, ResolvedOptions, check_prompt
 from vericache.sampling import SamplingParams
 from vericache.serving.service import Delta, BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
@@ -102,7 +102,7 @@ class TritonBackend:
         self.triton_model = triton_model
         # the tokenizer and limits are read locally (no weights): validation and token counts need no round trip
         self.tokenizer, model_config = load_tokenizer(config.model)
-        self.max_context, self.vocab_size = context_limit(model_config), model_config.vocab_size
+        self.max_context, self.vocab_size = model_config.context_limit, model_config.vocab_size
         self.defaults = ResolvedOptions(config.mode, parse_compressor(config.compressor),
                                         DraftLengthPolicy.from_arg(config.draft_len))
         self.mode, self.compressor = config.mode, self.defaults.compressor_label

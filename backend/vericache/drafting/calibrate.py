@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from vericache.drafting.cost import StepCosts
-from vericache.engine.options import context_limit
 from vericache.kv.full import FullKVCache
 from vericache.timing import best_seconds
 
@@ -49,13 +48,12 @@ def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2) ->
         return Calibration(np.zeros((0, 4)), np.zeros(0), None)
     features, seconds = [], []
     longest_rows = max(r for _, r in SHAPES)
-    for context in sorted({min(c, context_limit(cfg) - longest_rows) for c in contexts}):
+    for context in sorted({min(c, cfg.context_limit - longest_rows) for c in contexts}):
         caches = []
         for _ in range(max(n for n, _ in SHAPES)):
             cache = FullKVCache(cfg, dev, loaded.kv_dtype, capacity=context + longest_rows)
             cache.begin(0, context)   # every run writes positions context.. (``begin`` there drops the last run's)
-            cache.k.normal_()
-            cache.v.normal_()
+            cache.fill_random()
             caches.append(cache)
         for n, rows in SHAPES:
             toks = torch.zeros(n * rows, dtype=torch.long, device=dev)

@@ -165,14 +165,14 @@ def finish_round(seq: Sequence, rs: RoundState, start: int, draft: CompressedKVC
 def catch_up(draft: CompressedKVCache, full: FullKVCache, position: int) -> None:
     """Before a drafted round: the draft cache takes the positions plain full steps left it behind on
     (``finish_round``), their exact K/V from ``full``, in one commit."""
-    if draft.committed < position:
+    if draft.committed_length < position:
         draft.commit(position, source=full)
 
 
 def draft_position(draft: CompressedKVCache, position: int) -> int:
     """Where a draft row is priced: at ``position``, or at the draft cache's last commit while plain full
     steps leave it behind (a residual counted up to ``position`` would price positions it never reads)."""
-    return min(position, draft.committed)
+    return min(position, draft.committed_length)
 
 
 def verify_for_drafter(full: FullKVCache, start: int, drafts: list[int],

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vericache.compress.base import Compressor
-from vericache.config import ModelConfig
 from vericache.compress.registry import parse_compressor
 from vericache.drafting.round import DraftLengthPolicy
 from vericache.sampling import SamplingParams
@@ -84,12 +83,6 @@ def resolve_options(options: RequestOptions | None, default: ResolvedOptions) ->
         raise InvalidOption("lookup", f"lookup must be true or false, got {options.lookup!r}")
     lookup = default.lookup if options.lookup is None else options.lookup
     return ResolvedOptions(mode, compressor, policy, lookup, default.acceptance)
-
-
-def context_limit(cfg: ModelConfig) -> int:
-    """Positions a request may use: the model's, inside its sliding window (we attend densely)."""
-    limit = cfg.max_position_embeddings
-    return min(limit, cfg.sliding_window) if cfg.sliding_window else limit
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int, vocab_size: int) -> None:

@@ -25,7 +25,6 @@ from vericache.engine.options import (
     ResolvedOptions,
     check_mode,
     check_prompt,
-    context_limit,
     resolve_options,
 )
 from vericache.engine.requests import StepRecord
@@ -164,7 +163,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ limits
     @property
     def max_context(self) -> int:
-        return context_limit(self.cfg)
+        return self.cfg.context_limit
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_prompt(prompt_ids, params, self.max_context, self.cfg.vocab_size)

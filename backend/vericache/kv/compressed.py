@@ -174,6 +174,11 @@ class CompressedKVCache:
     def length(self) -> int:
         return self.res_start + self.residual.length
 
+    @property
+    def committed_length(self) -> int:
+        """Positions committed so far (verified, or accepted as-is): a draft row attends to them."""
+        return self.committed
+
     def begin(self, start: int, count: int) -> None:
         if start < self.res_start:
             raise ValueError(f"cannot write at position {start}: positions < {self.res_start} are compressed")

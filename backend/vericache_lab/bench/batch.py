@@ -91,6 +91,21 @@ def decode_each(engine: Engine, seqs, opts, prefills, log, label: str) -> dict:
                     "step_records": [s for r in runs for s in r["step_records"]]}
 
 
+def mode_row(mode: str, res: dict, seqs, reference: list | None, compressor_label: str) -> dict:
+    """One mode's figures from its decode (``decode_all``'s ``res``) and its finished sequences."""
+    outs = [s.output_ids for s in seqs]
+    decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
+    rounds = sum(s.stats.get("rounds", 0) for s in seqs)
+    return {"mode": mode, "tokens_per_s": round(res["decoded"] / res["decode_s"], 2),
+            "decode_s": round(res["decode_s"], 2), "load_s": round(res["load_s"], 2),
+            "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
+            "identical_to_full": outs == reference if reference is not None else None,
+            "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
+            "compressor": compressor_label, "decoded": decoded, "rounds": rounds,
+            "drafted": sum(s.stats.get("drafted_tokens", 0) for s in seqs),
+            **(draft_sources([s.stats for s in seqs]) if rounds else {})}   # drafted rounds, full steps
+
+
 def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes: list[str], compressor: str,
               dtype: str | None = None, draft_len: int | str = "auto", device: str | None = None, log=print,
               llamacpp: bool = True, llamacpp_flash_attn: str = "both", llamacpp_copies: bool = False,
@@ -125,18 +140,9 @@ def run_batch(model: str, n_requests: int, context: int, max_tokens: int, modes:
         runs[mode] = (base, res["step_records"])
         outs = [s.output_ids for s in seqs]
         reference = outs if mode == "full" else reference
-        decoded = sum(len(o) - 1 for o in outs)  # the first token of each comes from the prefill
-        rounds = sum(s.stats.get("rounds", 0) for s in seqs)
-        drafted = sum(s.stats.get("drafted_tokens", 0) for s in seqs)
-        row = {"mode": mode, "tokens_per_s": round(res["decoded"] / res["decode_s"], 2),
-               "decode_s": round(res["decode_s"], 2), "load_s": round(res["load_s"], 2),
-               "steps": res["steps"], "kv_resident_bytes": res["kv_resident_bytes"],
-               "identical_to_full": outs == reference if reference is not None else None,
-               "mean_acceptance_length": round(decoded / rounds, 2) if rounds else None,
-               "compressor": mode_engine.defaults.compressor_label,
-               **(draft_sources([s.stats for s in seqs]) if rounds else {})}   # drafted rounds, full steps
+        row = mode_row(mode, res, seqs, reference, mode_engine.defaults.compressor_label)
         if predictor is not None:
-            per_round = (decoded / rounds, drafted / rounds) if rounds else (1.0, 0.0)
+            per_round = (row["decoded"] / row["rounds"], row["drafted"] / row["rounds"]) if row["rounds"] else (1.0, 0.0)
             row["predicted_tokens_per_s"] = round(predictor(mode_engine, base, 1 if one_at_a_time else n_requests,
                                                             *per_round), 2)
             row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
