@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python -m vericache.kernels  # compile the native kernels (attention, linear op) for this CPU
 	touch $@
 
-.PHONY: install demo test system-deps-install system-deps-test
+.PHONY: install demo test wheel system-deps-install system-deps-test
 system-deps-install system-deps-test: system-deps-%:
 	bash scripts/system-deps $*
 
@@ -26,3 +26,9 @@ demo: system-deps-install $(VENV)/.installed
 
 test: system-deps-test $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q
+
+# A wheel carrying the native kernels for every x86-64 variant (setup.py, vericache/kernels/prebuilt.py):
+# it runs without a compiler. Built without isolation: the attention extension links this venv's torch.
+wheel: system-deps-install $(VENV)/.installed
+	rm -rf build
+	$(VENV)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps . -w dist

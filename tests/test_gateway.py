@@ -228,6 +228,7 @@ def test_api_key(llm):
         assert [m.id for m in models] == ["tiny"]
         described = models.data[0].model_extra["vericache"]   # what the engine computes with
         assert described["numerics"] == llm.loaded.numerics and described["build"] in supported_isas()
+        assert described["build_origin"] == "built here"      # a checkout: no wheel's kernels
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
     finally:
         s.close()

@@ -36,14 +36,15 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from vericache.model.registry import list_models
 
     from vericache.kernels.linear_op import best_isa
+    from vericache.kernels.prebuilt import origin
 
     rows = list_models()
     isa = best_isa()
     if args.json:
-        print(json.dumps({"models": rows, "kernels_isa": isa}))
+        print(json.dumps({"models": rows, "kernels_isa": isa, "kernels_origin": origin(isa)}))
         return 0
-    print(f"kernels (linear op, attention) built for this CPU: {isa} (VERICACHE_ISA overrides); weights: resident "
-          f"bytes; numerics: the CPU default (--numerics overrides)")
+    print(f"kernels (linear op, attention) for this CPU: {isa}, {origin(isa)} (VERICACHE_ISA overrides); weights: "
+          f"resident bytes; numerics: the CPU default (--numerics overrides)")
     print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'weights':>9} {'params':>8} "
           f"{'context':>7} {'numerics':>8}")
     for r in rows:

@@ -183,12 +183,14 @@ class Engine:
         """What this engine computes with: the model, the weights', KV's and linears' arithmetic, the
         kernels and their build (front ends report it: ``/v1/models``, bench JSON)."""
         lm = self.loaded
-        isa = None
+        isa = built = None
         if lm.kernels == "native":
             from vericache.kernels.linear_op import best_isa
+            from vericache.kernels.prebuilt import origin
 
             isa = best_isa()
-        return {"model": lm.name, "numerics": lm.numerics, "kernels": lm.kernels, "build": isa,
+            built = origin(isa)   # "prebuilt" (the wheel's) or "built here"
+        return {"model": lm.name, "numerics": lm.numerics, "kernels": lm.kernels, "build": isa, "build_origin": built,
                 "dtype": str(lm.dtype).removeprefix("torch."), "kv_dtype": str(lm.kv_dtype).removeprefix("torch."),
                 "mode": self.config.mode, "compressor": str(getattr(self.config.compressor, "spec", self.config.compressor))}
 

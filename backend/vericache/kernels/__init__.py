@@ -1,4 +1,5 @@
-"""Native kernels, compiled on first use (and by ``make install``) with the machine's g++.
+"""Native kernels: the package's own builds where it carries them (a wheel from ``make wheel``:
+``prebuilt.py``), else compiled on first use (and by ``make install``) with the machine's g++.
 
 - ``packed_kernels()``: ``packed_attention.cpp``, the forward's attention: one call per layer for
   every sequence of a step and all its parts, reading dense (fp32/fp16/bf16) and quantized parts as
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -61,9 +63,17 @@ def load_extension(name: str, sources: list[Path], cflags: list[str], verbose: b
 
     cpp = [str(s) for s in sources if s.suffix == ".cpp"]
     build = _build_dir(cflags, sources)
-    return load_guarded(build, lambda: load(name=name, sources=cpp, build_directory=str(build), extra_cflags=cflags,
-                                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
-                                            verbose=verbose))
+    try:
+        return load_guarded(build, lambda: load(name=name, sources=cpp, build_directory=str(build), extra_cflags=cflags,
+                                                extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
+                                                verbose=verbose))
+    except (ImportError, OSError, RuntimeError) as exc:
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"{name} is not packaged here (vericache.kernels.prebuilt) and there is no C++ compiler "
+                               f"({compiler}) to build it: install a wheel built with its kernels (make wheel) or g++"
+                               ) from exc
+        raise
 
 
 def packed_kernels(isa: str | None = None, verbose: bool = False):
@@ -79,6 +89,11 @@ def packed_kernels(isa: str | None = None, verbose: bool = False):
 
 @functools.cache
 def _packed_build(isa: str, verbose: bool):
+    """The package's build for ``isa`` (``prebuilt``), else one built here at first use."""
     from vericache.kernels.linear_op import ISA_FLAGS
+    from vericache.kernels.prebuilt import import_packed, packed_module_name, prebuilt_file
 
-    return load_extension(f"vericache_packed_attention_{isa}", PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[isa], verbose)
+    packaged = prebuilt_file("packed", isa)
+    if packaged is not None:
+        return import_packed(packaged, isa)
+    return load_extension(packed_module_name(isa), PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[isa], verbose)

@@ -76,21 +76,37 @@ def best_isa() -> str:
 
 
 def _build(isa: str, verbose: bool = False) -> Path:
+    """The op's library for ``isa``: the package's (``prebuilt``), else built here once into the kernel cache."""
+    from vericache.kernels.prebuilt import prebuilt_file
+
+    packaged = prebuilt_file("linear", isa)
+    if packaged is not None:
+        return packaged
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     tag = hashlib.sha1(text + repr((isa, CFLAGS, ISA_FLAGS[isa], torch.__version__)).encode()).hexdigest()[:12]
     root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))
     out = root / f"linear-{isa}-{tag}.so"
-    if out.exists():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        compile_linear(isa, out, verbose)
+    return out
+
+
+def compile_linear(isa: str, out: Path, verbose: bool = False) -> Path:
+    """g++ builds the ``isa`` variant to ``out`` (through a temp file renamed at the end, so concurrent
+    builders never load a half-written library). No compiler: a RuntimeError saying so."""
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = ["g++", *CFLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(tmp)]
     if verbose:
         print(" ".join(cmd))
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"the {isa} linear op is not packaged here and there is no g++ to build it: install "
+                           "a wheel built with its kernels (make wheel) or a C++ compiler") from None
     if done.returncode:
         raise RuntimeError(f"building the {isa} linear op failed:\n{done.stderr[-4000:]}")
-    tmp.rename(out)   # atomic: concurrent builders each write their own file first
+    tmp.rename(out)   # atomic
     return out
 
 
