@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python -m vericache.kernels  # compile the native kernels (attention, linear op) for this CPU
 	touch $@
 
-.PHONY: install demo test wheel system-deps-install system-deps-test
+.PHONY: install demo test wheel docker system-deps-install system-deps-test
 system-deps-install system-deps-test: system-deps-%:
 	bash scripts/system-deps $*
 
@@ -32,3 +32,7 @@ test: system-deps-test $(VENV)/.installed
 wheel: system-deps-install $(VENV)/.installed
 	rm -rf build
 	$(VENV)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps . -w dist
+
+# The CPU images vericache/gateway:local and vericache/triton-cpu:local (docker/Dockerfile.cpu; scripts/docker-build)
+docker:
+	scripts/docker-build

@@ -4,13 +4,15 @@ how they are chosen at load).
 
 The torch extension is compiled against the torch of the building environment, so a wheel is built
 without build isolation, in an environment holding the torch it will run with: ``make wheel`` (``pip
-wheel --no-build-isolation --no-deps . -w dist``). ``$VERICACHE_WHEEL_ISAS`` (comma-separated) builds
+wheel --no-build-isolation --no-deps . -w dist``); an isolated build (a plain ``pip install .``) has no torch
+and makes a wheel whose kernels compile at first use. ``$VERICACHE_WHEEL_ISAS`` (comma-separated) builds
 fewer variants (a test builds the one its CPU runs). Editable installs and metadata steps compile
 nothing: a checkout builds its kernels at first use, as before.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -21,17 +23,29 @@ ROOT = Path(__file__).parent
 BUILDS_KERNELS = any(c in sys.argv for c in ("bdist_wheel", "build_ext", "build")) and "editable_wheel" not in sys.argv
 
 
+def kernel_module(name: str):
+    """``vericache/kernels/<name>.py`` loaded on its own: importing it through the package would run
+    ``vericache/__init__`` and need every runtime dependency at build time (these need torch only)."""
+    path = ROOT / "backend" / "vericache" / "kernels" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_vericache_build_{name.strip('_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
 def kernel_build():
     """(ext_modules, cmdclass) compiling both kernels per ISA into ``vericache/kernels/prebuilt/``."""
-    sys.path.insert(0, str(ROOT / "backend"))
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except ImportError:
-        raise SystemExit("vericache's wheel compiles its kernels against torch: build it without isolation in an "
-                         "environment with torch installed (make wheel: pip wheel --no-build-isolation --no-deps .)")
-    from vericache.kernels import HERE, PACKED_CFLAGS, PACKED_SOURCES
-    from vericache.kernels.linear_op import ISA_FLAGS, compile_linear
-    from vericache.kernels.prebuilt import packed_module_name, write_manifest
+    except ImportError:   # an isolated build (plain `pip install .`): a wheel that compiles at first use, as a checkout
+        print("setup.py: torch is not importable here, so this wheel carries no compiled kernels (they compile at "
+              "first use); `make wheel` (pip wheel --no-build-isolation) builds one that does", file=sys.stderr)
+        return [], {}
+    kernels, linear_op, prebuilt = (kernel_module(n) for n in ("__init__", "linear_op", "prebuilt"))
+    HERE, PACKED_CFLAGS, PACKED_SOURCES = kernels.HERE, kernels.PACKED_CFLAGS, kernels.PACKED_SOURCES
+    ISA_FLAGS, compile_linear = linear_op.ISA_FLAGS, linear_op.compile_linear
+    packed_module_name, write_manifest = prebuilt.packed_module_name, prebuilt.write_manifest
 
     isas = [i for i in os.environ.get("VERICACHE_WHEEL_ISAS", ",".join(ISA_FLAGS)).split(",") if i]
     unknown = sorted(set(isas) - set(ISA_FLAGS))

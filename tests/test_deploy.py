@@ -59,6 +59,8 @@ def test_compose_parses_and_every_path_exists():
     compose = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
     assert set(compose["services"]) == {"triton", "gateway", "prometheus", "grafana", "redis", "verifier"}
     assert all(compose["services"][s]["profiles"] == ["remote"] for s in ("redis", "verifier"))
+    cpu = (ROOT / "docker" / "Dockerfile.cpu").read_text()
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)", cpu, flags=re.M))
     for name, svc in compose["services"].items():
         for port in svc.get("ports", []):
             assert port.startswith("127.0.0.1:"), (name, port)
@@ -66,12 +68,16 @@ def test_compose_parses_and_every_path_exists():
         if "build" in svc:
             ctx = (ROOT / "docker" / svc["build"]["context"]).resolve()
             assert (ctx / svc["build"]["dockerfile"]).exists()
+            assert svc["build"]["target"] in stages, (name, svc["build"]["target"])
+        assert svc["image"].endswith(":local") or svc.get("profiles") == ["grafana"], name   # built here
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]
             assert (ROOT / "docker" / src).resolve().exists(), (name, src)
-    for dockerfile in ("Dockerfile.triton", "Dockerfile.gateway"):
+    gpu = yaml.safe_load((ROOT / "docker/compose.gpu.yaml").read_text())
+    assert (ROOT / "docker" / gpu["services"]["triton"]["build"]["dockerfile"].removeprefix("docker/")).exists()
+    for dockerfile in ("Dockerfile.triton", "Dockerfile.cpu"):
         for line in (ROOT / "docker" / dockerfile).read_text().splitlines():
-            if line.startswith("COPY "):
+            if line.startswith("COPY ") and "--from=" not in line:
                 for src in line.split()[1:-1]:
                     assert (ROOT / src).exists(), (dockerfile, src)
 

@@ -132,6 +132,17 @@ def test_synthetic_gguf_every_type_matches_transformers(synthetic, tmp_path, mon
     assert load_model(path, device="cpu", dtype="float32").path == ours.path
 
 
+def test_a_converted_model_is_readable_by_every_user(synthetic, tmp_path):
+    """A cache converted by one user (an image's, as root at build time) serves another (the image's
+    unprivileged user): the folder 0755, its files 0644 (mkdtemp and the weights' temp files make 0700/0600)."""
+    from vericache.model.gguf_file import gguf_to_hf_dir
+
+    out = gguf_to_hf_dir(synthetic[0], root=tmp_path)
+    assert out.stat().st_mode & 0o777 == 0o755
+    files = list(out.iterdir())
+    assert len(files) >= 4 and {f.name: f.stat().st_mode & 0o777 for f in files} == {f.name: 0o644 for f in files}
+
+
 def test_unsupported_tensor_type_and_architecture_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "q2k.gguf"

@@ -66,6 +66,11 @@ def gguf_to_hf_dir(path: str | Path, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         write_hf_dir(path, tmp)
+        # readable by all, as a model cache is: mkdtemp's 0700 and the weights' temp files' 0600 would hide a
+        # shared cache (an image's, converted as root at build time) from the user it serves as
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         try:
             tmp.rename(out)  # atomic: a concurrent converter that won the race leaves us its copy
         except OSError:
