@@ -33,6 +33,7 @@ wheel: system-deps-install $(VENV)/.installed
 	rm -rf build
 	$(VENV)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps . -w dist
 
-# The CPU images vericache/gateway:local and vericache/triton-cpu:local (docker/Dockerfile.cpu; scripts/docker-build)
+# The CPU images (docker/Dockerfile.cpu; scripts/docker-build): vericache/gateway:local, vericache/triton-cpu:local,
+# and the compose file's vericache/redis:local and vericache/prometheus:local
 docker:
 	scripts/docker-build

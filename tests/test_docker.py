@@ -46,7 +46,7 @@ def images():
     reason = docker_ready()
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, "WHEEL_ISAS": best_isa()}
+    env = {**os.environ, "WHEEL_ISAS": best_isa(), "TARGETS": "gateway triton-cpu"}
     t0 = time.perf_counter()
     done = subprocess.run([str(ROOT / "scripts" / "docker-build")], env=env, capture_output=True, text=True,
                           timeout=3000)
@@ -161,3 +161,52 @@ def test_the_triton_image_answers_tritonclient(images, reference_text):
         assert stop_s < 30
     finally:
         c.remove()
+
+
+def compose_command() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    done = subprocess.run(["docker", "compose", "version"], capture_output=True)
+    return ["docker", "compose"] if done.returncode == 0 else None
+
+
+def test_the_compose_stack_runs_healthy_and_prometheus_scrapes_it(images):
+    """`docker compose --profile remote up` on images built here: gateway, Triton, Redis and the verifier
+    healthy, and Prometheus (Debian's package on the same base) scraping the gateway's vericache_* series."""
+    import httpx
+
+    compose = compose_command()
+    if compose is None:
+        pytest.skip("neither docker-compose nor the compose plugin is installed (scripts/system-deps installs docker-compose)")
+    env = {**os.environ, "WHEEL_ISAS": best_isa(), "TARGETS": "redis prometheus"}
+    built = subprocess.run([str(ROOT / "scripts" / "docker-build")], env=env, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    base = subprocess.run([str(ROOT / "scripts" / "docker-base")], capture_output=True, text=True, check=True).stdout.strip()
+    cmd = [*compose, "-p", "vericachetest", "-f", str(ROOT / "docker" / "compose.yaml"), "--profile", "remote"]
+    env = {**os.environ, "VERICACHE_BASE": base, "VERICACHE_TORCH_SOURCE": "wheels"}
+    try:
+        up = subprocess.run([*cmd, "up", "-d"], env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stderr[-3000:]
+        services = {"gateway", "triton", "redis", "verifier", "prometheus"}
+        end, health = time.monotonic() + 300, {}
+        while time.monotonic() < end:
+            ids = subprocess.run([*cmd, "ps", "-q"], env=env, capture_output=True, text=True).stdout.split()
+            health = {c["Config"]["Labels"]["com.docker.compose.service"]: c["State"].get("Health", {}).get("Status")
+                      for c in json.loads(docker("inspect", *ids).stdout)} if ids else {}
+            if set(health) == services and all(h == "healthy" for h in health.values()):
+                break
+            assert "unhealthy" not in health.values(), health
+            time.sleep(2)
+        assert set(health) == services and all(h == "healthy" for h in health.values()), health
+        r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=60,
+                       json={"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        query = "http://127.0.0.1:9090/api/v1/query?query=vericache_generation_tokens_total"
+        end, scraped = time.monotonic() + 60, 0.0
+        while time.monotonic() < end and scraped < 8:
+            result = httpx.get(query, timeout=5).json()["data"]["result"]
+            scraped = sum(float(x["value"][1]) for x in result)
+            time.sleep(2)
+        assert scraped >= 8      # the 8 tokens just generated, scraped by Prometheus from the gateway
+    finally:
+        subprocess.run([*cmd, "down", "-v", "-t", "30"], env=env, capture_output=True, timeout=120)
