@@ -47,3 +47,13 @@ def test_an_abort_ends_the_request_at_once_and_frees_its_kv(engine, llm):
     (out,) = [o for o in engine.collect() if o.request_id == rid]
     assert out.finished and out.finish_reason == "abort"
     assert engine.stats()["kv_device"] == 0 and not engine.has_unfinished()
+
+
+def test_describe_names_a_compressor_object_by_its_spec(llm):
+    """``describe`` (``/v1/models``, bench JSON) prints the spec of a ``Compressor`` passed as an object (it
+    printed a bound method: issue 54)."""
+    from vericache.compress.registry import parse_compressor
+
+    comp = parse_compressor("h2o:ratio=0.25")
+    described = Engine(llm.loaded, mode="vericache", compressor=comp, draft_len=4).describe()
+    assert described["compressor"] == comp.spec() and described["compressor"].startswith("h2o:")

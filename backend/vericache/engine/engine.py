@@ -192,7 +192,7 @@ class Engine:
             built = origin(isa)   # "prebuilt" (the wheel's) or "built here"
         return {"model": lm.name, "numerics": lm.numerics, "kernels": lm.kernels, "build": isa, "build_origin": built,
                 "dtype": str(lm.dtype).removeprefix("torch."), "kv_dtype": str(lm.kv_dtype).removeprefix("torch."),
-                "mode": self.config.mode, "compressor": str(getattr(self.config.compressor, "spec", self.config.compressor))}
+                "mode": self.config.mode, "compressor": self.defaults.compressor.spec()}
 
     def stats(self) -> dict:
         """Gauges: requests, KV bytes per tier and the device tier's use, the link's bytes and busy time,
