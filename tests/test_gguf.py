@@ -58,7 +58,7 @@ def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> d
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(vocab))
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
     w.add_token_list(vocab)
     w.add_token_types([1] * (len(vocab) - 2) + [3, 3])
     w.add_token_merges(["Ġ t"])
@@ -79,8 +79,12 @@ def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> d
             kind = "Q2_K" if bad_type and name == "blk.1.attn_v" else TYPES[name]
             value = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
             originals[name] = value
-            if part in ("attn_q", "attn_k"):
+            if part in ("attn_q", "attn_k") and arch == "llama":   # llama.cpp permutes Llama's rows only
                 value = _permute(value, HEADS if part == "attn_q" else KV_HEADS)
+            if part in ("attn_q", "attn_k", "attn_v") and arch == "qwen2":       # Qwen2's q/k/v biases
+                bias = (0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+                originals[f"{name}.bias"] = bias
+                w.add_tensor(f"{name}.bias", bias)
             qtype = gguf.GGMLQuantizationType[kind]
             if kind == "F32":
                 w.add_tensor(f"{name}.weight", value)
@@ -92,6 +96,10 @@ def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> d
             else:
                 q = quantize(value, qtype)
                 w.add_tensor(f"{name}.weight", q, raw_dtype=qtype if q.dtype == np.uint8 else None)
+    if arch == "qwen2":   # an untied head, as Qwen2.5-Coder's (Q8_0)
+        head = (rng.standard_normal((len(vocab), HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
+        w.add_tensor("output.weight", quantize(head, gguf.GGMLQuantizationType.Q8_0),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -130,6 +138,33 @@ def test_synthetic_gguf_every_type_matches_transformers(synthetic, tmp_path, mon
     torch.testing.assert_close(_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
     # the second load reuses the converted directory
     assert load_model(path, device="cpu", dtype="float32").path == ours.path
+
+
+def test_a_qwen2_gguf_matches_transformers_and_verifies_identically(tmp_path, monkeypatch):
+    """qwen2 (issues 52/53): q/k/v biases, Q/K rows as stored (no permutation), an untied Q8_0 head, the
+    qwen2 pre-tokenizer; transformers reads the same file as the reference (fp32 numerics), and in the
+    q8 numerics VeriCache's greedy tokens are full decoding's."""
+    from vericache import LLM, SamplingParams
+
+    path = tmp_path / "qwen2.gguf"
+    originals = write_synthetic_gguf(path, arch="qwen2")
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    ours = load_model(path, device="cpu", dtype="float32", numerics="fp32")
+    assert ours.config.architecture == "Qwen2ForCausalLM" and ours.config.attention_bias
+    assert not ours.config.tie_word_embeddings and ours.config.sliding_window is None
+    qkv = ours.model.model.layers[0].self_attn.qkv_exact
+    assert torch.equal(qkv.dense()[: HEADS * ours.config.head_dim], torch.from_numpy(originals["blk.0.attn_q"]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    ids = list(np.random.default_rng(2).integers(0, 256, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0]
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
+    prompt, params = "the cat sat", SamplingParams(max_tokens=24, ignore_eos=True)
+    full = LLM(str(path), mode="full", numerics="q8").generate(prompt, params)[0].token_ids
+    veri = LLM(str(path), mode="vericache", numerics="q8", compressor="snapkv:ratio=0.25").generate(prompt, params)[0]
+    assert veri.token_ids == full and veri.stats["rounds"] >= 1
 
 
 def test_a_converted_model_is_readable_by_every_user(synthetic, tmp_path):

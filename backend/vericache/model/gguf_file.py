@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp's format) turned into a Hugging Face directory our loader reads.
 
-A GGUF file holds quantized weights, the model's hyperparameters as ``llama.*`` metadata and
+A GGUF file holds quantized weights, the model's hyperparameters as ``<arch>.*`` metadata (llama, qwen2) and
 its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, dequantize
-every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights,
+every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights (not Qwen2's),
 and write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into a cache
 directory keyed by the file's SHA-256, so the second load is a safetensors mmap (well under a
 second) and every process (gateway, Triton stub, benches) shares one conversion.
@@ -27,7 +27,10 @@ from vericache.config import ModelConfigError
 
 # the ggml types we dequantize (all through gguf.quants.dequantize)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF architecture -> (Hugging Face architecture, model_type, whether llama.cpp permuted the Q/K rows:
+# its converter interleaves each head's RoPE halves for Llama only)
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 STORED_FILE = "stored.safetensors"   # the matrices in their GGUF blocks (``stored_state``)
 # llama.cpp tensor names -> Hugging Face Llama names (per block: blk.<i>.<part>.weight)
 _LAYER_NAMES = {
@@ -101,7 +104,8 @@ def _meta(reader) -> dict:
 
 
 def hf_config(meta: dict) -> dict:
-    """config.json fields from ``llama.*`` metadata."""
+    """config.json fields from ``<arch>.*`` metadata (``GGUF_ARCHITECTURES``; Qwen2's q/k/v biases are
+    implied by its architecture, its untied ``output.weight`` kept)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelConfigError(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -116,7 +120,7 @@ def hf_config(meta: dict) -> dict:
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": [GGUF_ARCHITECTURES[arch][0]], "model_type": GGUF_ARCHITECTURES[arch][1], "hidden_act": "silu",
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
         "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
@@ -129,12 +133,23 @@ def hf_config(meta: dict) -> dict:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False   # GGUF has no window: Qwen2 attends densely
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ModelConfigError(f"unsupported GGUF rope scaling {scaling!r}; supported: linear")
     return cfg
+
+
+def _permuted_heads(cfg: dict, name: str) -> int:
+    """The heads whose rows llama.cpp permuted in the matrix ``name`` (0: none; ``GGUF_ARCHITECTURES``)."""
+    if not next(p for hf, _, p in GGUF_ARCHITECTURES.values() if hf == cfg["architectures"][0]):
+        return 0
+    if name.endswith("q_proj.weight"):
+        return cfg["num_attention_heads"]
+    return cfg["num_key_value_heads"] if name.endswith("k_proj.weight") else 0
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -158,10 +173,8 @@ def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
             continue  # e.g. rope_freqs: recomputed from the config
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dimensions fastest-first
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        if heads := _permuted_heads(cfg, name):
+            w = unpermute_qk(w, heads)
         state[name] = w
     if "lm_head.weight" not in state:
         cfg["tie_word_embeddings"] = True
@@ -178,10 +191,8 @@ def stored_state(reader, cfg: dict) -> dict[str, tuple[str, torch.Tensor]]:
             continue
         rows = int(t.shape[1])
         data = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1).copy())
-        if name.endswith("q_proj.weight"):
-            data = unpermute_qk(data, cfg["num_attention_heads"]).contiguous()
-        elif name.endswith("k_proj.weight"):
-            data = unpermute_qk(data, cfg["num_key_value_heads"]).contiguous()
+        if heads := _permuted_heads(cfg, name):
+            data = unpermute_qk(data, heads).contiguous()
         out[name] = (t.tensor_type.name, data)
     return out
 
