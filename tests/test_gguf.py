@@ -272,7 +272,7 @@ def test_models_command_and_missing_package_hint(capsys, monkeypatch):
 
     assert main(["models", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["kernels_isa"] == supported_isas()[0]
+    assert out["kernels_isa"] == supported_isas()[0] and out["kernels_origin"] == "built here"   # a checkout
     rows = {r["name"]: r for r in out["models"]}
     real = rows["smollm2-135m"]
     assert real["installed"] and real["aliases"] == ["default"] and real["context_length"] == 8192
