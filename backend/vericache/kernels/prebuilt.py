@@ -1,8 +1,9 @@
 """Kernels compiled when the package is built (issue 52), so running needs no compiler.
 
 A wheel (``make wheel``; ``setup.py``) carries, in ``vericache/kernels/prebuilt/``, every x86-64 variant
-of both native kernels, compiled by the build machine's g++ with the very flags of the build at first
-use (``PACKED_CFLAGS``, ``linear_op.CFLAGS``, each ISA's ``ISA_FLAGS``):
+of both native kernels, compiled by the build machine's g++ with the flags that fix their arithmetic in
+the build at first use (``PACKED_CFLAGS``, ``linear_op.CFLAGS``, each ISA's ``ISA_FLAGS``; setuptools adds
+its defaults, e.g. ``-fwrapv``, which change no floating-point operation):
 
 - ``linear-<isa>.so``: the linear op (plain C, loaded with ctypes);
 - ``vericache_packed_attention_<isa>.<abi>.so``: the attention/step extension (built against torch's
