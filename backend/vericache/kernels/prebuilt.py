@@ -21,6 +21,7 @@ with the checkout's).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -39,8 +40,10 @@ def kernel_sources() -> list[Path]:
     return sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")])
 
 
+@functools.cache
 def sources_digest() -> str:
-    """sha256 over the kernels' sources (names and bytes): a packaged build fits only these sources."""
+    """sha256 over the kernels' sources (names and bytes): a packaged build fits only these sources. Read
+    once a process (``origin`` is asked on every ``describe``, e.g. each ``/v1/models``)."""
     h = hashlib.sha256()
     for p in kernel_sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes())

@@ -29,15 +29,15 @@ class Part:
 
 
 def installed_part(part: Part) -> Path | None:
-    """The part's file inside its installed distribution, or None (found through the file list, never by
-    importing the package)."""
+    """The part's file inside its installed distribution (of ``part.version``, where given), or None (found
+    through the file list, never by importing the package)."""
     import importlib.metadata
 
     try:
         dist = importlib.metadata.distribution(part.package)
     except importlib.metadata.PackageNotFoundError:
         return None
-    if dist.version != part.version:
+    if part.version and dist.version != part.version:
         return None
     for f in dist.files or []:
         if str(f) == part.file:

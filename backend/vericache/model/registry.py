@@ -9,12 +9,11 @@ fails to import without its unused ``llm`` dependency).
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
 from vericache.config import ModelConfig, ModelConfigError
-from vericache.model.parted import Part, assembled_path
+from vericache.model.parted import Part, assembled_path, installed_part
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -57,16 +56,8 @@ def bundled_dir(name: str) -> Path:
 
 
 def packaged_file(entry: ModelEntry) -> Path | None:
-    """The entry's file inside its installed distribution, or None when it is not installed."""
-    try:
-        dist = importlib.metadata.distribution(entry.package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or []:
-        if str(f) == entry.file:
-            path = Path(dist.locate_file(f))
-            return path if path.is_file() else None
-    return None
+    """The entry's file inside its installed distribution (any version), or None when it is not installed."""
+    return installed_part(Part(entry.package, "", entry.file))
 
 
 def model_file(name: str) -> Path:
