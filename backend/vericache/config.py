@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# "freq_factors": each RoPE frequency divided by its factor in ``rope_scaling["freq_factors"]`` [D/2], as
+# llama.cpp stores Llama-3 scaling in a GGUF file (its ``rope_freqs`` tensor, the llama3 rule precomputed)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 class ModelConfigError(ValueError):
@@ -35,6 +37,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # q/k/v bias (Qwen2 has it; o_proj never does)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # Mistral/Qwen2 field; refused when it would bite
     bos_token_id: int | None = None
@@ -65,6 +68,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported rope_scaling type {rope_type!r} in config.json; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        factors = (self.rope_scaling or {}).get("freq_factors")
+        if rope_type == "freq_factors" and (not isinstance(factors, list) or len(factors) != self.head_dim // 2):
+            raise ModelConfigError(f"rope_scaling 'freq_factors' must list head_dim/2 = {self.head_dim // 2} numbers")
 
     @property
     def rope_type(self) -> str:
@@ -119,6 +125,7 @@ class ModelConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+                qk_norm=arch == "Qwen3ForCausalLM",
                 tie_word_embeddings=raw.get("tie_word_embeddings", False),
                 sliding_window=window,
                 bos_token_id=raw.get("bos_token_id"),

@@ -47,6 +47,7 @@ struct Linear {                 // an ExactLinear: its stored weights' outputs s
 struct Layer {
   at::Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
+  c10::optional<at::Tensor> q_norm, k_norm;   // [D] each: Qwen3's per-head RMSNorm before RoPE, or none
 };
 
 // fmts, data tensors, row bytes, output rows, K, bias, q8 numerics: one ``ExactLinear`` (native_step.py)
@@ -108,10 +109,18 @@ struct StepWeights {
     final_norm = norm.contiguous();
   }
 
-  void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears) {
+  void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears,
+                 const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm) {
     TORCH_CHECK(linears.size() == 4, "a layer has 4 linears (qkv, o, gate_up, down), got ", linears.size());
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
     Layer y{in_norm.contiguous(), post_norm.contiguous(), make_linear(linears[0]), make_linear(linears[1]),
-            make_linear(linears[2]), make_linear(linears[3])};
+            make_linear(linears[2]), make_linear(linears[3]), c10::nullopt, c10::nullopt};
+    if (q_norm.has_value()) {
+      for (const at::Tensor* w : {&*q_norm, &*k_norm})
+        TORCH_CHECK(w->scalar_type() == at::kFloat && w->numel() == d, "q/k norm weights: fp32 [", d, "]");
+      y.q_norm = q_norm->contiguous();
+      y.k_norm = k_norm->contiguous();
+    }
     const int64_t H = y.qkv.k, F = y.down.k;
     TORCH_CHECK(y.qkv.n_total == (hq + 2 * hkv) * d && y.o.k == hq * d && y.o.n_total == H && y.gate_up.k == H &&
                 y.gate_up.n_total == 2 * F && y.down.n_total == H, "layer ", layers.size(), ": shapes do not chain");
@@ -238,11 +247,21 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
       for (int64_t i = lo; i < hi; ++i) vc_rows::rms_norm_row(xp + i * H, in_w, H, W.eps, hp + i * H);
     });
     run_linear(W, y.qkv, hp, H, N, qkvp, n_draft, threads);
+    const float* qn_w = y.q_norm.has_value() ? y.q_norm->data_ptr<float>() : nullptr;
+    const float* kn_w = y.k_norm.has_value() ? y.k_norm->data_ptr<float>() : nullptr;
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
+      std::vector<float> normed(D);   // one head after its RMSNorm (Qwen3), as the module's RMSNorm row op
+      auto rope_head = [&](const float* head, const float* norm_w, int64_t i, float* out) {
+        if (norm_w != nullptr) {
+          vc_rows::rms_norm_row(head, norm_w, D, W.eps, normed.data());
+          head = normed.data();
+        }
+        rope_row(head, cp + i * D, sp + i * D, D, out);
+      };
       for (int64_t i = lo; i < hi; ++i) {
         const float* row = qkvp + i * (QD + 2 * KD);
-        for (int64_t hd = 0; hd < Hq; ++hd) rope_row(row + hd * D, cp + i * D, sp + i * D, D, qp + (i * Hq + hd) * D);
-        for (int64_t hd = 0; hd < Hkv; ++hd) rope_row(row + QD + hd * D, cp + i * D, sp + i * D, D, kp + (i * Hkv + hd) * D);
+        for (int64_t hd = 0; hd < Hq; ++hd) rope_head(row + hd * D, qn_w, i, qp + (i * Hq + hd) * D);
+        for (int64_t hd = 0; hd < Hkv; ++hd) rope_head(row + QD + hd * D, kn_w, i, kp + (i * Hkv + hd) * D);
       }
     });
     ints.clear();
@@ -329,7 +348,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
   pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
       .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
-      .def("add_layer", &StepWeights::add_layer)
+      .def("add_layer", &StepWeights::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("linears"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def("set_ends", &StepWeights::set_ends);
   m.def("forward_step", &forward_step, "a forward step in one call: embedding, every layer, the head");
 }

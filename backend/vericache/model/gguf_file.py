@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format) turned into a Hugging Face directory our loader reads.
 
-A GGUF file holds quantized weights, the model's hyperparameters as ``<arch>.*`` metadata (llama, qwen2) and
+A GGUF file holds quantized weights, the model's hyperparameters as ``<arch>.*`` metadata (llama, qwen2, qwen3) and
 its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, dequantize
 every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights (not Qwen2's),
 and write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into a cache
@@ -28,8 +28,11 @@ from vericache.config import ModelConfigError
 # the ggml types we dequantize (all through gguf.quants.dequantize)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # GGUF architecture -> (Hugging Face architecture, model_type, whether llama.cpp permuted the Q/K rows:
-# its converter interleaves each head's RoPE halves for Llama only)
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
+# its converter interleaves each head's RoPE halves for Llama only). Mistral's models (7B, Nemo) are
+# ``llama`` files with a SentencePiece or tekken vocabulary; Llama 3.x ones carry their RoPE scaling as a
+# ``rope_freqs`` tensor (``_rope_freq_factors``).
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+                      "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 STORED_FILE = "stored.safetensors"   # the matrices in their GGUF blocks (``stored_state``)
 # llama.cpp tensor names -> Hugging Face Llama names (per block: blk.<i>.<part>.weight)
@@ -37,6 +40,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",   # Qwen3's per-head norms
 }
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
@@ -87,6 +91,32 @@ def gguf_to_hf_dir(path: str | Path, root: Path | None = None) -> Path:
     return out
 
 
+def describe_file(path: str | Path) -> dict:
+    """What a GGUF file holds, read from its header (nothing converted): ``vericache models --path``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelConfigError(f"GGUF file not found: {path}")
+    reader = _reader(path)
+    field = reader.fields.get
+
+    def value(key: str):
+        return field(key).contents() if field(key) is not None else None
+
+    arch = value("general.architecture")
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    unsupported = sorted(set(types) - set(SUPPORTED_TENSOR_TYPES))
+    return {"path": str(path), "name": value("general.name"), "architecture": arch,
+            "blocks": value(f"{arch}.block_count"), "context_length": value(f"{arch}.context_length"),
+            "hidden_size": value(f"{arch}.embedding_length"), "heads": value(f"{arch}.attention.head_count"),
+            "kv_heads": value(f"{arch}.attention.head_count_kv"), "tokenizer": value("tokenizer.ggml.model"),
+            "parameters": sum(int(t.n_elements) for t in reader.tensors), "size_bytes": path.stat().st_size,
+            "tensor_types": types, "chat_template": value("tokenizer.chat_template") is not None,
+            "supported": arch in SUPPORTED_GGUF_ARCHITECTURES and not unsupported,
+            "unsupported_tensor_types": unsupported}
+
+
 def _reader(path: Path):
     try:
         from gguf import GGUFReader
@@ -133,8 +163,8 @@ def hf_config(meta: dict) -> dict:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if arch == "qwen2":
-        cfg["use_sliding_window"] = False   # GGUF has no window: Qwen2 attends densely
+    if arch in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = False   # GGUF has no window: Qwen attends densely
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -170,7 +200,7 @@ def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
                                    f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
         name = _hf_name(t.name)
         if name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # rope_freqs: in the config (``_rope_freq_factors``)
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dimensions fastest-first
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
         if heads := _permuted_heads(cfg, name):
@@ -228,6 +258,17 @@ def load_stored(model_dir: Path) -> dict:
     return out
 
 
+def _rope_freq_factors(reader) -> list[float] | None:
+    """The ``rope_freqs`` tensor [D/2] (llama.cpp divides each RoPE frequency by its factor: Llama 3.x's
+    scaling precomputed by its converter, whose parameters the file does not keep), or None."""
+    from gguf.quants import dequantize
+
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    return [float(f) for f in np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)]
+
+
 def _hf_name(name: str) -> str | None:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
@@ -248,6 +289,8 @@ def write_hf_dir(path: Path, out: Path) -> None:
     reader = _reader(path)
     meta = _meta(reader)
     cfg = hf_config(meta)
+    if (factors := _rope_freq_factors(reader)) is not None:
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors}
     state = hf_state_dict(reader, cfg)
     tokenizer, tok_cfg = build_tokenizer(meta)
     save_file(state, str(out / "model.safetensors"))

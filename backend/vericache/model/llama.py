@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch.
 
 The forward is *packed*: the tokens of several sequences are concatenated into
 one flat batch ``tokens: [N]``; sequence i contributes ``seq_lens[i]`` tokens
@@ -71,6 +71,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     scaling = cfg.rope_scaling or {}
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif cfg.rope_type == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     elif cfg.rope_type == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
@@ -101,6 +103,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=b)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        # Qwen3: each head's query and key RMS-normalised (over D) before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights (``fuse``)
         self.qkv_draft: DraftLinear | None = None   # draft rows' weights (``Transformer.quantize_drafts``)
         self.o_draft: DraftLinear | None = None
@@ -136,6 +141,8 @@ class Attention(nn.Module):
         v = v.reshape(n, self.n_kv, self.head_dim).transpose(0, 1)
         # attention (and the KV it stores) runs in cos.dtype: fp32 under bf16 weights on CPU
         q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if caches is None:
             out = self._causal_no_cache(q, k, v, seq_lens).transpose(0, 1)

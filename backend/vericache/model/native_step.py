@@ -52,8 +52,9 @@ class NativeStep:
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            qk = [n.weight.detach().float().contiguous() if n is not None else None for n in (a.q_norm, a.k_norm)]
             self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
-                                                                       mlp.down_exact)])
+                                                                       mlp.down_exact)], *qk)
         # the embedding as stored (a GGUF model's blocks; else the fp32 table as it is) and the head
         embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op)
         self.weights.set_ends(_linear_spec(embed), model.model.norm.weight.detach().float().contiguous(),
@@ -108,5 +109,7 @@ def install(model, op: LinearOp) -> None:
     for layer in model.model.layers:
         layer.input_layernorm.row_op = layer.post_attention_layernorm.row_op = kernels.rms_norm
         layer.mlp.act_op = kernels.silu_mul
+        if layer.self_attn.q_norm is not None:
+            layer.self_attn.q_norm.row_op = layer.self_attn.k_norm.row_op = kernels.rms_norm
     model.model.norm.row_op = kernels.rms_norm
     model.native = NativeStep(model, op) if NativeStep.supports(model) else None
