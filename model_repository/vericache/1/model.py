@@ -6,7 +6,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from vericache.serving.triton_adapter import GenerationFailed, InvalidInput, TritonAdapter
+from vericache.serving.triton_adapter import CancelWatcher, GenerationFailed, InvalidInput, TritonAdapter
 
 INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "random_seed", "stop_words",
           "mode", "compressor", "draft_len", "lookup")
@@ -41,6 +41,9 @@ class TritonPythonModel:
         # sends and cancellation checks (both go through the stub's interprocess queue) crashed
         # tritonserver (boost::interprocess::lock_exception) when a client died with streams open
         self.ipc = threading.Lock()
+        # whether each stream's client is gone, asked from one thread for all (off the response path)
+        self.watcher = CancelWatcher(self.adapter.service)
+        self.watcher.start()
         threading.Thread(target=self._gauges, daemon=True).start()
         self.logger.log_info(f"vericache model ready: {params}")
 
@@ -65,16 +68,18 @@ class TritonPythonModel:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
-        last = None
+        last, gone = None, self.watcher.watch(job, lambda: self._cancelled(sender))
         try:
-            for out in self.adapter.responses(job, cancelled=lambda: self._cancelled(sender)):
+            for out in self.adapter.responses(job, cancelled=gone.is_set):
                 last = out
                 self._send(sender, pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
         except GenerationFailed as exc:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INTERNAL)
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
-        if last is None or self._cancelled(sender):
+        finally:
+            self.watcher.forget(job)
+        if last is None or gone.is_set():
             self._count(self.cancelled)
         else:
             self._count(self.ok)
@@ -115,4 +120,5 @@ class TritonPythonModel:
             time.sleep(0.5)   # Prometheus scrapes every few seconds: fewer IPC calls under the lock
 
     def finalize(self):
+        self.watcher.stop()
         self.adapter.service.shutdown(drain_timeout=5)
