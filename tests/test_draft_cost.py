@@ -188,19 +188,23 @@ def test_calibration_times_the_model_itself(llm):
 
 
 def test_the_first_round_is_priced_before_any_step_and_explores_short(llm):
-    """With costs from the first step (the calibration), a request's first round is priced at an
-    optimistic acceptance: where even then no round pays it drafts ``min_len``, not the policy's start (8)."""
+    """With costs from the first step (the calibration), a batch's first rounds are priced at an
+    optimistic acceptance: where even then no round pays they draft ``min_len``, not the policy's start
+    (8). One request alone never asks for the calibration: the policy's round, until the engine's own fit."""
     from vericache import Engine, SamplingParams
 
-    engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
-    planner = engine.loop.scheduler.planner
-    # every forward costs the same: no round pays
-    planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), StepCosts(c0=1.0))
-    engine.add_request(llm.tokenizer.encode("def f(x):\n    return x\n" * 8), SamplingParams(max_tokens=24, ignore_eos=True))
-    while not engine.instruments.round_log:
-        engine.step()
-    assert planner.cost.source == "calibrated"
-    assert engine.instruments.round_log[0][1] == DraftLengthPolicy().min_len == 2
+    for n, first in ((2, DraftLengthPolicy().min_len), (1, DraftLengthPolicy().start)):
+        engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+        planner = engine.loop.scheduler.planner
+        # every forward costs the same: no round pays
+        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), StepCosts(c0=1.0))
+        for i in range(n):
+            engine.add_request(llm.tokenizer.encode(f"def f{i}(x):\n    return x\n" * 8),
+                               SamplingParams(max_tokens=24, ignore_eos=True))
+        while not engine.instruments.round_log:
+            engine.step()
+        assert planner.cost.source == ("calibrated" if n > 1 else "none")
+        assert engine.instruments.round_log[0][1] == first
 
 
 def test_engines_over_one_model_share_one_calibration_made_at_load():
@@ -254,3 +258,21 @@ def test_nothing_is_timed_under_tritons_interpreter(llm):
 
     interpreted = replace(llm.loaded, kernels="triton", calibration=[])
     assert calibrate(interpreted).costs is None and len(calibrate(interpreted).x) == 0
+
+
+def test_the_library_times_step_costs_only_when_a_batch_asks():
+    """A server's engine times its model when built (no request pays it); the offline ``LLM`` leaves it
+    to the first batch whose draft length asks, so a one-prompt script starts ~2-3 s sooner."""
+    import vericache
+    from vericache import SamplingParams
+    from vericache.engine.engine import Engine
+
+    llm = vericache.LLM("tiny", mode="vericache")
+    assert llm.loaded.calibration == []
+    llm.generate("def f(x):\n", SamplingParams(max_tokens=8))
+    assert llm.loaded.calibration == []              # one request: never asked
+    llm.generate(["def f(x):\n", "class A:\n"], SamplingParams(max_tokens=8))
+    assert len(llm.loaded.calibration) == 1          # a batch's draft length asked, once
+    server_side = vericache.LLM("tiny", mode="vericache").loaded
+    Engine(server_side, mode="vericache")
+    assert len(server_side.calibration) == 1

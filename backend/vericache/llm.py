@@ -48,7 +48,7 @@ class LLM:
         lm = self.loaded   # torch dtypes and devices are accepted above: the config names what was loaded
         self.engine = Engine(lm, config.replace(device=str(lm.device), dtype=dtype_name(lm.dtype),
                                                 kv_dtype=dtype_name(lm.kv_dtype), kernels=lm.kernels,
-                                                numerics=lm.numerics))
+                                                numerics=lm.numerics), time_costs_now=False)
         self._next_id = 0
 
     @property

@@ -164,10 +164,12 @@ class DraftCost:
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     _fitted_at: int = field(default=0, repr=False)
 
-    def refit(self, steps: Sequence, n_steps: int) -> None:
+    def refit(self, steps: Sequence, n_steps: int, batch: bool = True) -> None:
         """Before a choice: refit from the latest 96 ``steps`` when ``every`` forwards ran since the
-        last fit (``n_steps``: forwards recorded so far); calibrate first if nothing is in hand."""
-        if self.calibrate is not None:
+        last fit (``n_steps``: forwards recorded so far); calibrate first if nothing is in hand and the
+        choice is a batch's (``batch``: the calibration only vetoes a batch's rounds, so one request
+        never waits for it)."""
+        if self.calibrate is not None and batch:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
             if self.fitted is None and calibration.costs is not None:
                 self.fitted, self.source = calibration.costs, "calibrated"

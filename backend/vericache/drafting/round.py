@@ -336,7 +336,7 @@ class DraftPlanner:
         if not proposal:
             return []
         pos = r.position + len(rs.drafts)
-        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps, batch=False)   # only a fit sizes proposals
         n = self.cost.proposal_len(r.lookup.keep_rate(), self.n_active(),
                                    lambda rows: r.draft.attention_cost(pos, rows), len(proposal))
         return proposal[:n]
@@ -364,7 +364,7 @@ class DraftPlanner:
         st, policy = r.policy_state, r.opts.policy
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
-        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps, batch=n > 1)
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.draft.attention_cost(draft_position(r.draft, pos), 1),
                                   lambda j: r.full.attention_cost(pos, j + 1), k_max)

@@ -50,11 +50,14 @@ class EngineOutput:
 
 class Engine:
     def __init__(self, loaded: LoadedModel | None = None, config: EngineConfig | None = None, *,
-                 prefix=None, verifier=None, link=None, **settings) -> None:
+                 prefix=None, verifier=None, link=None, time_costs_now: bool = True, **settings) -> None:
         """``loaded``: a model already loaded (engines may share one), else ``config.model`` is loaded.
         ``settings`` change single fields of ``config`` (``EngineConfig`` names). ``prefix`` (a
         ``remote.fetch.PrefixFetcher``) and ``verifier`` (a ``remote.client.VerifierClient``): the
-        drafter side of remote prefix caching; ``link``: the tiered KV's link (made when needed)."""
+        drafter side of remote prefix caching; ``link``: the tiered KV's link (made when needed).
+        ``time_costs_now``: time the model's step costs (``drafting.calibrate``, ~2-3 s) here, so no
+        served request pays them; False (the offline ``LLM``): at the first batch whose draft length asks,
+        so a one-prompt script never does."""
         config = config or DEFAULTS
         self.config = config.replace(**settings) if settings else config
         c = self.config
@@ -70,7 +73,7 @@ class Engine:
         self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,
                              resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
-        if c.mode == "vericache" and c.draft_len == "auto":
+        if time_costs_now and c.mode == "vericache" and c.draft_len == "auto":
             model_calibration(self.loaded)   # the draft lengths' first costs, timed now, not in a request's path
         self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
         self._ended: dict[int, dict] = {}   # labels of the requests the last step ended (its round events')

@@ -90,19 +90,29 @@ class CancelWatcher:
             self._jobs.pop(rid, None)
 
     def sweep(self) -> int:
-        """Ask about every watched job once; abort the cancelled ones. Returns how many were asked."""
+        """Ask about every watched job once; abort the cancelled ones. Returns how many were asked.
+
+        Each ask is made under the watcher's lock with the job still watched, so once ``forget`` returns
+        the job's sender is never asked again (Triton may release it after its final response)."""
         with self._lock:
-            jobs = list(self._jobs.items())
-        for rid, (ask, flag) in jobs:
-            try:
-                gone = ask()
-            except Exception:   # noqa: BLE001 - a sender that cannot answer has no client left
-                gone = True
+            rids = list(self._jobs)
+        asked = 0
+        for rid in rids:
+            with self._lock:
+                if rid not in self._jobs:
+                    continue
+                ask, flag = self._jobs[rid]
+                try:
+                    gone = ask()
+                except Exception:   # noqa: BLE001 - a sender that cannot answer has no client left
+                    gone = True
+                asked += 1
+                if gone:
+                    del self._jobs[rid]
             if gone:
                 self.service.abort(rid)
                 flag.set()
-                self._forget(rid)
-        return len(jobs)
+        return asked
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="vericache-cancel-watcher", daemon=True)
