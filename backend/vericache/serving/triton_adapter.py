@@ -23,7 +23,9 @@ from vericache.sampling import SamplingParams
 from vericache.serving.service import BackgroundService, RequestStream
 
 
-CANCEL_CHECK_S = 0.05   # how long a response thread waits for a delta before it looks at its cancelled flag
+# how long a response thread waits for a delta before it looks at its cancelled flag (a cancelled request
+# is aborted by the watcher, and its final delta wakes the thread anyway: no need to wake often)
+CANCEL_CHECK_S = 0.5
 CANCEL_SWEEP_S = 1.0    # how often the watcher asks Triton about each open stream (an IPC round trip per stream)
 
 
@@ -83,11 +85,8 @@ class CancelWatcher:
         return flag
 
     def forget(self, job: "Job") -> None:
-        self._forget(job.stream.id)
-
-    def _forget(self, rid: int) -> None:
         with self._lock:
-            self._jobs.pop(rid, None)
+            self._jobs.pop(job.stream.id, None)
 
     def sweep(self) -> int:
         """Ask about every watched job once; abort the cancelled ones. Returns how many were asked.
