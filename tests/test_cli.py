@@ -58,3 +58,25 @@ def test_demo_runs_three_modes_and_vericache_equals_full(capsys):
     from vericache.kernels.linear_op import best_isa
 
     assert f"(kernels: {best_isa()} build)" in out.splitlines()[0]   # the header names the build that runs
+
+
+def test_a_long_prompt_reports_its_prefill_and_the_kv_it_holds(capsys):
+    """``LLM.generate(progress=)`` hears (done, total) after every step that prefilled, ``prefill_chunk``
+    tokens a step; ``vericache generate`` prints that on stderr for a slow prefill, and the KV's bytes."""
+    import vericache
+    from vericache import SamplingParams
+    from vericache.cli import _prefill_progress, main
+
+    llm = vericache.LLM("tiny", mode="vericache", prefill_chunk=64)
+    prompt = "def f(x):\n    return x + 1\n" * 40
+    total = len(llm.tokenizer.encode(prompt))
+    seen = []
+    out = llm.generate(prompt, SamplingParams(max_tokens=4), progress=lambda d, t: seen.append((d, t)))[0]
+    assert total > 3 * 64 and seen[-1] == (total, total) and len(seen) == -(-total // 64)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and out.token_ids
+    show = _prefill_progress(0.0, every_s=0.0)
+    show(64, total)
+    show(total, total)
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"prefill {total}/{total} prompt tokens")
+    assert main(["generate", "--model", "tiny", "--prompt", "def f(x):", "--max-tokens", "3"]) == 0
+    assert "KV " in capsys.readouterr().err

@@ -285,4 +285,5 @@ def test_bench_triton_streams_against_the_embedded_engine(triton, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["identical_texts"] and [r["mode"] for r in res["rows"]] == ["triton-grpc", "embedded"]
     assert all(r["requests"] == 4 and r["tokens"] > 4 and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert all(0 <= r["accepted_tokens"] <= r["drafted_tokens"] for r in res["rows"])   # rounds vs full steps, per side
     assert res["triton_over_embedded"] > 0

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from vericache.cli_args import add_mode_args, add_model_args
@@ -106,7 +107,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mode=args.mode, compressor=args.compressor,
               draft_len=args.draft_len, draft_weights=args.draft_weights, kernels=args.kernels, numerics=args.numerics)
-    out = llm.generate(prompt, params)[0]
+    out = llm.generate(prompt, params, progress=_prefill_progress(time.perf_counter()))[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
                           "finish_reason": out.finish_reason, "stats": out.stats}))
@@ -114,8 +115,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(out.text)
         s = out.stats
         print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
-              f"{s['decode_tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s'] * 1e3:.0f} ms]", file=sys.stderr)
+              f"{s['decode_tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s'] * 1e3:.0f} ms, "
+              f"{len(out.prompt_token_ids)} prompt tokens, KV {s.get('kv_resident_bytes', 0) / 1e6:.1f} MB]", file=sys.stderr)
     return 0
+
+
+def _prefill_progress(started: float, every_s: float = 2.0):
+    """A ``progress`` callback for a long prompt: its prefill on stderr every ``every_s``, and its end once
+    a line was printed (a prompt prefilled within ``every_s`` prints nothing)."""
+    last: list[float] = []   # when the last line was printed
+
+    def show(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - (last[-1] if last else started) >= every_s or (done == total and last):
+            last.append(now)
+            print(f"prefill {done}/{total} prompt tokens ({now - started:.0f} s)", file=sys.stderr, flush=True)
+
+    return show
 
 
 def _add_generate(sub) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from vericache.compress.base import Compressor
@@ -55,7 +57,10 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.loaded.tokenizer
 
-    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Complete ``prompts`` together; ``progress(done, total)``: prompt tokens prefilled so far, after
+        each step that prefilled (a long prompt prefills ``prefill_chunk`` tokens a step)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
@@ -69,4 +74,4 @@ class LLM:
                 raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
             seqs.append(self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
         self._next_id += len(prompts)
-        return self.engine.generate(seqs)
+        return self.engine.generate(seqs, progress=progress)

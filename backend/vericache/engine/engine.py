@@ -20,6 +20,7 @@ place, so every row kind of a step runs the native step, the same path ``bench b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from vericache.drafting.calibrate import model_calibration
 from vericache.engine.config import DEFAULTS, EngineConfig
@@ -156,17 +157,21 @@ class Engine:
         """Fail every request not yet done (the loop itself broke) and report them."""
         return self._outputs(self.loop.fail_unfinished(error))
 
-    def generate(self, seqs: list[Sequence], mode: str | None = None,
-                 prefills: list[SharedPrefill] | None = None) -> list[RequestOutput]:
+    def generate(self, seqs: list[Sequence], mode: str | None = None, prefills: list[SharedPrefill] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
         """Run ``seqs`` to completion together in ``mode`` (default: the engine's); ``prefills[i]``,
-        when given, is seqs[i]'s prompt already prefilled (``shared_prefill``). RuntimeError if one fails."""
+        when given, is seqs[i]'s prompt already prefilled (``shared_prefill``). ``progress(done, total)``:
+        called after each step that prefilled (``prefill_progress``). RuntimeError if one fails."""
         if prefills is not None and len(prefills) != len(seqs):
             raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
         opts = self.resolve(RequestOptions(mode=check_mode(mode or self.config.mode)))
         rids = [self.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
         errors = {}
         while self.has_unfinished():
+            done, total = self.prefill_progress() if progress is not None else (0, 0)
             errors.update((o.request_id, o.error) for o in self.step() if o.error)
+            if done < total:   # this step prefilled
+                progress(*self.prefill_progress())
         errors.update((o.request_id, o.error) for o in self.collect() if o.error)
         for seq, rid in zip(seqs, rids):
             if rid in errors:
@@ -177,6 +182,12 @@ class Engine:
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         return self.loop.requests.counts()
+
+    def prefill_progress(self) -> tuple[int, int]:
+        """(prompt tokens in the caches, prompt tokens) over the unfinished requests: a long prompt's
+        prefill runs ``prefill_chunk`` tokens a step."""
+        reqs = [r for r in self.loop.requests if not r.done]
+        return sum(min(r.done_ids, len(r.seq.prompt_ids)) for r in reqs), sum(len(r.seq.prompt_ids) for r in reqs)
 
     def resident_bytes(self) -> int:
         """Bytes the unfinished requests' caches hold."""

@@ -38,6 +38,8 @@ class StreamLog:
     """What one stream saw: per request its text, TTFT and gaps between deltas (s)."""
     texts: list[str] = field(default_factory=list)
     tokens: int = 0
+    drafted: int = 0    # draft tokens its requests proposed and verification accepted (their final stats):
+    accepted: int = 0   # how much of each side's decoding ran as rounds, how much as plain full steps
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
 
@@ -57,7 +59,8 @@ def _summary(label: str, logs: list[StreamLog], seconds: float) -> dict:
     return {"mode": label, "requests": sum(len(s.texts) for s in logs), "tokens": tokens,
             "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99)}
+            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
+            "drafted_tokens": sum(s.drafted for s in logs), "accepted_tokens": sum(s.accepted for s in logs)}
 
 
 def _run_streams(streams: int, one_stream) -> tuple[list[StreamLog], float]:
@@ -99,6 +102,8 @@ def embedded_load(service: BackgroundService, tokenizer, streams: int, requests:
                 if d.finished:
                     if d.finish_reason == "error":
                         raise RuntimeError(f"embedded request failed: {d.stats}")
+                    log.drafted += d.stats.get("drafted_tokens", 0)
+                    log.accepted += d.stats.get("accepted_tokens", 0)
                     break
             log.texts.append(text)
 
@@ -144,6 +149,9 @@ def triton_load(grpc_url: str, streams: int, requests: int, max_tokens: int) -> 
                         first, last = False, now
                         log.tokens += len(ids)
                     text += result.as_numpy("text_output")[0].decode()
+                    if result.as_numpy("finish_reason")[0]:   # the last response carries the request's stats
+                        log.drafted += int(result.as_numpy("drafted_tokens")[0])
+                        log.accepted += int(result.as_numpy("accepted_tokens")[0])
                 log.texts.append(text)
         finally:
             client.stop_stream()
@@ -236,4 +244,4 @@ def run_triton_streams(workdir: Path, model: str | None = None, streams: int = 3
 
 
 COLUMNS = ["repeat", "mode", "requests", "tokens", "seconds", "tokens_per_s", "ttft_p50_s", "ttft_p99_s",
-           "itl_p50_s", "itl_p99_s"]
+           "itl_p50_s", "itl_p99_s", "drafted_tokens", "accepted_tokens"]
