@@ -28,9 +28,9 @@ from vericache.config import ModelConfigError
 # the ggml types we dequantize (all through gguf.quants.dequantize)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # GGUF architecture -> (Hugging Face architecture, model_type, whether llama.cpp permuted the Q/K rows:
-# its converter interleaves each head's RoPE halves for Llama only). Mistral's models (7B, Nemo) are
-# ``llama`` files with a SentencePiece or tekken vocabulary; Llama 3.x ones carry their RoPE scaling as a
-# ``rope_freqs`` tensor (``_rope_freq_factors``).
+# its converter interleaves each head's RoPE halves for Llama only). Mistral 7B's files are ``llama``
+# files with a SentencePiece vocabulary; Llama 3.x ones carry their RoPE scaling as a ``rope_freqs``
+# tensor (``_rope_freq_factors``).
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
                       "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
