@@ -183,29 +183,33 @@ def _row(context: int, label: str, problems: list[dict], done: dict) -> dict:
 
 
 def plot_humaneval(rows: list[dict], path: str) -> None:
-    """pass@1 against the KV kept, a panel per context: lossy falling, VeriCache on full's line."""
+    """Per context: pass@1 against the KV kept (lossy falling, VeriCache on full's line), and below it the
+    share of completions identical to full decoding's (what a lossy cache changes even where tests pass)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
-    for ax, context in zip(axes[0], contexts):
+    fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 7), squeeze=False, sharex=True)
+    for col, context in enumerate(contexts):
         here = [r for r in rows if r["context"] == context]
         full = next(r for r in here if r["mode"] == "full")
-        ax.axhline(full["pass_at_1"], color="black", lw=1, label=f"full KV ({full['pass_at_1']:.2f})")
-        for mode, marker, color in (("lossy", "x", "tab:red"), ("vericache", "o", "tab:green")):
-            pts = [r for r in here if r["mode"] == mode]
-            ax.scatter([r["kv_kept"] for r in pts], [r["pass_at_1"] for r in pts], marker=marker, color=color, label=mode)
-            for r in pts:
-                ax.annotate(r["compressor"].split(":")[0], (r["kv_kept"], r["pass_at_1"]), fontsize=6)
-        ax.set_xscale("log")
-        ax.set_xlabel("KV kept (fraction of the full cache's bytes)")
-        ax.set_ylabel("HumanEval pass@1 (greedy)")
-        ax.set_title(f"{context}-token code context, {full['problems']} problems")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend(fontsize=7)
+        for ax, key, name in ((axes[0][col], "pass_at_1", "HumanEval pass@1 (greedy)"),
+                              (axes[1][col], "identical_to_full", "completions identical to full's")):
+            ax.axhline(full[key], color="black", lw=1, label=f"full KV ({full[key]:.2f})")
+            for mode, marker, color in (("lossy", "x", "tab:red"), ("vericache", "o", "tab:green")):
+                pts = [r for r in here if r["mode"] == mode]
+                ax.scatter([r["kv_kept"] for r in pts], [r[key] for r in pts], marker=marker, color=color, label=mode)
+                for r in pts if mode == "lossy" else []:
+                    ax.annotate(r["compressor"], (r["kv_kept"], r[key]), fontsize=6, rotation=20)
+            ax.set_xscale("log")
+            ax.set_xlim(0.04, 1.2)
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_ylabel(name)
+            ax.legend(fontsize=7, loc="lower right")
+        axes[0][col].set_title(f"{context}-token code context, {full['problems']} problems")
+        axes[1][col].set_xlabel("KV kept (fraction of the full cache's bytes)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
