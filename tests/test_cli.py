@@ -65,7 +65,7 @@ def test_a_long_prompt_reports_its_prefill_and_the_kv_it_holds(capsys):
     tokens a step; ``vericache generate`` prints that on stderr for a slow prefill, and the KV's bytes."""
     import vericache
     from vericache import SamplingParams
-    from vericache.cli import _prefill_progress, main
+    from vericache.cli import prefill_progress_printer, main
 
     llm = vericache.LLM("tiny", mode="vericache", prefill_chunk=64)
     prompt = "def f(x):\n    return x + 1\n" * 40
@@ -74,7 +74,7 @@ def test_a_long_prompt_reports_its_prefill_and_the_kv_it_holds(capsys):
     out = llm.generate(prompt, SamplingParams(max_tokens=4), progress=lambda d, t: seen.append((d, t)))[0]
     assert total > 3 * 64 and seen[-1] == (total, total) and len(seen) == -(-total // 64)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and out.token_ids
-    show = _prefill_progress(0.0, every_s=0.0)
+    show = prefill_progress_printer(0.0, every_s=0.0)
     show(64, total)
     show(total, total)
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"prefill {total}/{total} prompt tokens")

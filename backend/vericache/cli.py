@@ -107,7 +107,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mode=args.mode, compressor=args.compressor,
               draft_len=args.draft_len, draft_weights=args.draft_weights, kernels=args.kernels, numerics=args.numerics)
-    out = llm.generate(prompt, params, progress=_prefill_progress(time.perf_counter()))[0]
+    out = llm.generate(prompt, params, progress=prefill_progress_printer(time.perf_counter()))[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
                           "finish_reason": out.finish_reason, "stats": out.stats}))
@@ -120,7 +120,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prefill_progress(started: float, every_s: float = 2.0):
+def prefill_progress_printer(started: float, every_s: float = 2.0):
     """A ``progress`` callback for a long prompt: its prefill on stderr every ``every_s``, and its end once
     a line was printed (a prompt prefilled within ``every_s`` prints nothing)."""
     last: list[float] = []   # when the last line was printed
