@@ -79,3 +79,14 @@ def test_bad_arguments_are_clear_errors(capsys):
     assert "--limit must be >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="exceed"):
         he.run_humaneval("tiny", contexts=(100_000,), configs=["snapkv:ratio=0.25"], limit=1, log=lambda m: None)
+
+
+def test_the_command_prints_rows_and_draws_the_plot(tmp_path, capsys):
+    from vericache.cli import main
+
+    plot = tmp_path / "he.png"
+    assert main(["eval", "humaneval", "--model", "tiny", "--limit", "1", "--contexts", "200", "--max-tokens", "8",
+                 "--compressors", "streaming:ratio=0.25", "--json", "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["config"] for r in rows] == ["full", "lossy streaming:ratio=0.25", "vericache streaming:ratio=0.25"]
+    assert rows[2]["identical_to_full"] == 1.0 and plot.stat().st_size > 10_000

@@ -94,7 +94,6 @@ def _add_eval_numerics(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from vericache_lab.report import markdown_table, record
     from vericache_lab.eval.long_eval import FULL_GRID, QUICK_GRID, QUALITY, plot_long_eval, run_long_eval
 
     if args.suite == "humaneval":
@@ -110,31 +109,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                                                       "top_k": args.top_k, "seed": args.seed})
     cols = ["config", "kv_kept", *QUALITY, "identical_to_full", "decode_tokens_per_s", "mean_acceptance_length",
             "acceptance_per_draft", "full_step_tokens", "lookup_kept_of_proposed", "guided_swaps_per_round"]
+    return _report_rows(args, rows, cols, plot_long_eval, f"Functional quality on {args.model}: full vs lossy vs "
+                        "VeriCache", "quality vs throughput")
+
+
+def _report_rows(args: argparse.Namespace, rows: list[dict], cols: list[str], plot, title: str, caption: str) -> int:
+    """An eval's rows: JSON or a table on stdout, the plot (``--plot``), the table recorded (``--record``)."""
+    from vericache_lab.report import markdown_table, record
+
     table = markdown_table(rows, cols)
     print(json.dumps({"rows": rows}) if args.json else table)
     if args.plot:
-        plot_long_eval(rows, args.plot)
-    record(args.record, f"Functional quality on {args.model}: full vs lossy vs VeriCache",
-           table + (f"\n\n![quality vs throughput]({Path(args.plot).name})" if args.plot else ""), args.argv)
+        plot(rows, args.plot)
+    record(args.record, title, table + (f"\n\n![{caption}]({Path(args.plot).name})" if args.plot else ""), args.argv)
     return 0
 
 
 def _cmd_humaneval(args: argparse.Namespace) -> int:
     from vericache_lab.eval.humaneval import GRID, QUICK_GRID, plot_humaneval, run_humaneval
-    from vericache_lab.report import markdown_table, record
 
     configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else GRID)
     contexts = tuple(int(c) for c in args.contexts.split(","))
     rows = run_humaneval(args.model or "qwen2.5-coder-0.5b", contexts, configs, limit=args.limit,
                          max_tokens=args.max_tokens, checkpoint=args.checkpoint,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
-    table = markdown_table(rows, ["context", "config", "kv_kept", "pass_at_1", "parses", "identical_to_full", "seconds"])
-    print(json.dumps({"rows": rows}) if args.json else table)
-    if args.plot:
-        plot_humaneval(rows, args.plot)
-    record(args.record, f"HumanEval after a long code context on {args.model}: full vs lossy vs VeriCache",
-           table + (f"\n\n![pass@1 vs KV kept]({Path(args.plot).name})" if args.plot else ""), args.argv)
-    return 0
+    cols = ["context", "config", "kv_kept", "pass_at_1", "parses", "identical_to_full", "seconds"]
+    return _report_rows(args, rows, cols, plot_humaneval, f"HumanEval after a long code context on "
+                        f"{args.model or 'qwen2.5-coder-0.5b'}: full vs lossy vs VeriCache", "pass@1 vs KV kept")
 
 
 def _add_eval(sub) -> None:
