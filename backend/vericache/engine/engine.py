@@ -170,8 +170,10 @@ class Engine:
         while self.has_unfinished():
             done, total = self.prefill_progress() if progress is not None else (0, 0)
             errors.update((o.request_id, o.error) for o in self.step() if o.error)
-            if done < total and self.prefill_progress()[1]:   # this step prefilled (and its requests go on)
-                progress(*self.prefill_progress())
+            if done < total:   # this step prefilled
+                after = self.prefill_progress()
+                if after[1]:   # its requests go on (one that ended in this step reports nothing)
+                    progress(*after)
         errors.update((o.request_id, o.error) for o in self.collect() if o.error)
         for seq, rid in zip(seqs, rids):
             if rid in errors:
