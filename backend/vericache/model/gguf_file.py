@@ -1,14 +1,15 @@
 """GGUF files (llama.cpp's format) turned into a Hugging Face directory our loader reads.
 
 A GGUF file holds quantized weights, the model's hyperparameters as ``<arch>.*`` metadata (llama, qwen2, qwen3) and
-its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, dequantize
-every tensor to fp32, undo the Q/K row permutation llama.cpp applies to Llama attention weights (not Qwen2's),
-and write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into a cache
-directory keyed by the file's SHA-256, so the second load is a safetensors mmap (well under a
-second) and every process (gateway, Triton stub, benches) shares one conversion.
-Beside them ``stored.safetensors`` keeps every matrix (the linears and the embedding) in its GGUF
-blocks, rows in Hugging Face order: what the CPU forward reads through the batch-invariant linear
-op (``load_stored``); the fp32 copy serves CUDA and the transformers comparisons.
+its tokenizer as ``tokenizer.ggml.*`` arrays. We read it with the ``gguf`` package, undo the Q/K row
+permutation llama.cpp applies to Llama attention weights (not Qwen2's), and write config.json, the weights,
+tokenizer.json and tokenizer_config.json into a cache directory keyed by the file's SHA-256, so the second
+load is a safetensors mmap (well under a second) and every process (gateway, Triton stub, benches) shares
+one conversion. ``stored.safetensors`` keeps every matrix (the linears and the embedding) in its GGUF blocks, rows in
+Hugging Face order: what the CPU forward reads through the batch-invariant linear op (``load_stored``);
+other paths (CUDA, PyTorch's kernels) dequantize them at load (``dense_matrices``). ``rest.safetensors``
+holds the other tensors (norms, biases) in fp32. No fp32 copy of the matrices is written: the cache
+costs the GGUF file's size (transformers comparisons read the GGUF file itself).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Q
                       "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 STORED_FILE = "stored.safetensors"   # the matrices in their GGUF blocks (``stored_state``)
+REST_FILE = "rest.safetensors"       # every other tensor (norms, biases) in fp32 (``unstored_state``)
 # llama.cpp tensor names -> Hugging Face Llama names (per block: blk.<i>.<part>.weight)
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -81,10 +83,8 @@ def gguf_to_hf_dir(path: str | Path, root: Path | None = None) -> Path:
         try:
             tmp.rename(out)  # atomic: a concurrent converter that won the race leaves us its copy
         except OSError:
-            if not (out / STORED_FILE).exists():
-                if not (out / "model.safetensors").exists():
-                    raise
-                shutil.rmtree(out, ignore_errors=True)   # converted before stored blocks existed: redo
+            if not (out / STORED_FILE).exists():   # a conversion from before stored blocks existed: replace it
+                shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,34 +188,33 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
-    """Every tensor, dequantized to fp32, under its Hugging Face name."""
+def _check_type(t) -> None:
+    if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        raise ModelConfigError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name}); supported: "
+                               f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
+
+
+def unstored_state(reader) -> dict[str, torch.Tensor]:
+    """Every tensor but the matrices (the norms' weights, the q/k/v biases: 1-D), dequantized to fp32,
+    under its Hugging Face name: ``REST_FILE``."""
     from gguf.quants import dequantize
 
     state = {}
     for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TENSOR_TYPES:
-            raise ModelConfigError(f"unsupported GGUF tensor type {kind} (tensor {t.name}); supported: "
-                                   f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
+        _check_type(t)
         name = _hf_name(t.name)
-        if name is None:
-            continue  # rope_freqs: in the config (``_rope_freq_factors``)
-        shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dimensions fastest-first
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
-        if heads := _permuted_heads(cfg, name):
-            w = unpermute_qk(w, heads)
-        state[name] = w
-    if "lm_head.weight" not in state:
-        cfg["tie_word_embeddings"] = True
+        if name is None or len(t.shape) == 2:
+            continue  # rope_freqs: in the config (``_rope_freq_factors``); matrices: ``stored_state``
+        state[name] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
     return state
 
 
-def stored_state(reader, cfg: dict) -> dict[str, tuple[str, torch.Tensor]]:
-    """Every matrix as stored: Hugging Face name -> (ggml type, uint8 [rows, row bytes]), Q/K rows
+def stored_state(reader, cfg: dict) -> dict[str, tuple[str, int, torch.Tensor]]:
+    """Every matrix as stored: Hugging Face name -> (ggml type, columns, uint8 [rows, row bytes]), Q/K rows
     unpermuted (a row permutation moves whole block rows, so the blocks stay as they are)."""
     out = {}
     for t in reader.tensors:
+        _check_type(t)
         name = _hf_name(t.name)
         if name is None or len(t.shape) != 2:
             continue
@@ -223,7 +222,7 @@ def stored_state(reader, cfg: dict) -> dict[str, tuple[str, torch.Tensor]]:
         data = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1).copy())
         if heads := _permuted_heads(cfg, name):
             data = unpermute_qk(data, heads).contiguous()
-        out[name] = (t.tensor_type.name, data)
+        out[name] = (t.tensor_type.name, int(t.shape[0]), data)
     return out
 
 
@@ -256,6 +255,25 @@ def load_stored(model_dir: Path) -> dict:
             data = f.get_tensor(name)
             out[name] = StoredWeight(fmt, data, data.shape[0], k)
     return out
+
+
+def dense_matrices(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The stored matrices not named in ``skip``, dequantized to fp32 [rows, columns] (what a load that does
+    not read blocks takes: CUDA, PyTorch's kernels, bf16); {} for other models."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out = {}
+    for name, w in load_stored(model_dir).items():
+        if name in skip:
+            continue
+        if w.data.dtype != torch.uint8:   # F32/F16/BF16 matrices held as themselves
+            out[name] = w.data.float().reshape(w.n, w.k)
+        else:   # blocks dequantize row by row: [n, row bytes] -> [n, k]
+            values = dequantize(w.data.numpy(), GGMLQuantizationType[w.fmt])
+            out[name] = torch.from_numpy(np.array(values, dtype=np.float32).reshape(w.n, w.k))
+    return out
+
 
 
 def _rope_freq_factors(reader) -> list[float] | None:
@@ -291,12 +309,14 @@ def write_hf_dir(path: Path, out: Path) -> None:
     cfg = hf_config(meta)
     if (factors := _rope_freq_factors(reader)) is not None:
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors}
-    state = hf_state_dict(reader, cfg)
     tokenizer, tok_cfg = build_tokenizer(meta)
-    save_file(state, str(out / "model.safetensors"))
     stored = stored_state(reader, cfg)
-    save_file({n: d for n, (_, d) in stored.items()}, str(out / STORED_FILE),
-              metadata={n: json.dumps([fmt, state[n].shape[1]]) for n, (fmt, _) in stored.items()})
+    # no fp32 copy of the matrices: the CPU forward reads their blocks, other paths dequantize them at load
+    # (``dense_matrices``), so the cache is the GGUF file's size, not four to eight times it
+    cfg["tie_word_embeddings"] = "lm_head.weight" not in stored
+    save_file(unstored_state(reader), str(out / REST_FILE))
+    save_file({n: d for n, (_, _, d) in stored.items()}, str(out / STORED_FILE),
+              metadata={n: json.dumps([fmt, k]) for n, (fmt, k, _) in stored.items()})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))

@@ -14,7 +14,7 @@ from vericache.config import ModelConfig, ModelConfigError
 from vericache.kernels.linear_op import linear_op
 from vericache.model import exact_linear, native_step
 from vericache.model.checkpoint_files import weight_files
-from vericache.model.gguf_file import load_stored
+from vericache.model.gguf_file import dense_matrices, load_stored
 from vericache.model.llama import Transformer, rope_inv_freq
 from vericache.model.registry import resolve_model
 from vericache.model.tokenizer import Tokenizer
@@ -129,6 +129,7 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
         setattr(model.get_submodule(module), field, torch.nn.Parameter(torch.empty(0), requires_grad=False))
     model = model.to_empty(device="cpu")
     state = load_state_dict(path, skip=frozenset(stored))
+    state.update(dense_matrices(path, skip=frozenset(stored) | frozenset(state)))   # a GGUF model off the blocks path
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         model.lm_head.weight = model.model.embed_tokens.weight

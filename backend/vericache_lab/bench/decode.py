@@ -19,19 +19,23 @@ from vericache.sampling import SamplingParams
 from vericache_lab.sim import roofline
 
 
-def hf_decode_tokens_per_s(path: str, prompt: list[int], max_tokens: int, dtype: torch.dtype) -> float:
+def hf_decode_tokens_per_s(model: str, model_dir: str, prompt: list[int], max_tokens: int,
+                           dtype: torch.dtype) -> float:
     from transformers import (
         AutoModelForCausalLM,  # dev extra: only this benchmark needs it
     )
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # a GGUF model: transformers reads the file itself (our cache keeps its matrices only as blocks)
+    gguf = llama_cpp_bench.gguf_path(model)
+    where, kwargs = (str(gguf.parent), {"gguf_file": gguf.name}) if gguf else (model_dir, {})
+    hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
     ids = torch.tensor([prompt])
 
     def run(n: int) -> float:
         t = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
         return time.perf_counter() - t
 
     run(2)  # warm-up
@@ -104,7 +108,7 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
         if with_transformers:
             # transformers in fp32, its fastest setting on this CPU (its bf16 attention is ~10x slower)
             hf_dtype = torch.float32 if llm.loaded.device.type == "cpu" else llm.loaded.dtype
-            hf = hf_decode_tokens_per_s(str(llm.loaded.path), prompt, max_tokens, hf_dtype)
+            hf = hf_decode_tokens_per_s(model, str(llm.loaded.path), prompt, max_tokens, hf_dtype)
             row = {"context": ctx, "mode": f"transformers-generate (full KV, {str(hf_dtype).removeprefix('torch.')})",
                    "tokens_per_s": round(hf, 1)}
             if ref is not None:
