@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vericache import LLM
+from vericache import LLM, SamplingParams
 from vericache.engine.runner import ModelRunner
 from vericache.model.draft_weights import Int4Linear, Int8Linear, mixed_linear
 
@@ -135,6 +135,7 @@ def test_auto_draft_weights_measure_and_pick_per_step(llm):
     from vericache.model.draft_weights import DraftChoice
 
     runner = ModelRunner(llm.loaded, mode="vericache", draft_weights="auto")
+    runner.build_drafts()   # what a serving Engine does at start
     choice = runner.model.draft_choice
     assert set(choice.seconds) >= {"q8", "fp32"} and all(len(v) == len(choice.rows) for v in choice.seconds.values())
     assert all(t > 0 for v in choice.seconds.values() for t in v)
@@ -145,3 +146,17 @@ def test_auto_draft_weights_measure_and_pick_per_step(llm):
     assert fake.kind_for(1) == "int4" and fake.kind_for(4) == "int4"          # 1.8 < 2.2 between the two
     assert fake.kind_for(12) == "int8" and fake.kind_for(100) == "int8"
     assert ModelRunner(llm.loaded, draft_weights="fp32").draft_kind(4) == "fp32"
+
+
+def test_drafts_are_built_at_a_serving_engines_start_and_an_llms_first_draft_step():
+    """A server (``Engine``) times its draft weights before any request; the offline ``LLM`` leaves them
+    to the first draft step, so a script's first token never waits for them."""
+    from vericache.engine.engine import Engine
+    from vericache.model.loader import load_model
+
+    llm = LLM("tiny", mode="vericache", draft_weights="auto")   # a model of its own, not the session's
+    assert llm.loaded.model.draft_choice is None
+    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert out.stats["rounds"] >= 1 and llm.loaded.model.draft_choice is not None
+    served = Engine(load_model("tiny"), mode="vericache", draft_weights="auto")
+    assert served.loaded.model.draft_choice is not None

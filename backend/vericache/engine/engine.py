@@ -56,9 +56,10 @@ class Engine:
         ``settings`` change single fields of ``config`` (``EngineConfig`` names). ``prefix`` (a
         ``remote.fetch.PrefixFetcher``) and ``verifier`` (a ``remote.client.VerifierClient``): the
         drafter side of remote prefix caching; ``link``: the tiered KV's link (made when needed).
-        ``time_costs_now``: time the model's step costs (``drafting.calibrate``, ~2-3 s) here, so no
-        served request pays them; False (the offline ``LLM``): at the first batch whose draft length asks,
-        so a one-prompt script never does."""
+        ``time_costs_now``: build the draft weights and time them and the model's step costs
+        (``drafting.calibrate``; 2-8 s together on 2 cores) here, so no served request pays them; False (the
+        offline ``LLM``): at the first draft step, the costs at the first batch whose draft length asks, so
+        a one-prompt script's first token never waits for them."""
         config = config or DEFAULTS
         self.config = config.replace(**settings) if settings else config
         c = self.config
@@ -74,8 +75,10 @@ class Engine:
         self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,
                              resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
-        if time_costs_now and c.mode == "vericache" and c.draft_len == "auto":
-            model_calibration(self.loaded)   # the draft lengths' first costs, timed now, not in a request's path
+        if time_costs_now and c.mode == "vericache":   # timed now, not in a request's path
+            self.runner.build_drafts()
+            if c.draft_len == "auto":
+                model_calibration(self.loaded)   # the draft lengths' first costs
         self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
         self._ended: dict[int, dict] = {}   # labels of the requests the last step ended (its round events')
 

@@ -94,12 +94,12 @@ class ModelRunner:
         self.policy = DraftLengthPolicy.from_arg(draft_len)
         self.defaults = ResolvedOptions(mode, self.compressor, self.policy, lookup, acceptance)
         self.draft_weights = draft_weights
-        if mode == "vericache":  # otherwise on the first draft step (a request that asks for vericache)
-            self._build_drafts()
 
-    def _build_drafts(self) -> None:
+    def build_drafts(self) -> None:
         """The draft copies this engine's steps read (an extra copy each: the exact weights stay for
-        the rest), and for "auto" their measured times (once per model; engines sharing it share them)."""
+        the rest), and for "auto" their measured times (once per model; engines sharing it share them):
+        at a serving engine's start (``Engine``), else on the first draft step (a one-prompt script's first
+        token does not wait for them)."""
         kinds = AUTO_DRAFT_KINDS if self.draft_weights == "auto" else (self.draft_weights,)
         for kind in kinds:
             if kind != "fp32" and kind not in self.model.draft_sets:
@@ -111,7 +111,7 @@ class ModelRunner:
         """The weights a step with ``n_draft_rows`` draft rows runs them on."""
         if self.draft_weights == "fp32" or not n_draft_rows:
             return "fp32"
-        self._build_drafts()
+        self.build_drafts()
         if self.draft_weights == "auto":
             return self.model.draft_choice.kind_for(n_draft_rows, ("fp32", *AUTO_DRAFT_KINDS))
         return self.draft_weights

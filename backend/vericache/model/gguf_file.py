@@ -97,10 +97,7 @@ def describe_file(path: str | Path) -> dict:
     if not path.is_file():
         raise ModelConfigError(f"GGUF file not found: {path}")
     reader = _reader(path)
-    field = reader.fields.get
-
-    def value(key: str):
-        return field(key).contents() if field(key) is not None else None
+    value = reader.meta.get
 
     arch = value("general.architecture")
     types: dict[str, int] = {}
@@ -118,19 +115,17 @@ def describe_file(path: str | Path) -> dict:
 
 
 def _reader(path: Path):
+    """The file's metadata and tensors (``gguf_reader.read_gguf``); a corrupt file is a ModelConfigError."""
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (block sizes and dequantization)
     except ImportError:
         raise ModelConfigError("reading GGUF files needs the 'gguf' package: pip install gguf") from None
+    from vericache.model.gguf_reader import read_gguf
+
     try:
-        return GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
+        return read_gguf(path)
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
         raise ModelConfigError(f"corrupt GGUF file {path}: {exc}") from None
-
-
-def _meta(reader) -> dict:
-    """Every metadata field as a Python value (token arrays included)."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def hf_config(meta: dict) -> dict:
@@ -305,7 +300,7 @@ def write_hf_dir(path: Path, out: Path) -> None:
     from vericache.model.gguf_tokenizer import build_tokenizer
 
     reader = _reader(path)
-    meta = _meta(reader)
+    meta = reader.meta
     cfg = hf_config(meta)
     if (factors := _rope_freq_factors(reader)) is not None:
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors}

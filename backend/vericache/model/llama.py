@@ -251,7 +251,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its weight, nn.Embedding skips its normal_ init: on the meta device (``load_model`` builds
+        # there) that init imports torch._dynamo, 2 s of a first load; a real model (training) still gets it
+        embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not embed.is_meta:
+            nn.init.normal_(embed)
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
