@@ -74,7 +74,32 @@ void quantize_row(const float* x, int64_t nb, int8_t* a, float* dx, float* ds, i
   }
 }
 
-// Block b of a row (K-quants: sub-block b % 8 of super-block b / 8) -> 32 codes, ws, wm, sc
+#if defined(__AVX2__)
+// 32 bits -> 32 bytes, byte j all ones where bit j is set (llama.cpp's bytes_from_bits_32): byte j
+// takes byte j / 8 of x, ORed with all bits but bit j % 8
+VC_INLINE __m256i bits_to_bytes(uint32_t x) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// 16 bytes of nibbles -> 32 codes, the low nibbles then the high ones (Q4_0/Q4_1/Q5_0/Q5_1's order)
+VC_INLINE __m256i nibbles32(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+// (p[i] >> shift) & mask for 32 bytes: the 16-bit shift brings the next byte's bits in at 8 - shift and
+// up, which every mask used here (below 1 << (8 - shift)) clears
+VC_INLINE __m256i field32(const uint8_t* p, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)p), shift), _mm256_set1_epi8((char)mask));
+}
+#endif
+
+// Block b of a row (K-quants: sub-block b % 8 of super-block b / 8) -> 32 codes, ws, wm, sc. The AVX2
+// build decodes 32 codes in a few vector instructions, the scalar loop is the reference (the same codes:
+// tests compare every build's outputs bit for bit).
 template <int F>
 VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws, float* wm, int32_t* sc) {
   *wm = 0.0f;
@@ -85,9 +110,7 @@ VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws
     *ws = rdh(blk);
     if (F == Q4_1) *wm = rdh(blk + 2);
 #if defined(__AVX2__)
-    const __m128i q = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
-    _mm_storeu_si128((__m128i*)u, _mm_and_si128(q, mask));
-    _mm_storeu_si128((__m128i*)(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    _mm256_storeu_si256((__m256i*)u, nibbles32(qs));
 #else
     for (int j = 0; j < 16; ++j) { u[j] = qs[j] & 0x0f; u[j + 16] = qs[j] >> 4; }
 #endif
@@ -98,8 +121,13 @@ VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws
     uint32_t qh;
     std::memcpy(&qh, blk + (F == Q5_1 ? 4 : 2), 4);
     const uint8_t* qs = blk + (F == Q5_1 ? 8 : 6);
+#if defined(__AVX2__)   // code j's fifth bit is bit j of qh
+    _mm256_storeu_si256((__m256i*)u, _mm256_or_si256(nibbles32(qs), _mm256_and_si256(bits_to_bytes(qh),
+                                                                                     _mm256_set1_epi8(0x10))));
+#else
     for (int j = 0; j < 32; ++j)
       u[j] = (uint8_t)((j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4)) | ((qh >> j) & 1) << 4);
+#endif
   } else if (F == Q8_0) {
     const uint8_t* blk = row + b * block_bytes(F);
     *ws = rdh(blk);
@@ -112,21 +140,36 @@ VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws
     *ws = rdh(blk) * (float)s;           // exact: 11 x 6 significant bits
     *wm = -(rdh(blk + 2) * (float)m);
     const uint8_t* q = blk + (F == Q5_K ? 48 : 16) + 32 * (j / 2);
+#if defined(__AVX2__)   // sub-block j: the low (even j) or high nibbles of 32 bytes; Q5_K: bit j of qh's bytes
+    __m256i v = field32(q, (j & 1) ? 4 : 0, 0x0f);
+    if (F == Q5_K) v = _mm256_or_si256(v, _mm256_slli_epi16(field32(blk + 16, j, 1), 4));
+    _mm256_storeu_si256((__m256i*)u, v);
+#else
     for (int l = 0; l < 32; ++l) {
       int v = (j & 1) ? (q[l] >> 4) : (q[l] & 0x0f);
       if (F == Q5_K) v |= ((blk[16 + l] >> j) & 1) << 4;
       u[l] = (uint8_t)v;
     }
+#endif
   } else {   // Q6_K
     const uint8_t* blk = row + (b / 8) * block_bytes(F);
     const uint8_t *ql = blk, *qh = blk + 128;
     const int8_t* scales = (const int8_t*)(blk + 192);
     *ws = rdh(blk + 208);
+#if defined(__AVX2__)   // sub-block s: element 32 s + i is half h = s / 4's position r = 32 (s % 4) + i, so
+    // its low 4 bits are nibble r / 64 of ql[64 h + r % 64] and its high 2 bits field s % 4 of qh[32 h + i]
+    const int sb = (int)(b % 8), h = sb / 4, r0 = 32 * (sb % 4);
+    const __m256i lo = field32(ql + 64 * h + r0 % 64, 4 * (r0 / 64), 0x0f);
+    const __m256i hi = field32(qh + 32 * h, 2 * (sb % 4), 3);
+    _mm256_storeu_si256((__m256i*)u, _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
+                                                     _mm256_set1_epi8(32)));
+#else
     for (int i = 0; i < 32; ++i) {
       const int e = 32 * (int)(b % 8) + i, h = e / 128, r = e % 128;
       const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0f, hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
       u[i] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
     }
+#endif
     const int e0 = 32 * (int)(b % 8);
     *sc = (int32_t)(uint16_t)(int16_t)scales[e0 / 16] | (int32_t)((uint32_t)(uint16_t)(int16_t)scales[e0 / 16 + 1] << 16);
   }
@@ -134,14 +177,20 @@ VC_INLINE void decode_block(const uint8_t* row, int64_t b, uint8_t* u, float* ws
 
 
 #if defined(__AVX2__)
-// Block b of a row as 32 codes in a register (and ws, wm, Q6_K's scales; Q4_0/Q4_1/Q8_0 leave those
-// to the caller, which converts 8 rows' scales at once)
+// Formats whose scale (and min) are the block's first fp16s: the few-row path converts 8 rows' at once
+constexpr bool scales_first(int F) { return F == Q4_0 || F == Q4_1 || F == Q5_0 || F == Q5_1 || F == Q8_0; }
+
+// Block b of a row as 32 codes in a register (and ws, wm, Q6_K's scales; ``scales_first`` formats leave
+// those to the caller)
 template <int F>
 VC_INLINE __m256i load_codes(const uint8_t* row, int64_t b, float* ws, float* wm, int32_t* sc) {
-  if (F == Q4_0 || F == Q4_1) {
+  if (F == Q4_0 || F == Q4_1) return nibbles32(row + b * block_bytes(F) + (F == Q4_1 ? 4 : 2));
+  if (F == Q5_0 || F == Q5_1) {
     const uint8_t* blk = row + b * block_bytes(F);
-    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (F == Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+    uint32_t qh;
+    std::memcpy(&qh, blk + (F == Q5_1 ? 4 : 2), 4);
+    return _mm256_or_si256(nibbles32(blk + (F == Q5_1 ? 8 : 6)),
+                           _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
   }
   if (F == Q8_0) {
     const uint8_t* blk = row + b * block_bytes(F);
@@ -211,7 +260,7 @@ constexpr int PF_ROWS = 16;   // decode: weight rows read ahead (software prefet
 template <int F, int MT>
 void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, int64_t n_end, const QActs& X,
                  int64_t m0, float* const* ys, const float* bias) {
-  constexpr bool simple = F == Q4_0 || F == Q4_1 || F == Q8_0;   // scales at the block's start
+  constexpr bool simple = scales_first(F);
   const uint8_t* rows[8];
   for (int j = 0; j < 8; ++j) rows[j] = w + (n0 + (j < valid ? j : valid - 1)) * row_bytes;
   const int64_t ahead = std::min<int64_t>(PF_ROWS, n_end - 1 - n0) * row_bytes;
@@ -233,7 +282,7 @@ void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, int
         v[i][j] = block_dot<F>(u, _mm256_loadu_si256((const __m256i*)(X.a.data() + ((m0 + i) * X.nb + b) * 32)), sc);
     }
     const __m256 wsv = simple ? halves8(blk, 0) : _mm256_load_ps(ws);
-    const __m256 wmv = F == Q4_1 ? halves8(blk, 2) : simple ? _mm256_setzero_ps() : _mm256_load_ps(wm);
+    const __m256 wmv = (F == Q4_1 || F == Q5_1) ? halves8(blk, 2) : simple ? _mm256_setzero_ps() : _mm256_load_ps(wm);
     for (int i = 0; i < MT; ++i) acc[i] = combine<F>(acc[i], reduce8(v[i]), wsv, wmv, X, m0 + i, b);
   }
   for (int i = 0; i < MT; ++i) store_outputs(acc[i], ys[m0 + i], n0, valid, bias);
