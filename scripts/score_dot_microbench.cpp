@@ -5,7 +5,7 @@
 //   i8   int8 x int8 with AVX2 maddubs (llama.cpp's Q8_0 sign trick), 32-channel blocks, fp32 block scales
 //   i16  int16 queries x int8 keys widened once per key (madd_epi16)
 // Build and run: g++ -O3 -march=native -ffp-contract=off -funroll-loops scripts/score_dot_microbench.cpp -o /tmp/sdm && /tmp/sdm
-// Prints G multiply-adds/s for each, three times. Results: docs/BENCHMARKS.md, "Integer scores on AVX2".
+// Prints G multiply-adds/s for each, three times. Results: docs/history/BENCHMARKS-by-issue.md, "Integer scores on AVX2".
 #include <immintrin.h>
 #include <chrono>
 #include <cstdio>

@@ -1,5 +1,6 @@
 """Reports people read: a markdown table of rows, and a dated section with the exact command appended
-to a markdown file (``--record docs/BENCHMARKS.md``). Shared by the benches and ``vericache sim``."""
+to a markdown file (``--record docs/history/BENCHMARKS-by-issue.md``, the log; docs/BENCHMARKS.md keeps
+the latest figures). Shared by the benches and ``vericache sim``."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def run(model_name: str, prompts: list[list[int]], max_tokens: int, log=print, f
         copies: bool = False) -> dict | None:
     """llama.cpp's row for ``prompts`` decoded together; None when the model has no GGUF. ``copies``:
     prefill the first prompt only and decode every sequence from a copy of its KV (for batches whose
-    prefill would take long: llama.cpp prefilled ~73 tokens/s on the machine of docs/BENCHMARKS.md)."""
+    prefill would take long: llama.cpp prefilled ~73 tokens/s on the machine of docs/history/BENCHMARKS-by-issue.md, issue 19)."""
     gguf = gguf_path(model_name)
     if gguf is None:
         log(f"llama.cpp: {model_name} has no GGUF file; no llama.cpp row")
