@@ -270,7 +270,6 @@ def dense_matrices(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[
     return out
 
 
-
 def _rope_freq_factors(reader) -> list[float] | None:
     """The ``rope_freqs`` tensor [D/2] (llama.cpp divides each RoPE frequency by its factor: Llama 3.x's
     scaling precomputed by its converter, whose parameters the file does not keep), or None."""
