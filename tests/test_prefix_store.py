@@ -210,6 +210,9 @@ def test_prefix_cli(llm, redis_server, prefix, tmp_path, capsys):
     assert main(["prefix", "ls", *base]) == 0
     ls = json.loads(capsys.readouterr().out)
     assert ls["redis"].count(".") == 2 and put["id"] in [p["id"] for p in ls["prefixes"]]
+    assert ls["model_id"].endswith("-fp32")
+    assert main(["prefix", "ls", "--numerics", "q8", *base]) == 0      # every model flag reaches the load
+    assert json.loads(capsys.readouterr().out)["model_id"].endswith("-q8")
     assert main(["prefix", "rm", "--id", put["id"], *base]) == 0
     assert json.loads(capsys.readouterr().out)["deleted_keys"] >= 2
     assert main(["prefix", "rm", *base]) == 2  # neither --id nor --all

@@ -296,3 +296,20 @@ def test_front_ends_reach_into_no_engine_internals():
 
 def test_the_step_loop_and_the_model_runner_are_built_in_one_module():
     assert constructions("StepLoop") == constructions("ModelRunner") == {"vericache.engine.engine"}
+
+
+
+def calls_load_model(text: str) -> bool:
+    """Whether code calls ``model.loader.load_model`` itself (``load_model(...)``), not a config's method."""
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "load_model"
+               for node in ast.walk(ast.parse(text)))
+
+
+def test_a_config_becomes_a_model_in_one_place():
+    """``EngineConfig.load_model`` loads for the engine, the server, the verifier and ``vericache prefix``
+    (before it, one caller dropped ``--kernels`` and ``--numerics``); only ``LLM``, which also takes torch
+    dtypes and devices, calls the loader itself."""
+    core = [p for p in library_files() if module_name(p).startswith("vericache.")]   # the lab's benches aside
+    callers = {module_name(p) for p in core if module_name(p) != "vericache.model.loader" and calls_load_model(p.read_text())}
+    assert callers == {"vericache.engine.config", "vericache.llm"}
+    assert calls_load_model("m = load_model('x', kernels=k)") and not calls_load_model("m = config.load_model()")

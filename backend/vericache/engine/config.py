@@ -104,6 +104,15 @@ class EngineConfig:
         """Whether the full KV lives in a host tier behind a link, on a device of ``device_type``."""
         return device_type != "cpu" if self.tiered is None else self.tiered
 
+    def load_model(self):
+        """The model this config names, loaded where and as it says (device, dtypes, kernels, numerics): the
+        one place a config becomes a ``LoadedModel`` (the engine, the server, the verifier, ``vericache
+        prefix``), so none of them drops a field."""
+        from vericache.model.loader import load_model
+
+        return load_model(self.model, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
+                          kernels=self.kernels, numerics=self.numerics)
+
     # ------------------------------------------------------------------ the other two ways in
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
@@ -120,9 +129,11 @@ class EngineConfig:
         return cls(**values)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        """From the flags ``add_engine_args`` added (``--device-budget-gb 0``: no limit)."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    def from_args(cls, args: argparse.Namespace, only: tuple[str, ...] | None = None) -> "EngineConfig":
+        """From the flags ``add_engine_args`` added (``--device-budget-gb 0``: no limit); ``only``: just these
+        fields (a command whose other flags mean something else, e.g. ``MODEL_FIELDS``), the rest defaults."""
+        names = only or [f.name for f in fields(cls)]
+        values = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if values.get("device_budget_gb") == 0:
             values["device_budget_gb"] = None
         return cls(**values)
@@ -150,6 +161,7 @@ DEFAULTS = EngineConfig()
 
 
 ARG_GROUPS = ("model", "mode", "loop")
+MODEL_FIELDS = ("model", "device", "dtype", "kv_dtype", "kernels", "numerics")   # the "model" group's
 
 
 def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:

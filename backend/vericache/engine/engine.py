@@ -29,7 +29,7 @@ from vericache.engine.requests import Served, State, StepOutput
 from vericache.engine.runner import ModelRunner, SharedPrefill
 from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
-from vericache.model.loader import LoadedModel, load_model
+from vericache.model.loader import LoadedModel
 from vericache.model.tokenizer import Tokenizer
 from vericache.sampling import RequestOutput, SamplingParams, Sequence
 
@@ -65,9 +65,7 @@ class Engine:
         c = self.config
         if loaded is not None and c.numerics not in (None, loaded.numerics):
             raise ValueError(f"numerics {c.numerics!r} asked of a model loaded in {loaded.numerics!r} numerics")
-        self.loaded = loaded if loaded is not None else load_model(c.model, device=c.device, dtype=c.dtype,
-                                                                   kv_dtype=c.kv_dtype, kernels=c.kernels,
-                                                                   numerics=c.numerics)
+        self.loaded = loaded if loaded is not None else c.load_model()
         self.runner = ModelRunner(self.loaded, mode=c.mode, compressor=c.compressor, draft_len=c.draft_len,
                                   prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights, lookup=c.lookup,
                                   acceptance=c.acceptance)

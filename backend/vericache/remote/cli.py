@@ -10,11 +10,11 @@ from vericache.cli_args import add_model_args
 
 
 def _store(args):
-    from vericache.model.loader import load_model
+    from vericache.engine.config import MODEL_FIELDS, EngineConfig
     from vericache.remote.prefixes import model_id
     from vericache.remote.store import PrefixStore
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    loaded = EngineConfig.from_args(args, only=MODEL_FIELDS).load_model()   # --kernels, --numerics too
     return loaded, PrefixStore(args.redis, model_id(loaded), args.block_tokens)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.engine.engine import Engine
-from vericache.model.loader import load_model
 from vericache.serving.service import BackgroundService
 
 
@@ -15,8 +14,7 @@ def build_service(config: EngineConfig = DEFAULTS, prefix_store: str | None = No
     ``prefix_model_id``: the id the store and the verifier know the model's KV by (default: this
     model's own, ``remote.prefixes.model_id``); a drafter in a cheaper dtype than its verifier sets
     the verifier's, as its drafts only need to be close, while the verifier's KV must be exact."""
-    loaded = load_model(config.model, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
-                        kernels=config.kernels, numerics=config.numerics)
+    loaded = config.load_model()
     fetcher = client = None
     if prefix_store or verifier:
         from vericache.remote.prefixes import model_id

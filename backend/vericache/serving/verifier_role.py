@@ -8,7 +8,6 @@ import signal
 import threading
 
 from vericache.engine.config import EngineConfig
-from vericache.model.loader import load_model
 from vericache.remote.prefixes import model_id
 from vericache.remote.server import start_server
 from vericache.remote.store import PrefixStore
@@ -24,8 +23,7 @@ def run_verifier(config: EngineConfig, host: str, port: int, prefix_store: str |
     """``config``: the model and where it runs (the verifier decodes in full mode). ``trace``: also write the verifier's events (fetches, prefills, verifications) to this
     JSON-lines file (``serving.trace``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    loaded = load_model(config.model, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
-                        kernels=config.kernels, numerics=config.numerics)
+    loaded = config.load_model()
     mid = model_id(loaded)
     store = PrefixStore(prefix_store, mid) if prefix_store else None
     core = VerifierCore(loaded, store, store_prefixes)
