@@ -197,7 +197,7 @@ def test_the_compose_stack_runs_healthy_and_prometheus_scrapes_it(images):
         up = subprocess.run([*cmd, "up", "-d"], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
         services = {"gateway", "triton", "redis", "verifier", "prometheus"}
-        end, health = time.monotonic() + 300, {}
+        end, health = time.monotonic() + 600, {}   # five services starting at once on 2 cores
         while time.monotonic() < end:
             ids = subprocess.run([*cmd, "ps", "-q"], env=env, capture_output=True, text=True).stdout.split()
             health = {c["Config"]["Labels"]["com.docker.compose.service"]: c["State"].get("Health", {}).get("Status")
