@@ -129,7 +129,8 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
         setattr(model.get_submodule(module), field, torch.nn.Parameter(torch.empty(0), requires_grad=False))
     model = model.to_empty(device="cpu")
     state = load_state_dict(path, skip=frozenset(stored))
-    state.update(dense_matrices(path, skip=frozenset(stored) | frozenset(state)))   # a GGUF model off the blocks path
+    if not stored:   # a GGUF model off the blocks path (CUDA, PyTorch's kernels): its matrices dequantized here
+        state.update(dense_matrices(path, skip=frozenset(state)))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         model.lm_head.weight = model.model.embed_tokens.weight
