@@ -96,6 +96,37 @@ def test_one_model_prices_every_row_kind_and_the_offloaded_modes():
     assert StepCosts(**c.to_dict()) == c
 
 
+def test_a_measured_weights_curve_prices_the_rows_and_the_rest_is_fitted():
+    """Integer matmuls on a CPU grow with rows along no line through one row's cost (the 0.5B code model
+    on AVX2: 57 ms at 1 row, 75 at 2, 280 at 16): with the measured curve the fit recovers the other
+    terms exactly and prices a 9-row verification as the curve does; a line through the same steps
+    misprices it."""
+    curve = lambda rows: 0.057 if rows <= 1 else 0.057 + 0.018 * (rows - 1) ** 0.9   # noqa: E731
+    true_c0, true_byte, true_pair = 0.004, 5e-11, 4e-9
+    steps, t = [], 0.0
+    for i in range(30):
+        verify = i % 3 == 0
+        rows = 2 + i % 15 if verify else 1
+        kv, pairs = (1e8 + 1e7 * (i % 5), rows * (2000 + 100 * i)) if verify else (1.3e7 + 1e6 * (i % 4), 256 + 8 * i)
+        dt = true_c0 + curve(rows) + kv * true_byte + pairs * true_pair
+        steps.append(StepRecord(t, t + dt, "verify" if verify else "draft", 1, rows, kv, pairs))
+        t += dt
+    fit = StepCosts.fit(steps, curve)
+    assert fit.matmuls is curve and fit.usable()
+    for got, want in ((fit.c0, true_c0), (fit.t_byte, true_byte), (fit.t_pair, true_pair)):
+        assert got == pytest.approx(want, rel=1e-6)
+    chunk = (1.2e8, 9 * 3000)
+    truth = true_c0 + curve(9) + chunk[0] * true_byte + chunk[1] * true_pair
+    assert fit.seconds(9, *chunk) == pytest.approx(truth, rel=1e-6)
+    line = StepCosts.fit(steps)
+    errors = [abs(line.seconds(rows, *chunk) / (true_c0 + curve(rows) + chunk[0] * true_byte + chunk[1] * true_pair) - 1)
+              for rows in (1, 2, 9, 32)]
+    assert max(errors) > 0.03   # a line through the same steps misprices some row counts
+    cost = DraftCost(calibrate=lambda: Calibration(np.zeros((0, 4)), np.zeros(0), fit))
+    cost.refit([], 0)
+    assert cost.matmuls is curve and cost.source == "calibrated"     # the engine's own fits take the curve
+
+
 def test_draft_cost_chooses_full_steps_where_no_round_pays():
     cost = DraftCost(fitted=StepCosts(c0=0.001, t_byte=1e-9))          # a step's fixed cost plus its bytes
     full_row = lambda k: (1e6, 0)                                       # noqa: E731 - a chunk reads the full KV once
@@ -188,12 +219,12 @@ def test_calibration_times_the_model_itself(llm):
 
 
 def test_the_first_round_is_priced_before_any_step_and_explores_short(llm):
-    """With costs from the first step (the calibration), a batch's first rounds are priced at an
-    optimistic acceptance: where even then no round pays they draft ``min_len``, not the policy's start
-    (8). One request alone never asks for the calibration: the policy's round, until the engine's own fit."""
+    """With costs from the first step (the calibration), the first rounds, of a batch or of one request,
+    are priced at an optimistic acceptance: where even then no round pays they draft ``min_len``, not
+    the policy's start (8)."""
     from vericache import Engine, SamplingParams
 
-    for n, first in ((2, DraftLengthPolicy().min_len), (1, DraftLengthPolicy().start)):
+    for n, first in ((2, DraftLengthPolicy().min_len), (1, DraftLengthPolicy().min_len)):
         engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
         planner = engine.loop.scheduler.planner
         # every forward costs the same: no round pays
@@ -203,7 +234,7 @@ def test_the_first_round_is_priced_before_any_step_and_explores_short(llm):
                                SamplingParams(max_tokens=24, ignore_eos=True))
         while not engine.instruments.round_log:
             engine.step()
-        assert planner.cost.source == ("calibrated" if n > 1 else "none")
+        assert planner.cost.source == "calibrated"
         assert engine.instruments.round_log[0][1] == first
 
 
@@ -226,15 +257,16 @@ def test_engines_over_one_model_share_one_calibration_made_at_load():
     assert len(loaded.calibration) == 1
 
 
-def test_calibrated_costs_veto_a_batchs_rounds_but_not_one_requests(llm):
-    """Until the engine's own fit, costs from the calibration (random K/V) veto rounds only in a batch:
-    there, after each request's short probe, plain full steps; one request alone drafts the policy's rounds."""
+def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
+    """Until the engine's own fit, costs from the calibration (random K/V) decide whether rounds pay, in
+    a batch and for one request alone: where none pays, plain full steps after each request's short
+    probe; where rounds pay, the policy's length (the calibration never sizes a round)."""
     from vericache import Engine, SamplingParams
 
-    def second_rounds(n: int) -> list[int]:
+    def second_rounds(n: int, costs: StepCosts) -> list[int]:
         engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
         planner = engine.loop.scheduler.planner
-        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), StepCosts(c0=1.0))
+        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), costs)
         planner.cost.every = 10 ** 9   # no online fit in this test: the calibration's costs throughout
         for i in range(n):
             engine.add_request(llm.tokenizer.encode(f"def f{i}(x):\n    return x\n" * 8),
@@ -245,8 +277,11 @@ def test_calibrated_costs_veto_a_batchs_rounds_but_not_one_requests(llm):
         return [next(d for rid, d, *_ in log[n:] if rid == r) if any(x[0] == r for x in log[n:]) else None
                 for r in sorted({x[0] for x in log[:n]})]
 
-    assert all(d == 0 for d in second_rounds(3))     # a batch: full steps after the probes (drafted 0)
-    assert second_rounds(1)[0] >= 4                  # alone: the policy's round
+    same_cost = StepCosts(c0=1.0)                    # every forward costs the same: no round pays
+    assert all(d == 0 for d in second_rounds(3, same_cost))     # a batch: full steps after the probes
+    assert second_rounds(1, same_cost) == [0]                    # one request too
+    bytes_bound = StepCosts(c0=1e-6, t_byte=1e-9)   # a step costs the bytes it reads: drafts pay
+    assert second_rounds(1, bytes_bound)[0] >= 4                 # the policy's round
 
 
 def test_nothing_is_timed_under_tritons_interpreter(llm):
@@ -260,19 +295,22 @@ def test_nothing_is_timed_under_tritons_interpreter(llm):
     assert calibrate(interpreted).costs is None and len(calibrate(interpreted).x) == 0
 
 
-def test_the_library_times_step_costs_only_when_a_batch_asks():
+def test_the_library_times_step_costs_at_the_first_draft_length_asked():
     """A server's engine times its model when built (no request pays it); the offline ``LLM`` leaves it
-    to the first batch whose draft length asks, so a one-prompt script starts ~2-3 s sooner."""
+    to the first choice of a draft length, after the first token (from prefill), so a one-prompt script's
+    first token never waits for it."""
     import vericache
     from vericache import SamplingParams
     from vericache.engine.engine import Engine
 
     llm = vericache.LLM("tiny", mode="vericache")
     assert llm.loaded.calibration == []
+    llm.generate("def f(x):\n", SamplingParams(max_tokens=1))
+    assert llm.loaded.calibration == []              # the first token alone: never asked
     llm.generate("def f(x):\n", SamplingParams(max_tokens=8))
-    assert llm.loaded.calibration == []              # one request: never asked
+    assert len(llm.loaded.calibration) == 1          # the first round's draft length asked
     llm.generate(["def f(x):\n", "class A:\n"], SamplingParams(max_tokens=8))
-    assert len(llm.loaded.calibration) == 1          # a batch's draft length asked, once
+    assert len(llm.loaded.calibration) == 1          # once per model
     server_side = vericache.LLM("tiny", mode="vericache").loaded
     Engine(server_side, mode="vericache")
     assert len(server_side.calibration) == 1

@@ -148,6 +148,19 @@ def test_auto_draft_weights_measure_and_pick_per_step(llm):
     assert ModelRunner(llm.loaded, draft_weights="fp32").draft_kind(4) == "fp32"
 
 
+def test_auto_in_the_q8_numerics_times_the_exact_weights_once():
+    """A q8 model's exact rows already run the q8 dots: "auto" builds and times no "q8" set beside them
+    (the same op twice), and every draft row runs the exact weights."""
+    from vericache.model.loader import load_model
+
+    loaded = load_model("smollm2-135m")   # its own: other tests build sets on the session's model
+    runner = ModelRunner(loaded, mode="vericache", draft_weights="auto")
+    assert loaded.numerics == "q8" and runner.auto_draft_kinds() == ()
+    runner.build_drafts()
+    assert loaded.model.draft_sets == {} and set(loaded.model.draft_choice.seconds) == {"fp32"}
+    assert runner.draft_kind(1) == runner.draft_kind(64) == "fp32"
+
+
 def test_drafts_are_built_at_a_serving_engines_start_and_an_llms_first_draft_step():
     """A server (``Engine``) times its draft weights before any request; the offline ``LLM`` leaves them
     to the first draft step, so a script's first token never waits for them."""

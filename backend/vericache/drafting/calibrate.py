@@ -16,13 +16,16 @@ few strong keys), so the planner lets these costs veto rounds but not size them 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from vericache.drafting.cost import StepCosts
 from vericache.kv.full import FullKVCache
+from vericache.model.draft_weights import measured_choice
 from vericache.timing import best_seconds
 
 CONTEXTS = (256, 4096)   # positions in each scratch cache (the long one within the model's limit)
@@ -39,10 +42,13 @@ class Calibration:
 
 
 @torch.inference_mode()
-def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2) -> Calibration:
-    """Time ``loaded`` (a ``LoadedModel``) at ``SHAPES`` over scratch caches of each context. Nothing is
-    timed for the Triton kernels on a CPU: Triton's interpreter (gpu-check's dry run) runs them in numpy,
-    minutes a forward at 4096 positions, and its times describe no machine."""
+def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2,
+              matmuls: Callable[[int], float] | None = None) -> Calibration:
+    """Time ``loaded`` (a ``LoadedModel``) at ``SHAPES`` over scratch caches of each context; with
+    ``matmuls`` (the weights' measured seconds at a row count) the costs price the weights by that curve
+    (``StepCosts.from_samples``). Nothing is timed for the Triton kernels on a CPU: Triton's interpreter
+    (gpu-check's dry run) runs them in numpy, minutes a forward at 4096 positions, and its times describe
+    no machine."""
     model, cfg, dev = loaded.model, loaded.config, loaded.device
     if loaded.kernels == "triton" and dev.type == "cpu":
         return Calibration(np.zeros((0, 4)), np.zeros(0), None)
@@ -64,14 +70,19 @@ def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2) ->
             features.append([1.0, n * rows, kv_bytes, pairs])
             seconds.append(best_seconds(run, repeats))
     x, y = np.array(features), np.array(seconds)
-    costs = StepCosts.from_samples(x, y)
+    costs = StepCosts.from_samples(x, y, matmuls)
     return Calibration(x, y, costs if costs.usable() else None)
 
 
 def model_calibration(loaded) -> Calibration:
     """``loaded``'s calibration, timed at the first ask and kept on it (``LoadedModel.calibration``), so
-    every engine over one model shares it: the engine asks when it is built (``Engine``), not in a
-    request's path."""
+    every engine over one model shares it: a serving engine asks when it is built (``Engine``), the
+    offline ``LLM`` at its first choice of a draft length. On the CPU's linear op the weights are priced
+    by their own measured matmuls (``draft_weights.measured_choice``: its exact weights' row)."""
     if not loaded.calibration:
-        loaded.calibration.append(calibrate(loaded))
+        matmuls = None
+        if loaded.model.head_exact is not None:
+            choice = measured_choice(loaded.model)
+            matmuls = functools.partial(choice.seconds_at, "fp32")
+        loaded.calibration.append(calibrate(loaded, matmuls=matmuls))
     return loaded.calibration[0]

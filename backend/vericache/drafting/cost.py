@@ -64,29 +64,39 @@ class StepCosts:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence) -> "StepCosts | None":
+    def fit(cls, steps: Sequence, matmuls: Callable[[int], float] | None = None) -> "StepCosts | None":
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
-        (t_seq folds into t_row: a decode step has one row per sequence). None until there are enough
-        steps, with and without verification."""
+        (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
+        weights' measured seconds at a row count) that curve in place of rows * t_row. None until there
+        are enough steps, with and without verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        return cls.from_samples(x, np.array([s.end - s.start for s in steps]))
+        return cls.from_samples(x, np.array([s.end - s.start for s in steps]), matmuls)
 
     @classmethod
-    def from_samples(cls, x: np.ndarray, seconds: np.ndarray) -> "StepCosts":
-        """The terms fitted to forwards: x [N, 4] holds each forward's (1, rows, K/V bytes, pairs)."""
-        c0, t_row, t_byte, t_pair = nonnegative_lstsq(x, seconds)
-        return cls(c0, t_row, 0.0, t_byte, t_pair)
+    def from_samples(cls, x: np.ndarray, seconds: np.ndarray,
+                     matmuls: Callable[[int], float] | None = None) -> "StepCosts":
+        """The terms fitted to forwards: x [N, 4] holds each forward's (1, rows, K/V bytes, pairs). With
+        ``matmuls`` the weights' part of each forward is that curve's (a CPU's integer matmuls need not
+        grow along a line through 0: 57 ms at 1 row, 75 at 2, 280 at 16 on the 0.5B code model, AVX2)
+        and the rest is fitted."""
+        if matmuls is None:
+            c0, t_row, t_byte, t_pair = nonnegative_lstsq(x, seconds)
+            return cls(c0, t_row, 0.0, t_byte, t_pair)
+        rest = seconds - np.array([matmuls(round(rows)) for rows in x[:, 1]])
+        c0, t_byte, t_pair = nonnegative_lstsq(x[:, [0, 2, 3]], rest)
+        return cls(c0, 0.0, 0.0, t_byte, t_pair, matmuls=matmuls)
 
     def usable(self) -> bool:
         """Whether these terms may decide: finite, none negative, and a step costing something. Timings
         too small for the clock (the ``tiny`` model's steps on a fast CPU) can fit every term to 0.0, and
         such a fit prices every choice at zero seconds."""
         terms = list(self.to_dict().values())
-        return all(np.isfinite(t) and t >= 0 for t in terms) and self.c0 + self.t_row + self.t_seq > 0
+        per_step = self.c0 + self.t_seq + (self.matmuls(1) if self.matmuls is not None else self.t_row)
+        return all(np.isfinite(t) and t >= 0 for t in terms) and per_step > 0
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -154,28 +164,31 @@ def best_draft_len(alpha: float, draft_s: float, verify_s: Callable[[int], float
 
 @dataclass
 class DraftCost:
-    """The engine's cost-based draft length: costs from ``calibrate`` (timed forwards of the model, asked
-    once at the first choice: ``drafting.calibrate``) until the engine's own forwards fit, then refitted
-    from them at most every ``every`` steps. A fit that is not ``usable`` never replaces the costs in hand."""
+    """The engine's cost-based draft length: costs from ``calibrate`` (timed forwards of the model and
+    its weights' measured matmuls, asked once at the first choice: ``drafting.calibrate``) until the
+    engine's own forwards fit, then refitted from them at most every ``every`` steps, the weights priced
+    by the calibration's measured curve where it has one. A fit that is not ``usable`` never replaces
+    the costs in hand."""
 
     every: int = 8
     calibrate: Callable[[], object] | None = field(default=None, repr=False)   # -> a ``Calibration``
     fitted: StepCosts | None = None
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
+    matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
     _fitted_at: int = field(default=0, repr=False)
 
-    def refit(self, steps: Sequence, n_steps: int, batch: bool = True) -> None:
-        """Before a choice: refit from the latest 96 ``steps`` when ``every`` forwards ran since the
-        last fit (``n_steps``: forwards recorded so far); calibrate first if nothing is in hand and the
-        choice is a batch's (``batch``: the calibration only vetoes a batch's rounds, so one request
-        never waits for it)."""
-        if self.calibrate is not None and batch:
+    def refit(self, steps: Sequence, n_steps: int) -> None:
+        """Before a choice: calibrate if not yet asked (once), then refit from the latest 96 ``steps``
+        when ``every`` forwards ran since the last fit (``n_steps``: forwards recorded so far)."""
+        if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
-            if self.fitted is None and calibration.costs is not None:
-                self.fitted, self.source = calibration.costs, "calibrated"
+            if calibration.costs is not None:
+                self.matmuls = calibration.costs.matmuls
+                if self.fitted is None:
+                    self.fitted, self.source = calibration.costs, "calibrated"
         if n_steps - self._fitted_at >= self.every:
             self._fitted_at = n_steps
-            fit = StepCosts.fit(list(steps)[-96:])
+            fit = StepCosts.fit(list(steps)[-96:], self.matmuls)
             if fit is not None and fit.usable():
                 self.fitted, self.source = fit, "fitted"
 
@@ -202,9 +215,10 @@ class DraftCost:
         ``room`` at most: the L that maximises drafts a second, expected_tokens(keep, L) drafts from one
         step of L + 1 rows over the compressed KV (``keep``: the request's per-token rate of kept
         proposal tokens), against one draft a single-row step. ``draft_cost(rows)``: (K/V bytes, pairs)
-        of that many rows over the compressed KV. Before the engine's own fit: ``room`` (the calibration's
-        linear row cost prices a few more rows at one weight read too high: it never sizes a step)."""
-        if room < 1 or self.source != "fitted":
+        of that many rows over the compressed KV. Without the engine's own fit or a measured weights
+        curve: ``room`` (a calibration's linear row cost prices a few more rows at one weight read too
+        high)."""
+        if room < 1 or self.fitted is None or (self.source != "fitted" and self.fitted.matmuls is None):
             return max(room, 0)
         f = self.fitted
         share = f.c0 / max(n_active, 1)

@@ -336,7 +336,7 @@ class DraftPlanner:
         if not proposal:
             return []
         pos = r.position + len(rs.drafts)
-        self.cost.refit(self.instruments.steps, self.instruments.n_steps, batch=False)   # only a fit sizes proposals
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
         n = self.cost.proposal_len(r.lookup.keep_rate(), self.n_active(),
                                    lambda rows: r.draft.attention_cost(pos, rows), len(proposal))
         return proposal[:n]
@@ -355,16 +355,17 @@ class DraftPlanner:
         tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
         drafts one probe round. A probe, and a request's first round, is priced at an optimistic
         acceptance (``DraftState.acceptance``): where even then no round pays (a CPU batch, whose verified
-        rows cost a third of a full row) it drafts only ``min_len``, else the policy's ``k`` (one request at
-        8K: a long first round measures a high acceptance at once). Until the engine's own fit exists the
-        calibration only vetoes rounds, and only in a batch (timed on random K/V it prices attention above
-        real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2; one request's misjudged round costs one
-        round, a batch's first rounds all land in the same steps). The draft row is priced at the
-        drafter's last commit (``draft_position``)."""
+        rows cost a third of a full row; one request of the 0.5B code model on AVX2, whose draft row costs
+        what a full row does below 8K and whose verified rows cost a third of one more each) it drafts
+        only ``min_len``, else the policy's ``k`` (one request at 8K: a long first round measures a high
+        acceptance at once). Until the engine's own fit exists the calibration only vetoes rounds (timed
+        on random K/V it prices attention above real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2),
+        so the policy sizes the rounds it lets through. The draft row is priced at the drafter's last
+        commit (``draft_position``)."""
         st, policy = r.policy_state, r.opts.policy
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
-        self.cost.refit(self.instruments.steps, self.instruments.n_steps, batch=n > 1)
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.draft.attention_cost(draft_position(r.draft, pos), 1),
                                   lambda j: r.full.attention_cost(pos, j + 1), k_max)
@@ -373,8 +374,8 @@ class DraftPlanner:
         if probing:   # explore: the policy's length where a round may pay, else the shortest round
             st.probe = False
             return k if choice > 0 else min(policy.min_len, k_max)
-        if self.cost.source != "fitted" and (choice > 0 or n == 1):
-            return k   # the calibration may veto a batch's rounds; until the engine's own fit, the policy sizes them
+        if self.cost.source != "fitted" and choice > 0:
+            return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
         if choice == 0:
             st.backoff = min(2 * st.backoff, 16 * policy.cooldown) if st.backoff else policy.cooldown
             st.cooldown, st.probe = st.backoff, True

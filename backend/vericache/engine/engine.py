@@ -58,8 +58,8 @@ class Engine:
         drafter side of remote prefix caching; ``link``: the tiered KV's link (made when needed).
         ``time_costs_now``: build the draft weights and time them and the model's step costs
         (``drafting.calibrate``; 2-8 s together on 2 cores) here, so no served request pays them; False (the
-        offline ``LLM``): at the first draft step, the costs at the first batch whose draft length asks, so
-        a one-prompt script's first token never waits for them."""
+        offline ``LLM``): at the first choice of a draft length and the first draft step, after the first
+        token (from prefill), so a one-prompt script's first token never waits for them."""
         config = config or DEFAULTS
         self.config = config.replace(**settings) if settings else config
         c = self.config
