@@ -313,3 +313,51 @@ def test_a_config_becomes_a_model_in_one_place():
     callers = {module_name(p) for p in core if module_name(p) != "vericache.model.loader" and calls_load_model(p.read_text())}
     assert callers == {"vericache.engine.config", "vericache.llm"}
     assert calls_load_model("m = load_model('x', kernels=k)") and not calls_load_model("m = config.load_model()")
+
+
+CACHE_METHODS = {"parts", "attend", "layered_parts", "attention_cost"}   # what a forward asks a cache
+
+
+def undeclared_caches(sources: dict[str, str]) -> list[str]:
+    """Classes that answer a forward's questions (``CACHE_METHODS``) without naming a base: each must
+    be declared against ``kv.protocol.KVCache`` (checked on the imported class), never found by
+    ``hasattr``."""
+    found = []
+    for where, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.name != "KVCache":
+                methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+                if methods & CACHE_METHODS and not node.bases:
+                    found.append(f"{where}:{node.name}")
+    return found
+
+
+def cache_capability_probes(sources: dict[str, str]) -> list[str]:
+    """``hasattr(x, "parts")`` / ``getattr(x, "layered_parts", ...)``: a cache's capability looked up by name."""
+    found = []
+    for where, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in CACHE_METHODS):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_every_cache_is_declared_against_the_kv_protocol():
+    """Issue 54, item 3: one typed cache base; what a cache can do is declared, not probed."""
+    import importlib
+
+    from vericache.kv.protocol import KVCache
+
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in library_files()}
+    assert undeclared_caches(sources) == [] and cache_capability_probes(sources) == []
+    declared = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and {f.name for f in node.body if isinstance(f, ast.FunctionDef)} & CACHE_METHODS:
+                module = importlib.import_module(module_name(ROOT / path))
+                declared.append(getattr(module, node.name))
+    assert len(declared) >= 6 and all(issubclass(c, KVCache) for c in declared), declared
+    # the checks find what they look for
+    assert undeclared_caches({"x.py": "class C:\n    def parts(self): ...\n"}) == ["x.py:C"]
+    assert cache_capability_probes({"x.py": "ok = hasattr(c, 'layered_parts')\n"}) == ["x.py:1 hasattr(c, 'layered_parts')"]

@@ -60,6 +60,11 @@ class Compressor:
     def quantizes(self) -> bool:
         return self.kind == "quantization"
 
+    @property
+    def guided(self) -> bool:
+        """Verification-guided trades into the store (``drafting.guide``): an eviction method's field."""
+        return False
+
     def keep_budget(self, total_tokens: int) -> int | None:
         """How many tokens (per KV head) to keep of ``total_tokens``; None = keep all."""
         return None

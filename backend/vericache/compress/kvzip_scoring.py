@@ -8,11 +8,14 @@ import math
 import torch
 
 from vericache.kv.full import FullKVCache
+from vericache.kv.protocol import KVCache
 
 
-class ReconstructionScoringCache:
+class ReconstructionScoringCache(KVCache):
     """Attends over a read-only context (a full cache's first P positions) plus its own tokens,
     with explicit probabilities so the context's share can be recorded: scores[layer]: [Hkv, P]."""
+
+    computes_attention = True
 
     def __init__(self, context: FullKVCache, n_layers: int) -> None:
         self.ctx = context

@@ -31,6 +31,7 @@ import torch
 from vericache.kv.compressed import CompressedKVCache, KeptTokens
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.protocol import KVCache
 
 
 # log units a round: a kept token's verifier attention fades by ~10% a round in its memory, so what a
@@ -39,11 +40,11 @@ from vericache.kv.packed import KeyPart, LayeredParts
 MEMORY_DECAY = 0.1
 
 
-class SeenRecorder:
+class SeenRecorder(KVCache):
     """A verification's cache (the full cache, or the link's streamed view of it) whose full causal
     part records what the verified rows attend to into ``seen`` [L, Hq, >= start + T] fp32."""
 
-    def __init__(self, cache, seen: torch.Tensor) -> None:
+    def __init__(self, cache: KVCache, seen: torch.Tensor) -> None:
         self.cache, self.seen = cache, seen
 
     def begin(self, start: int, count: int) -> None:
@@ -58,8 +59,7 @@ class SeenRecorder:
         return parts
 
     def layered_parts(self, t: int) -> LayeredParts | None:
-        layered = getattr(self.cache, "layered_parts", None)
-        lp = layered(t) if layered is not None else None
+        lp = self.cache.layered_parts(t)
         if lp is not None:
             lp.parts[-1].seen = self.seen
         return lp

@@ -159,12 +159,13 @@ class Offload:
     @property
     def mean_groups(self) -> float:
         """The grouped schedule's mean planned group count (0 for the others)."""
-        return getattr(self.schedule, "mean_groups", 0.0)
+        return self.schedule.mean_groups
 
 
 class Naive:
     verifies_in_turn = True   # nothing else runs meanwhile: verify layer by layer, one request at a time
     stretches = False
+    mean_groups = 0.0         # planned verification groups (``Grouped`` plans them)
 
     def may_draft(self, off: Offload, req: Request) -> bool:
         """Naive: nobody drafts while verifications are pending (all draft, then all verify)."""

@@ -373,8 +373,8 @@ def request_stats(req: Request) -> dict:
             # tokens each way: plain full-KV steps (cool-downs, or the costs found drafting slower)
             # and verified rounds of drafts
             "full_step_tokens": rs.full_steps, "round_tokens": decoded - rs.full_steps,
-            "fallbacks": getattr(req.policy_state, "fallbacks", 0),
-            "cost_fallbacks": getattr(req.policy_state, "cost_fallbacks", 0),
+            "fallbacks": req.policy_state.fallbacks,
+            "cost_fallbacks": req.policy_state.cost_fallbacks,
             # tokens verification-guided selection traded into the drafter's store (all layers, heads)
             "guided_swaps": rs.swapped,
             # lookup proposals (drafting.lookup): tokens the drafter checked, and those it agreed with

@@ -214,7 +214,6 @@ def attention_work(plan: StepPlan) -> tuple[int, int, int]:
     row's cache before it runs: what the roofline charges (``sim.roofline``)."""
     rows = kv_bytes = pairs = 0
     for row in plan.rows:
-        cost = getattr(row.cache, "attention_cost", None)   # a cache that cannot say counts nothing
-        b, p = cost(row.start, len(row.tokens)) if cost else (0, 0)
+        b, p = row.cache.attention_cost(row.start, len(row.tokens))
         rows, kv_bytes, pairs = rows + len(row.tokens), kv_bytes + b, pairs + p
     return rows, kv_bytes, pairs

@@ -36,6 +36,7 @@ from vericache.engine.remote_rounds import RemoteRounds
 from vericache.engine.requests import DONE, Instruments, Request, RequestTable, State
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import StreamedKV
+from vericache.kv.protocol import KVCache
 from vericache.kv.tee import TeeCache
 from vericache.model.loader import LoadedModel
 
@@ -55,7 +56,7 @@ class Row:
     kind: RowKind
     tokens: list[int]
     start: int                # position of tokens[0]
-    cache: object             # what it attends through (``model.llama.AttentionCache``)
+    cache: KVCache            # what it attends through
     logits_for: str           # "last", "all" or "none"
 
 
@@ -166,7 +167,7 @@ class Scheduler:
     def _verify_cache(self, r: Request, cache, t: int):
         """A local verification's cache; for a guided drafter (``drafting.guide``) one that records what
         the t verified rows attend to (a scratch [L, Hq, position + t] fp32, dropped after the round)."""
-        if not getattr(r.opts.compressor, "guided", False) or t == 1:   # t == 1: a plain full step, no drafts
+        if not r.opts.compressor.guided or t == 1:   # t == 1: a plain full step, no drafts
             return cache
         cfg = self.loaded.config
         seen = torch.empty(cfg.num_hidden_layers, cfg.num_attention_heads, r.position + t, device=self.loaded.device)

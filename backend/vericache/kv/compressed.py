@@ -32,6 +32,7 @@ import torch
 from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.protocol import KVCache
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -127,7 +128,7 @@ def planned_bytes(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capaci
     return store + scores + residual_capacity(comp) * cfg.kv_bytes_per_position(dtype.itemsize)
 
 
-class CompressedKVCache:
+class CompressedKVCache(KVCache):
     def __init__(self, compressor: Compressor, cfg: ModelConfig, device: torch.device | str,
                  dtype: torch.dtype, capacity: int = 256) -> None:
         self.compressor, self.cfg, self.dtype = compressor, cfg, dtype

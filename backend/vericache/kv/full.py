@@ -13,9 +13,10 @@ import torch
 
 from vericache.config import ModelConfig
 from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.protocol import KVCache
 
 
-class FullKVCache:
+class FullKVCache(KVCache):
     """Dense K/V of one sequence: k, v: [L, Hkv, capacity, D]; ``layers`` < L holds only that many
     (a device-resident slice, or a buffer for the layers that cross the link)."""
 

@@ -20,6 +20,7 @@ import torch
 
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart
+from vericache.kv.protocol import KVCache
 
 
 @dataclass
@@ -192,7 +193,7 @@ class CudaLink:
         self.stream.synchronize()
 
 
-class StreamedKV:
+class StreamedKV(KVCache):
     """A verification cache over a device buffer that is still arriving: waits per layer. Layers
     before ``transfer.first_layer`` are read from ``resident``, a device-resident slice of the full KV."""
 

@@ -9,9 +9,10 @@ import torch
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.protocol import KVCache
 
 
-class TeeCache:
+class TeeCache(KVCache):
     def __init__(self, full: FullKVCache, draft: CompressedKVCache) -> None:
         self.full, self.draft = full, draft
 

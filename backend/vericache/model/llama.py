@@ -15,34 +15,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vericache.config import ModelConfig
-from vericache.kv.packed import KeyPart, attend_packed
+from vericache.kv.packed import attend_packed
+from vericache.kv.protocol import KVCache
 from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear, weight_matrices
 from vericache.model.exact_linear import ExactLinear
 from vericache.model.native_step import NATIVE_DRAFT_WEIGHTS
-
-
-class AttentionCache(Protocol):
-    """What the forward needs from a KV cache: store new K/V, say what the queries attend.
-
-    A cache may instead define ``attend(layer, q, k, v) -> [Hq, T, D]`` and compute attention itself
-    (KVzip's scoring pass, which records attention probabilities); the step's other sequences still
-    go through the one packed call."""
-
-    def begin(self, start: int, count: int) -> None:
-        """A forward will write positions start..start+count-1; later positions are dropped (rollback)."""
-        ...
-
-    def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
-        """Store k, v: [Hkv, T, D] (rotated) for the positions given to ``begin``; return the key parts
-        the queries q: [Hq, T, D] attend (``attend_packed`` computes it for all sequences at once)."""
-        ...
 
 
 class RMSNorm(nn.Module):
@@ -132,7 +116,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 seq_lens: Sequence[int],
-                caches: Sequence[AttentionCache] | None, n_draft: int = 0) -> torch.Tensor:
+                caches: Sequence[KVCache] | None, n_draft: int = 0) -> torch.Tensor:
         # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]; rows :n_draft are drafts (draft weights)
         n, dq, dkv = x.shape[0], self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = mixed_linear(x, n_draft, self._qkv_exact, self.qkv_draft).split([dq, dkv, dkv], dim=-1)
@@ -159,16 +143,16 @@ class Attention(nn.Module):
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def _attend_caches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                       seq_lens: Sequence[int], caches: Sequence[AttentionCache]) -> torch.Tensor:
+                       seq_lens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
         """Every sequence over its cache in one ``attend_packed`` call -> [N, Hq, D]."""
         bounds = list(zip(itertools.accumulate(seq_lens, initial=0), seq_lens))
-        if all(hasattr(c, "parts") for c in caches):
+        if not any(c.computes_attention for c in caches):
             parts = [c.parts(layer, q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]) for c, (s, t) in zip(caches, bounds)]
             return attend_packed(q, seq_lens, parts, self.n_kv, self.kernels)
         outs = []  # a cache computing its own attention (KVzip's scoring pass) is in the step
         for c, (s, t) in zip(caches, bounds):
             qs, ks, vs = q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]
-            if hasattr(c, "parts"):
+            if not c.computes_attention:
                 outs.append(attend_packed(qs, [t], [c.parts(layer, qs, ks, vs)], self.n_kv, self.kernels))
             else:
                 outs.append(c.attend(layer, qs, ks, vs).transpose(0, 1))
@@ -322,7 +306,7 @@ class Transformer(nn.Module):
         return self.native.plan(caches, seq_lens)
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
-                caches: Sequence[AttentionCache] | None = None,
+                caches: Sequence[KVCache] | None = None,
                 logits_index: torch.Tensor | None = None, n_draft: int = 0) -> torch.Tensor:
         """tokens: [N] (packed sequences); returns logits [N, V] (or [M, V] with ``logits_index``).
 

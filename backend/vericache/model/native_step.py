@@ -74,7 +74,7 @@ class NativeStep:
         """Each cache's ``LayeredParts``, or None when one cannot describe itself so (the module runs)."""
         plans = []
         for cache, t in zip(caches, seq_lens):
-            lp = cache.layered_parts(t) if hasattr(cache, "layered_parts") else None
+            lp = cache.layered_parts(t)
             if lp is None:
                 return None
             plans.append(lp)
