@@ -58,9 +58,12 @@ def test_the_grid_shares_a_prefill_checkpoints_and_resumes(tmp_path, monkeypatch
                 checkpoint=str(ckpt), log=lambda m: None)
     prefills = []
     real = Engine.shared_prefill
-    monkeypatch.setattr(Engine, "shared_prefill", lambda self, seq: prefills.append(1) or real(self, seq))
+    monkeypatch.setattr(Engine, "shared_prefill",
+                        lambda self, seq, prefix=None: prefills.append(len(seq.prompt_ids) - (prefix.prompt_len if prefix else 0))
+                        or real(self, seq, prefix))
     rows = he.run_humaneval(**args)
-    assert len(prefills) == 2                                   # one prefill a problem for all three rows
+    # the context once (>= 300 tokens), then each problem's prompt alone after it, for all three rows
+    assert len(prefills) == 3 and prefills[0] >= 300 and all(n < 300 for n in prefills[1:])
     assert [r["config"] for r in rows] == ["full", "lossy snapkv:ratio=0.25", "vericache snapkv:ratio=0.25"]
     by = {r["mode"]: r for r in rows}
     assert by["vericache"]["identical_to_full"] == 1.0 and by["full"]["kv_kept"] == 1.0

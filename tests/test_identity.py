@@ -164,6 +164,32 @@ def test_shared_prefill_equals_own_prefill_in_every_mode(kv_loaded, identity_pro
         runner.generate([runner.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])
 
 
+def test_a_prefill_extending_a_shared_prefix_is_the_whole_prompts_bits(kv_loaded, identity_prompts):
+    """``shared_prefill(prefix=)`` (an evaluation grid's long context prefilled once, each problem's
+    prompt after it): the same K/V, logits and query window bit for bit as prefilling the whole prompt;
+    a prefix that is not one is refused. Shown once that the check sees a difference: the prefix's
+    cache altered, the extension's bits differ."""
+    runner = Engine(kv_loaded, mode="full").runner
+    params = SamplingParams(max_tokens=8)
+    prompt = identity_prompts[0]
+    cut = len(prompt) // 2 + 3   # not on a prefill-chunk boundary
+    whole = runner.shared_prefill(runner.new_sequence(0, prompt, params))
+    prefix = runner.shared_prefill(runner.new_sequence(0, prompt[:cut], SamplingParams(max_tokens=1)))
+    extended = runner.shared_prefill(runner.new_sequence(0, prompt, params), prefix=prefix)
+    n = len(prompt)
+    assert extended.prompt_len == n and extended.prompt_ids == tuple(prompt)
+    assert torch.equal(extended.full.k[:, :, :n], whole.full.k[:, :, :n]) and torch.equal(extended.full.v[:, :, :n], whole.full.v[:, :, :n])
+    assert torch.equal(extended.logits, whole.logits)
+    assert all(torch.equal(a, b) for a, b in zip(extended.queries, whole.queries))
+    for bad in (prompt[:cut], [prompt[0] + 1] + prompt[1:]):   # the prefix itself; another prompt
+        with pytest.raises(ValueError, match="not a proper prefix"):
+            runner.shared_prefill(runner.new_sequence(0, bad, params), prefix=prefix)
+    with torch.inference_mode():
+        prefix.full.k[:, :, cut - 1] += 1.0      # a broken copy of the prefix
+    broken = runner.shared_prefill(runner.new_sequence(0, prompt, params), prefix=prefix)
+    assert not torch.equal(broken.logits, whole.logits)
+
+
 # ---------------------------------------------------------------- near ties: identical by construction
 def near_tie_checkpoint(tmp_path_factory):
     """The bundled model with an untied output head whose rows come in near-duplicate pairs (row 2j+1 =

@@ -115,9 +115,10 @@ class Engine:
         """Run ``ids`` (positions 0..) exactly into each of ``caches`` (storing a prefix, tests)."""
         self.runner.prefill(ids, caches)
 
-    def shared_prefill(self, seq: Sequence) -> SharedPrefill:
-        """``seq``'s prompt prefilled once, exactly, for ``add_sequence(prefill=)`` in every mode."""
-        return self.runner.shared_prefill(seq)
+    def shared_prefill(self, seq: Sequence, prefix: SharedPrefill | None = None) -> SharedPrefill:
+        """``seq``'s prompt prefilled once, exactly, for ``add_sequence(prefill=)`` in every mode; ``prefix``:
+        a shared prefill of its first tokens, extended (``ModelRunner.shared_prefill``)."""
+        return self.runner.shared_prefill(seq, prefix=prefix)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams,

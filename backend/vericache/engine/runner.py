@@ -50,6 +50,7 @@ class SharedPrefill:
     logits: torch.Tensor         # [V], the next-token logits after the prompt
     prompt_len: int
     seconds: float
+    prompt_ids: tuple[int, ...] = ()   # what was prefilled (a later prefill may extend it: ``prefix``)
 
     def check(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) != self.prompt_len:
@@ -201,12 +202,23 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def shared_prefill(self, seq: Sequence, window: int = 64) -> SharedPrefill:
-        """Prefill ``seq``'s prompt once over a full cache, keeping what any compressor needs."""
+    def shared_prefill(self, seq: Sequence, window: int = 64, prefix: SharedPrefill | None = None) -> SharedPrefill:
+        """Prefill ``seq``'s prompt once over a full cache, keeping what any compressor needs. ``prefix``: a
+        shared prefill of the prompt's first tokens (a long context many prompts share: an evaluation
+        grid's), copied and extended by the rest; the same bits as prefilling the whole prompt (a row's
+        bits depend on neither its chunk nor its step), in the time of the rest alone."""
         t0 = time.perf_counter()
-        full, recorder = self.new_cache(seq), QueryRecorder(self.cfg.num_hidden_layers, window)
-        logits = self.prefill(seq.prompt_ids, [TeeCache(full, recorder)])
-        return SharedPrefill(full, recorder.queries, logits, len(seq.prompt_ids), time.perf_counter() - t0)
+        full, start = self.new_cache(seq), 0
+        if prefix is not None:
+            start = prefix.prompt_len
+            if not prefix.prompt_ids or tuple(seq.prompt_ids[:start]) != prefix.prompt_ids or start >= len(seq.prompt_ids):
+                raise ValueError(f"prefix: a prefill of {start} tokens is not a proper prefix of request "
+                                 f"{seq.request_id}'s {len(seq.prompt_ids)}-token prompt")
+            full.load(prefix.full, start)
+        recorder = QueryRecorder(self.cfg.num_hidden_layers, window, prefix.queries if prefix is not None else None)
+        logits = self.prefill(seq.prompt_ids[start:], [TeeCache(full, recorder)], start=start)
+        return SharedPrefill(full, recorder.queries, logits, len(seq.prompt_ids), time.perf_counter() - t0,
+                             tuple(seq.prompt_ids))
 
 
 def attention_work(plan: StepPlan) -> tuple[int, int, int]:

@@ -40,9 +40,10 @@ class QueryRecorder:
     """The draft side of a ``TeeCache`` when no compressor is chosen yet: it keeps each layer's last
     ``window`` queries, so one exact prefill can later seed a compressed cache of any method."""
 
-    def __init__(self, n_layers: int, window: int = 64) -> None:
+    def __init__(self, n_layers: int, window: int = 64, queries: list[torch.Tensor | None] | None = None) -> None:
+        """``queries``: a prefix's recorded window, which this prompt's rest slides on from."""
         self.window = window
-        self.queries: list[torch.Tensor | None] = [None] * n_layers   # [Hq, <=window, D]
+        self.queries: list[torch.Tensor | None] = list(queries) if queries is not None else [None] * n_layers   # [Hq, <=window, D]
 
     def begin(self, start: int, count: int) -> None:
         pass

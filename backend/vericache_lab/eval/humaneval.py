@@ -3,8 +3,9 @@
 assistant sees a repository), completed greedily, and its own tests run in a sandbox; full decoding,
 lossy decoding over each compressed cache and VeriCache over each are scored side by side.
 
-Per problem and context length the prompt is prefilled once, exactly, and that prefill is shared by every
-configuration (``Engine.shared_prefill``), so the grid costs one prefill per problem. Completions stop at
+Per context length the code context is prefilled once; per problem that prefill is extended by the
+problem's prompt (``Engine.shared_prefill(prefix=)``: the same bits as prefilling the whole prompt) and
+shared by every configuration, so the grid costs one long prefill per context and a short one per problem. Completions stop at
 the Codex paper's stop sequences. Scored: pass@1 (greedy: the one completion passes its tests), whether
 the program parses, and whether each completion is full decoding's token for token. Every (context,
 problem, configuration) is appended to ``checkpoint`` (JSON lines) as it finishes; a rerun skips them.
@@ -125,7 +126,7 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
         f"({'no network' if sandbox else 'network NOT isolated: unshare unavailable'})")
     t0 = time.perf_counter()
     for context in contexts:
-        ctx = None
+        ctx = ctx_prefill = None
         for i, problem in enumerate(problems):
             todo = [lab for lab in labels if (context, problem["task_id"], lab) not in done]
             if not todo:
@@ -137,8 +138,11 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                                  f"{limit_positions} positions")
             ctx = ctx or context_ids(tok, context)
             base = Engine(llm.loaded, mode="full", device_budget_gb=None)
+            if ctx_prefill is None:   # the context alone, once per context length
+                ctx_prefill = base.shared_prefill(base.new_sequence(0, ctx, SamplingParams(max_tokens=1)))
+                log(f"context {context}: {len(ctx)} tokens prefilled once in {ctx_prefill.seconds:.0f} s")
             seq = lambda e: e.new_sequence(0, ctx + tail, SamplingParams(max_tokens=max_tokens, stop=STOPS))  # noqa: E731
-            shared = base.shared_prefill(seq(base))
+            shared = base.shared_prefill(seq(base), prefix=ctx_prefill)
             for label in todo:
                 mode, _, spec = label.partition(" ")
                 e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.125", device_budget_gb=None)
