@@ -71,3 +71,13 @@ def test_the_front_ends_read_their_defaults_from_the_config():
     assert stated is not None
     assert stated.groups() == (DEFAULTS.mode, DEFAULTS.compressor, str(DEFAULTS.draft_len), DEFAULTS.draft_weights,
                                str(DEFAULTS.prefill_chunk), f"{DEFAULTS.device_budget_gb:g}")
+
+
+def test_draft_len_has_one_wire_form_both_sides_share():
+    """The Triton model's INT32 ``draft_len``: the gateway writes it and the model reads it with one pair
+    of helpers ("auto" is 0 on the wire), so every form survives the trip."""
+    from vericache.engine.options import AUTO_ON_THE_WIRE, draft_len_from_wire, draft_len_to_wire
+
+    for form in ("auto", 1, 16, 48):
+        assert draft_len_from_wire(draft_len_to_wire(form)) == form
+    assert draft_len_to_wire("auto") == AUTO_ON_THE_WIRE == 0 and draft_len_from_wire(None) is None

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from vericache.engine.config import DEFAULTS, EngineConfig
-from vericache.engine.options import RequestOptions, ResolvedOptions, check_prompt
+from vericache.engine.options import RequestOptions, ResolvedOptions, check_prompt, draft_len_to_wire
 from vericache.sampling import SamplingParams
 from vericache.serving.service import Delta, BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
@@ -132,9 +132,8 @@ class TritonBackend:
         for name in ("mode", "compressor"):
             if getattr(options, name) is not None:
                 ins.append(t(name, np.array([getattr(options, name).encode()], dtype=np.object_), "BYTES"))
-        if options.draft_len is not None:  # the model's draft_len input: 0 means "auto"
-            k = 0 if options.draft_len == "auto" else options.draft_len
-            ins.append(t("draft_len", np.array([k], dtype=np.int32), "INT32"))
+        if options.draft_len is not None:
+            ins.append(t("draft_len", np.array([draft_len_to_wire(options.draft_len)], dtype=np.int32), "INT32"))
         if options.lookup is not None:
             ins.append(t("lookup", np.array([options.lookup]), "BOOL"))
         return ins

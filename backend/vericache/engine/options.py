@@ -35,6 +35,19 @@ class RequestOptions:
     lookup: bool | None = None      # prompt-lookup proposals checked by the drafter (drafting.lookup)
 
 
+AUTO_ON_THE_WIRE = 0   # draft_len "auto" in a typed integer input (the Triton model's INT32 draft_len)
+
+
+def draft_len_to_wire(draft_len: int | str) -> int:
+    """A request's ``draft_len`` (an integer >= 1 or "auto") as the Triton model's INT32 input."""
+    return AUTO_ON_THE_WIRE if draft_len == "auto" else int(draft_len)
+
+
+def draft_len_from_wire(k: int | None) -> int | str | None:
+    """The Triton model's ``draft_len`` input back as a request's option (None: absent, the default)."""
+    return None if k is None else "auto" if k == AUTO_ON_THE_WIRE else int(k)
+
+
 @dataclass
 class ResolvedOptions:
     mode: str

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from vericache.engine.config import EngineConfig
-from vericache.engine.options import RequestOptions
+from vericache.engine.options import RequestOptions, draft_len_from_wire
 from vericache.sampling import SamplingParams
 from vericache.serving.service import BackgroundService, RequestStream
 
@@ -142,11 +142,11 @@ class TritonAdapter:
     @staticmethod
     def _options(inputs: dict) -> RequestOptions:
         """The per-request ``mode``, ``compressor``, ``draft_len`` and ``lookup`` inputs (0 or absent: the
-        default; draft_len 0 means "auto")."""
+        default; draft_len's forms: ``options.draft_len_from_wire``)."""
         mode, comp, k = _scalar(inputs, "mode"), _scalar(inputs, "compressor"), _scalar(inputs, "draft_len")
         lookup = _scalar(inputs, "lookup")
         return RequestOptions(mode=mode or None, compressor=comp or None,
-                              draft_len=None if k is None else "auto" if k == 0 else int(k),
+                              draft_len=draft_len_from_wire(k),
                               lookup=None if lookup is None else bool(lookup))
 
     def parse(self, inputs: dict) -> tuple[list[int], SamplingParams, RequestOptions, bool]:
