@@ -284,15 +284,18 @@ def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
     assert second_rounds(1, bytes_bound)[0] >= 4                 # the policy's round
 
 
-def test_nothing_is_timed_under_tritons_interpreter(llm):
+def test_nothing_is_timed_under_tritons_interpreter(llm, monkeypatch):
     """The Triton kernels on a CPU run in Triton's interpreter (gpu-check's dry run): a calibration there
-    would take minutes and describe no machine, so none is made and the policy decides as before a fit."""
+    would take minutes and describe no machine, so none is made (nor the weights' curve timed) and the
+    policy decides as before a fit."""
     from dataclasses import replace
 
-    from vericache.drafting.calibrate import calibrate
+    from vericache.drafting import calibrate as cal
 
     interpreted = replace(llm.loaded, kernels="triton", calibration=[])
-    assert calibrate(interpreted).costs is None and len(calibrate(interpreted).x) == 0
+    assert cal.calibrate(interpreted).costs is None and len(cal.calibrate(interpreted).x) == 0
+    monkeypatch.setattr(cal, "measured_choice", lambda model: pytest.fail("the weights were timed"))
+    assert cal.model_calibration(interpreted).costs is None
 
 
 def test_the_library_times_step_costs_at_the_first_draft_length_asked():

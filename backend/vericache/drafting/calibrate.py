@@ -50,7 +50,7 @@ def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2,
     (gpu-check's dry run) runs them in numpy, minutes a forward at 4096 positions, and its times describe
     no machine."""
     model, cfg, dev = loaded.model, loaded.config, loaded.device
-    if loaded.kernels == "triton" and dev.type == "cpu":
+    if interpreted(loaded):
         return Calibration(np.zeros((0, 4)), np.zeros(0), None)
     features, seconds = [], []
     longest_rows = max(r for _, r in SHAPES)
@@ -81,8 +81,13 @@ def model_calibration(loaded) -> Calibration:
     by their own measured matmuls (``draft_weights.measured_choice``: its exact weights' row)."""
     if not loaded.calibration:
         matmuls = None
-        if loaded.model.head_exact is not None:
+        if loaded.model.head_exact is not None and not interpreted(loaded):
             choice = measured_choice(loaded.model)
             matmuls = functools.partial(choice.seconds_at, "fp32")
         loaded.calibration.append(calibrate(loaded, matmuls=matmuls))
     return loaded.calibration[0]
+
+
+def interpreted(loaded) -> bool:
+    """The Triton kernels on a CPU: Triton's interpreter, whose times describe no machine."""
+    return loaded.kernels == "triton" and loaded.device.type == "cpu"
