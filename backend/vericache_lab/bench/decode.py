@@ -12,7 +12,7 @@ import time
 import torch
 
 from vericache_lab.bench import llama_cpp_bench, openvino_bench
-from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for
+from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
 from vericache_lab.report import markdown_table
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
@@ -43,10 +43,11 @@ def hf_decode_tokens_per_s(model: str, model_dir: str, prompt: list[int], max_to
     return (max_tokens - 1) / max(decode_s, 1e-9)
 
 
-def generate_with_steps(engine, mode: str, prompt: list[int], params: SamplingParams) -> tuple:
-    """``engine.generate`` for one request, also returning the forward's step records (``StepRecord``)."""
+def generate_with_steps(engine, mode: str, prompt: list[int], params: SamplingParams, prefill=None) -> tuple:
+    """``engine.generate`` for one request (from ``prefill``, a shared prefill of ``prompt``, when given),
+    also returning the forward's step records (``StepRecord``)."""
     n = engine.instruments.n_steps
-    out = engine.generate([engine.new_sequence(0, prompt, params)], mode)[0]
+    out = engine.generate([engine.new_sequence(0, prompt, params)], mode, prefills=[prefill] if prefill else None)[0]
     steps = list(engine.instruments.steps)
     return out, steps[len(steps) - min(engine.instruments.n_steps - n, len(steps)):]
 
@@ -68,7 +69,8 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     rows, roof_rows, runs, row_costs = [], [], {}, []
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
-        results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params) for m in modes}
+        prefill = shared_prefills(engine, [prompt], params, log)[0]   # once for every mode
+        results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params, prefill) for m in modes}
         bases = {m: engine_for(llm, m, engines)[1] for m in modes}
         predictor = RowPredictor(llm, ctx, roof.weights_s, log) if roof is not None else None
         ref = results["full"][0] if "full" in results else None
