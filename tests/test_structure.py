@@ -361,3 +361,27 @@ def test_every_cache_is_declared_against_the_kv_protocol():
     # the checks find what they look for
     assert undeclared_caches({"x.py": "class C:\n    def parts(self): ...\n"}) == ["x.py:C"]
     assert cache_capability_probes({"x.py": "ok = hasattr(c, 'layered_parts')\n"}) == ["x.py:1 hasattr(c, 'layered_parts')"]
+
+
+KERNEL_CONSTANTS = {"TOKEN_GROUPS", "CHANNEL_GROUPS", "FP8", "DENSE"}   # the store kinds
+
+
+def test_store_kinds_and_cpu_flags_are_defined_once():
+    """Issue 54, item 6 in part: the store kinds are assigned in ``kernels/store_kinds.py`` only (the C++
+    op's DENSE is the same number), and /proc/cpuinfo is read in ``kernels/cpu.py`` only."""
+    from vericache.kernels import store_kinds
+
+    assigned, readers = [], []
+    for path in library_files():
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(text)):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            names = [e.id for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)]
+            assigned += [f"{where}:{n}" for n in names if n in KERNEL_CONSTANTS]
+        if "/proc/cpuinfo" in text and not text.startswith('"""What this CPU can run'):
+            readers.append(where)
+    assert sorted(assigned) == sorted(f"backend/vericache/kernels/store_kinds.py:{n}" for n in KERNEL_CONSTANTS)
+    assert readers == []
+    cpp = (PACKAGES["vericache"] / "kernels" / "packed_attention.cpp").read_text()
+    assert re.search(r"constexpr int DENSE = (\d+);", cpp).group(1) == str(store_kinds.DENSE)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from vericache.kernels.cpu import flags_line
+
 HERE = Path(__file__).parent
 PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "quant_format.h",
                   HERE / "exp_neg.h", HERE / "row_ops.h"]
@@ -35,9 +37,7 @@ PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
 
 def _build_dir(cflags: list[str], sources: list[Path]) -> Path:
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    flags = flags_line()
     text = "".join(s.read_bytes().hex() for s in sources)
     tag = hashlib.sha1(f"{flags}|{torch.__version__}|{cflags}|{text}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))

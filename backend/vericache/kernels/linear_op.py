@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from vericache.kernels.cpu import cpu_flags
+
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "linear_q8.cpp"]
 HEADERS = [HERE / "gguf_blocks.h"]
@@ -46,15 +48,6 @@ Q8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NUMERICS = ("q8", "fp32")
 BLOCK = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32),
          "Q5_1": (24, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    path = Path("/proc/cpuinfo")
-    if not path.exists():
-        return frozenset()
-    line = next((ln for ln in path.read_text().splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.split(":", 1)[-1].split())
 
 
 def supported_isas() -> list[str]:

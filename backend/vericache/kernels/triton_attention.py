@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vericache.kernels.store_kinds import CHANNEL_GROUPS, DENSE, FP8, TOKEN_GROUPS
+
 SPLIT = 64   # keys per split: fixed, so where a split starts never depends on the batch
-TOKEN_GROUPS, CHANNEL_GROUPS, FP8, DENSE = 0, 1, 2, 3   # the kinds: kv.quantized's three, and dense rows
 
 
 @triton.jit

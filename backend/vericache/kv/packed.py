@@ -19,9 +19,9 @@ from typing import Sequence
 import torch
 
 from vericache.kernels import packed_kernels
+from vericache.kernels.store_kinds import CHANNEL_GROUPS, DENSE
 from vericache.kv.attention import Part, attend_all, attend_causal, merge
 
-DENSE = 3  # the op's kind for dense rows (fp32, fp16, bf16) (quantized kinds are kv.quantized's 0, 1, 2)
 
 
 @dataclass
@@ -71,8 +71,6 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
     diag = -1 if p.diag is None else p.diag
     if p.layouts is None:
         return [seq, p.n, diag, DENSE, 0, 0, DENSE, 0, 0], [p.k, None, None, p.v, None, None, None, p.seen]
-    from vericache.kv.quantized import CHANNEL_GROUPS
-
     ints, tensors = [seq, p.n, diag], []
     for layout, fields in zip(p.layouts, (p.k, p.v)):
         table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.kernels.store_kinds import CHANNEL_GROUPS, FP8, TOKEN_GROUPS
 from vericache.kv.attention import Part, attend_all
 
-TOKEN_GROUPS, CHANNEL_GROUPS, FP8 = 0, 1, 2
 E4M3_MAX = 448.0
 
 

@@ -58,11 +58,10 @@ def engine_for(llm, label: str, engines: dict):
 def cpu_model() -> str:
     """The CPU this bench runs on (``lscpu``'s model name) and the kernels' build it runs (the ISA
     variant: ``VERICACHE_ISA`` or the widest this CPU has), named beside every figure."""
+    from vericache.kernels.cpu import model_name
     from vericache.kernels.linear_op import best_isa
 
-    info = Path("/proc/cpuinfo")
-    line = next((ln for ln in info.read_text().splitlines() if ln.startswith("model name")), "") if info.exists() else ""
-    name = line.partition(":")[2].strip() or platform.processor() or "unknown CPU"
+    name = model_name() or platform.processor() or "unknown CPU"
     return f"{name} (kernels: {best_isa()} build)"
 
 
