@@ -385,3 +385,36 @@ def test_store_kinds_and_cpu_flags_are_defined_once():
     assert readers == []
     cpp = (PACKAGES["vericache"] / "kernels" / "packed_attention.cpp").read_text()
     assert re.search(r"constexpr int DENSE = (\d+);", cpp).group(1) == str(store_kinds.DENSE)
+
+
+MODE_NAMES = {"full", "lossy", "vericache"}
+MODE_HOMES = {"backend/vericache/engine/placement.py",   # the decision
+              "backend/vericache/engine/options.py"}     # the modes' names, checked and labelled
+
+
+def mode_comparisons(sources: dict[str, str]) -> list[str]:
+    """Comparisons of something with a mode's name (``req.mode == "full"``, ``mode in ("lossy", ...)``)
+    outside the modules allowed to make them."""
+    found = []
+    for path, text in sources.items():
+        if path in MODE_HOMES:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)}
+            if names & MODE_NAMES and any("mode" in ast.unparse(s) for s in sides):
+                found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_a_requests_mode_is_compared_in_one_module():
+    """Issue 54, item 1: where a request lives (its caches, tiers, row caches, state after prefill) is
+    decided once by ``engine.placement.place``; every other module of the library asks the request's
+    ``Placement`` (the lab's reports name their rows by mode, as any client may)."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in PACKAGES["vericache"].rglob("*.py")}
+    assert mode_comparisons(sources) == []
+    # the check finds what it looks for
+    assert mode_comparisons({"x.py": "if req.mode == 'lossy':\n    pass\n"}) == ["x.py:1 req.mode == 'lossy'"]
+    assert mode_comparisons({"x.py": "ok = opts.mode in ('lossy', 'vericache')\n"}) != []

@@ -300,23 +300,23 @@ class DraftPlanner:
        so its transfer buys more tokens; a grouped request whose complete draft waits for its group's
        turn drafts on while its drafts are mostly accepted (P2)."""
 
-    def __init__(self, offload, is_offloaded: Callable[[object], bool], n_active: Callable[[], int],
+    def __init__(self, offload, n_active: Callable[[], int],
                  instruments, calibrate: Callable[[], object] | None = None) -> None:
-        """``offload``: the engine's ``Offload``; ``is_offloaded(request)``: its full KV is behind the link;
+        """``offload``: the engine's ``Offload`` (for requests whose placement is offloaded: full KV behind the link);
         ``n_active()``: requests drafting or decoding now; ``instruments``: the measured steps;
         ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``), asked once at the first choice."""
-        self.offload, self.is_offloaded, self.n_active, self.instruments = offload, is_offloaded, n_active, instruments
+        self.offload, self.n_active, self.instruments = offload, n_active, instruments
         self.cost = DraftCost(calibrate=calibrate)   # draft lengths from this engine's step costs
 
     def new_round(self, r) -> int:
         """The draft length of ``r``'s next round (0: a plain full-KV step)."""
         policy = r.opts.policy
         k = policy.next_len(r.policy_state, r.seq.remaining)
-        if self.is_offloaded(r):
+        if r.placement.offloaded:
             if k and policy.fixed is None and self.offload.stretches:
                 k = max(k, min(self.offload.draft_to_cover_link(), policy.max_len, r.seq.remaining - 1))
             self.offload.on_new_round(r, k)
-        elif k > 0 and policy.fixed is None and r.full is not None and r.session is None:
+        elif k > 0 and policy.fixed is None and r.placement.verifies_in_place:
             k = self._cost_len(r, k)   # full KV here: the local step costs decide
         return k
 

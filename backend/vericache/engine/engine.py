@@ -25,6 +25,7 @@ from typing import Callable
 from vericache.drafting.calibrate import model_calibration
 from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.engine.options import RequestOptions, ResolvedOptions, check_mode
+from vericache.engine.placement import drafts_in_rounds
 from vericache.engine.requests import Served, State, StepOutput
 from vericache.engine.runner import ModelRunner, SharedPrefill
 from vericache.engine.step_loop import StepLoop
@@ -73,7 +74,7 @@ class Engine:
         self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
                              prefill_chunk=c.prefill_chunk, max_running=c.max_running,
                              resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
-        if time_costs_now and c.mode == "vericache":   # timed now, not in a request's path
+        if time_costs_now and drafts_in_rounds(c.mode):   # timed now, not in a request's path
             self.runner.build_drafts()
             if c.draft_len == "auto":
                 model_calibration(self.loaded)   # the draft lengths' first costs

@@ -92,8 +92,10 @@ class KVMemory:
         self.cfg, self.dev, self.dtype = cfg, device, kv_dtype
         self.device = BlockPool("device", device_budget or UNLIMITED)
         self.host = BlockPool("host", host_budget or UNLIMITED)
+        # what ``placement.place`` decides each request's home by: vericache's full KV in the host tier
+        # (``offload``) or at a remote verifier (``remote``: the drafter role)
         self.offload, self.resident_layers = offload, resident_layers
-        self.remote = remote  # vericache requests are verified elsewhere: no full KV here
+        self.remote = remote
         self.per_pos = cfg.kv_bytes_per_position(kv_dtype.itemsize)
 
     # ------------------------------------------------------------------ what a request needs
@@ -110,25 +112,15 @@ class KVMemory:
     def needed(self, req: Request) -> int:
         """Device bytes a request holds at its longest (admission control)."""
         full = self.capacity(req) * self.per_pos
-        if req.mode == "full":
-            return full
-        draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req))
-        if req.mode == "lossy" or self.is_remote(req):
-            return draft
-        return draft + (full - self.streamed(full) if self.offload else full)
+        draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req)) \
+            if req.placement.draft_here else 0
+        return req.placement.device_bytes_needed(full, draft, resident=full - self.streamed(full))
 
     def transient(self, req: Request) -> int:
         """Device bytes held only for a while: the uncompressed prompt in a lossy draft cache's
         residual until the prefill is compressed, or a verification buffer (offloaded vericache)."""
-        if req.mode == "lossy" or self.is_remote(req):
-            return len(req.prefill_ids) * self.per_pos
-        return self.streamed(self.capacity(req) * self.per_pos) if self.is_offloaded(req) else 0
-
-    def is_offloaded(self, req: Request) -> bool:
-        return self.offload and not self.remote and req.mode == "vericache"
-
-    def is_remote(self, req: Request) -> bool:
-        return self.remote and req.mode == "vericache"
+        return req.placement.transient_bytes(prompt=len(req.prefill_ids) * self.per_pos,
+                                             streamed=self.streamed(self.capacity(req) * self.per_pos))
 
     def verify_buffer_bytes(self, req: Request) -> int:
         """Device bytes of the buffer a verification of ``req`` needs now: its streamed layers plus the draft."""
@@ -136,11 +128,10 @@ class KVMemory:
 
     # ------------------------------------------------------------------ caches
     def allocate(self, req: Request) -> None:
-        """Make the request's caches (empty, or holding its shared prefill)."""
-        cap, mode = self.capacity(req), req.mode
-        host = torch.device("cpu")
-        if mode == "full" or (mode == "vericache" and not self.remote):
-            home = host if self.is_offloaded(req) else self.dev
+        """Make the caches its placement holds (empty, or holding its shared prefill)."""
+        cap, where = self.capacity(req), req.placement
+        if where.full_here:
+            home = torch.device("cpu") if where.offloaded else self.dev
             if req.prefill is not None and req.prefill.full.device == home:
                 req.full = req.prefill.reset(req.seq)
             else:
@@ -153,15 +144,15 @@ class KVMemory:
             if req.full.device != self.dev and req.prefill is None:
                 # prefill attends on the device: into a device buffer, copied home when done
                 req.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap)
-        if mode in ("lossy", "vericache"):
+        if where.draft_here:
             req.draft = CompressedKVCache(req.opts.compressor, self.cfg, self.dev, self.dtype, capacity=cap)
-        if self.is_offloaded(req) and self.resident_layers:
+        if where.offloaded and self.resident_layers:
             req.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers)
 
     def device_bytes(self, req: Request) -> int:
         """Device bytes the request's caches hold now (what it is charged)."""
         total = 0
-        if req.full is not None and not self.is_offloaded(req):
+        if req.full is not None and not req.placement.offloaded:
             total += req.full.nbytes()
         if req.draft is not None:  # everything it allocated (its store is allocated up front)
             total += req.draft.resident_bytes()
@@ -176,7 +167,7 @@ class KVMemory:
     def charge(self, req: Request) -> None:
         """Charge both tiers for what the request holds now (``fits`` first: raises OutOfBlocks otherwise)."""
         self.device.resize(("kv", req.id), self.device_bytes(req))
-        if self.is_offloaded(req) and req.full is not None:
+        if req.placement.offloaded and req.full is not None:
             self.host.resize(("full", req.id), req.full.nbytes())
 
     def free(self, req: Request) -> None:

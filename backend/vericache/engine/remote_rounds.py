@@ -31,7 +31,7 @@ class RemoteUnavailable(RuntimeError):
 
 
 def prefix_form(req: Request) -> str:
-    return "full" if req.mode == "full" else req.opts.compressor.spec()
+    return req.placement.prefix_form(req.opts.compressor.spec())
 
 
 class RemoteRounds:
@@ -45,9 +45,9 @@ class RemoteRounds:
     def start(self, req: Request) -> None:
         """At allocation: start the prefix fetch and open the verifier session, as they apply."""
         ids = req.prefill_ids
-        if self.prefix is not None and req.prefill is None and (req.mode != "vericache" or self.memory.remote):
+        if self.prefix is not None and req.prefill is None and req.placement.loads_stored_prefix:
             req.fetch = self.prefix.fetch(ids, prefix_form(req), self.device)
-        if self.memory.is_remote(req):
+        if req.placement.remote:
             comp = req.opts.compressor.spec()
             req.session = self.verifier.session(ids, max(req.seq.remaining, 1), comp)
 
@@ -59,7 +59,7 @@ class RemoteRounds:
             return True
         got, req.fetch = req.fetch.result(), None
         if got.blocks:
-            if req.mode == "full":
+            if not req.placement.draft_here:
                 n = req.full.load_blocks(got.blocks)
             else:
                 n = req.draft.load_stored(got.blocks, self.prefix.store.block_tokens)

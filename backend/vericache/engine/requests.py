@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 from vericache.drafting.lookup import LookupIndex
 from vericache.drafting.round import RoundState, end_round
 from vericache.engine.options import ResolvedOptions
+from vericache.engine.placement import Placement
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.link import Transfer
@@ -81,6 +82,7 @@ class Request:
     id: int
     seq: Sequence
     opts: ResolvedOptions
+    placement: Placement                       # where it lives (``engine.placement``): decided when added
     policy_state: object = None
     prefill: object = None                     # a SharedPrefill to load instead of prefilling
     state: State = State.WAITING
@@ -363,7 +365,7 @@ def request_stats(req: Request) -> dict:
             "compression_ratio": round(req.draft.nbytes() / full_bytes, 4) if full_bytes else 1.0,
             "kv_bytes_read_per_token": {"draft": round(req.draft_bytes_read / max(decoded, 1), 1),
                                         "verify": round(req.verify_bytes_read / max(decoded, 1), 1)}})
-    if req.mode == "vericache":
+    if req.placement.drafts:
         st.update({
             "rounds": rs.rounds, "drafted_tokens": rs.drafted, "accepted_tokens": rs.accepted,
             "acceptance_rate": round(rs.accepted / rs.drafted, 4) if rs.drafted else 0.0,

@@ -95,7 +95,7 @@ class Scheduler:
         self.prefill_chunk, self.max_running = prefill_chunk, max_running
         self.offload = Offload(schedule, loaded, memory, requests, instruments, self.make_room,
                                lambda r: self.planner.extend_waiting(r), link)
-        self.planner = DraftPlanner(self.offload, memory.is_offloaded,   # every draft length
+        self.planner = DraftPlanner(self.offload,   # every draft length
                                     lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments,
                                     lambda: model_calibration(loaded))
         self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
@@ -138,7 +138,7 @@ class Scheduler:
             if budget > 0 and not r.prefilled:
                 budget -= self._plan_prefill(r, plan, budget)
         for r in self.requests.in_state(State.DECODING):
-            plan.add(r, RowKind.DECODE, [r.last_token], r.position, r.full if r.mode == "full" else r.draft)
+            plan.add(r, RowKind.DECODE, [r.last_token], r.position, r.draft if r.placement.draft_here else r.full)
         for r in self.requests.in_state(State.DRAFTING):
             self._plan_round(r, plan)
         for r in self.requests.in_state(State.SERVING):   # a verifier session: the drafter's next round
@@ -149,18 +149,17 @@ class Scheduler:
 
     def _plan_round(self, r: Request, plan: StepPlan) -> None:
         """A drafting request's row: its next draft token, or its verification once the draft is complete."""
-        rs, offloaded = r.round, self.memory.is_offloaded(r)
+        rs, offloaded = r.round, r.placement.offloaded
         if not rs.started:  # a new round
             rs.start(self.planner.new_round(r))
-            if rs.k and r.full is not None and not offloaded and r.session is None:
+            if rs.k and r.placement.verifies_in_place:
                 catch_up(r.draft, r.full, r.position)   # plain full steps may have left the drafter behind
-        remote_verified = r.session is not None  # a complete round goes out in RemoteRounds.send_verifies
         if not rs.complete and (not offloaded or self.offload.may_draft(r)):
             tok = rs.drafts[-1] if rs.drafts else r.last_token
             proposal = self.planner.proposal(r)
             plan.add(r, RowKind.DRAFT, [tok] + proposal, r.position + len(rs.drafts), r.draft,
                      "all" if proposal else "last")
-        elif rs.complete and not remote_verified and not offloaded:  # full KV here: verify in place
+        elif rs.complete and r.placement.verifies_in_place:  # else: the link (Offload) or the network (RemoteRounds)
             tokens = [r.last_token] + rs.drafts
             plan.add(r, RowKind.VERIFY, tokens, r.position, self._verify_cache(r, r.full, len(tokens)), "all")
 
@@ -190,11 +189,11 @@ class Scheduler:
         full = req.prefill_buf or req.full
         if req.served is not None and req.served.recorder is not None:   # the store wants the last queries
             cache = TeeCache(full, req.served.recorder)
-        elif req.mode == "full":
+        elif not req.placement.draft_here:
             cache = full
-        elif req.mode == "lossy" or self.memory.is_remote(req):
+        elif not req.placement.full_here:
             cache = req.draft
-        else:
+        else:   # one prefill fills both
             cache = TeeCache(full, req.draft)
         chunk = ids[req.done_ids : req.done_ids + n]
         last = req.done_ids + n == len(ids)
@@ -249,11 +248,11 @@ class Scheduler:
         if req.resident is not None:  # the resident layers go up once
             req.resident.load(req.prefill_buf or req.full, n)
         req.prefill_buf = None
-        if req.served is not None:  # a verifier session: the drafter appends the first token, not us
+        if req.placement.session:  # a verifier session: the drafter appends the first token, not us
             self.requests.set_state(req, State.SERVING)
             req.served.opened(seq.choose(logits))
             return
-        if self.memory.is_remote(req):  # the first token is the verifier's (exact), not the drafter's
+        if req.placement.remote:  # the first token is the verifier's (exact), not the drafter's
             req.prefilled = True
             if seq.output_ids:
                 self.requests.set_state(req, State.DRAFTING)
@@ -261,7 +260,7 @@ class Scheduler:
         if not seq.output_ids:
             seq.append(seq.choose(logits))
             req.first_token_at = time.perf_counter()
-        self.requests.set_state(req, State.DRAFTING if req.mode == "vericache" else State.DECODING)
+        self.requests.set_state(req, State(req.placement.state_after_prefill()))
 
     def _after_prefill(self, req: Request, row: Row, logits, argmax) -> None:
         req.done_ids += len(row.tokens)

@@ -30,6 +30,7 @@ from vericache.drafting.lookup import LookupIndex
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
+from vericache.engine.placement import place
 from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput
 from vericache.engine.runner import ModelRunner
 from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
@@ -99,19 +100,22 @@ class StepLoop:
 
     def _add(self, seq: Sequence, options, prefill, **fields) -> int:
         opts = options if isinstance(options, ResolvedOptions) else self.runner.resolve(options)
-        lookup = LookupIndex() if opts.lookup and opts.mode == "vericache" else None
-        req = Request(-1, seq, opts, policy_state=opts.policy.new_state(), prefill=prefill, lookup=lookup, **fields)
+        placement = place(opts.mode, offload=self.memory.offload, remote=self.memory.remote,
+                          session=fields.get("served") is not None)
+        lookup = LookupIndex() if opts.lookup and placement.drafts else None
+        req = Request(-1, seq, opts, placement, policy_state=opts.policy.new_state(), prefill=prefill, lookup=lookup,
+                      **fields)
         prompt_ids, params = seq.prompt_ids, seq.params
         if prefill is not None:
             prefill.check(seq)
-        if self.memory.is_remote(req) and not seq.params.greedy:
+        if placement.remote and not seq.params.greedy:
             raise ValueError(f"a remote verifier verifies greedy drafts only: temperature must be 0, "
                              f"got {seq.params.temperature}")
         need = self.memory.needed(req) + self.memory.transient(req)
         if self.device.blocks_for(need) > self.device.total_blocks:
             raise ValueError(f"request needs {need} bytes of device KV (prompt {len(prompt_ids)} + max_tokens "
                              f"{params.max_tokens}) but the whole device budget is {self.device.capacity_bytes} bytes")
-        if self.memory.is_offloaded(req):
+        if placement.offloaded:
             self.offload.ensure_link()
         return self.requests.add(req)
 
