@@ -76,7 +76,7 @@ def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
         assert 0 <= loop.device.used_blocks <= loop.device.total_blocks
         for r in loop.requests:
             if r.seq.finished:  # finished requests are never drafted, transferred or preempted again
-                assert r.state in DONE and r.full is None and r.draft is None and r.transfer is None
+                assert r.state in DONE and r.kv.full is None and r.kv.draft is None and r.drafting.transfer is None
     for _ in range(3000):
         if not loop.has_unfinished():
             break
@@ -104,7 +104,7 @@ def test_a_failing_request_fails_alone(llm, pool, reference):
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
-    req.draft.parts = req.draft.layered_parts = broken   # the module's path and the native step's
+    req.kv.draft.parts = req.kv.draft.layered_parts = broken   # the module's path and the native step's
     outs = []
     while loop.has_unfinished():
         outs += loop.step()
@@ -128,7 +128,7 @@ def test_a_bad_part_in_the_attention_op_fails_only_its_request(llm, pool, refere
     rids = [loop.add_request(p, params) for p in pool[:3]]
     loop.step()   # the three prefills
     bad = loop.requests[rids[1]]
-    bad.full.k = bad.full.k.to(torch.float64)   # a bad part: the op takes fp32, fp16 or bf16
+    bad.kv.full.k = bad.kv.full.k.to(torch.float64)   # a bad part: the op takes fp32, fp16 or bf16
     recorded, emitted = loop.instruments.n_steps, [len(loop.requests[r].seq.output_ids) for r in rids]
     loop.step()   # fails, then runs row by row: the two good rows decode, and no step is recorded
     assert loop.instruments.n_steps == recorded, "rows rerun one by one are not a step's record"

@@ -62,10 +62,10 @@ def test_the_engine_allocates_and_moves_a_request_as_placed(llm, mode, offload):
     while req.state in (State.WAITING, State.PREFILL):
         loop.step()
     where = req.placement
-    assert (req.full is not None, req.draft is not None) == (where.full_here, where.draft_here)
+    assert (req.kv.full is not None, req.kv.draft is not None) == (where.full_here, where.draft_here)
     assert req.state == State(where.state_after_prefill())
     if where.offloaded:
-        assert req.full.device.type == "cpu" and loop.memory.host.used_bytes >= req.full.nbytes()
+        assert req.kv.full.device.type == "cpu" and loop.memory.host.used_bytes >= req.kv.full.nbytes()
     else:
         assert loop.memory.host.used_bytes == 0
     assert loop.memory.device.used_bytes >= loop.memory.device_bytes(req) > 0

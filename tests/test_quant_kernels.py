@@ -90,11 +90,11 @@ def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
     req = loop.requests[rid]
     while req.state in (State.WAITING, State.PREFILL):
         loop.step()
-    resident = req.resident_bytes()
+    resident = req.kv.resident_bytes()
     assert resident == pytest.approx(loop.memory.device_bytes(req), rel=0.05)
     assert resident == pytest.approx(loop.memory.needed(req), rel=0.05)
     full = len(prompt_4k) * loop.memory.per_pos
-    draft = req.draft.resident_bytes()
+    draft = req.kv.draft.resident_bytes()
     nominal = parse_compressor(spec).nominal_ratio(llm.loaded.kv_dtype.itemsize)
     assert draft < (nominal + 0.15) * full   # really compressed (stored over full bytes, in the KV's dtype)
     while loop.has_unfinished():

@@ -63,7 +63,7 @@ def test_tight_budget_batching(llm, serving_prompts, serving_reference, mode, sc
     assert all(r.state == State.FINISHED for r in loop.requests)
     if mode == "vericache":
         assert {State.PREFILL, State.DRAFTING, State.FINISHED} <= states
-        assert loop.link.stats.bytes_moved > 0 and all(r.round.rounds > 0 for r in loop.requests)
+        assert loop.link.stats.bytes_moved > 0 and all(r.drafting.round.rounds > 0 for r in loop.requests)
         if scheduler != "naive":  # transfers outlive a step while others draft (naive waits inside it)
             assert State.TRANSFERRING in states
         else:  # naive verifies layer by layer as the transfer lands
@@ -191,8 +191,8 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
     loop.instruments.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
     rid = loop.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
     req = loop.requests[rid]
-    req.state, req.full = State.TRANSFERRING, FullKVCache(llm.loaded.config, "cpu", torch.float32, 1000)
-    req.full.begin(0, 999)
+    req.state, req.kv.full = State.TRANSFERRING, FullKVCache(llm.loaded.config, "cpu", torch.float32, 1000)
+    req.kv.full.begin(0, 999)
 
     class Pending:
         cuda_events = None
@@ -200,7 +200,7 @@ def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts
         def ready(self):
             return False
 
-    req.transfer = Pending()
+    req.drafting.transfer = Pending()
     backlog_s = loop.memory.verify_buffer_bytes(req) / 100e6
     assert loop.offload.draft_to_cover_link() == int(backlog_s / 0.002)
     link.close()
@@ -231,8 +231,8 @@ def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_refe
     assert reqs[4].opts.compressor.spec() == loop.runner.compressor.spec()  # unset fields: the server's
     for i in (0, 1, 2, 4):
         assert reqs[i].seq.output_ids == serving_reference[i], i
-    assert reqs[1].round.rounds == 0 and reqs[3].round.rounds == 0 and all(reqs[i].round.rounds > 0 for i in (0, 2, 4))
-    assert reqs[0].round.drafted <= 4 * reqs[0].round.rounds
+    assert reqs[1].drafting.round.rounds == 0 and reqs[3].drafting.round.rounds == 0 and all(reqs[i].drafting.round.rounds > 0 for i in (0, 2, 4))
+    assert reqs[0].drafting.round.drafted <= 4 * reqs[0].drafting.round.rounds
     assert loop.link is not None and loop.link.stats.bytes_moved > 0
     assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
 
@@ -275,9 +275,9 @@ def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_
     groups_seen = set()
     while loop.has_unfinished():
         loop.step()
-        flying = {r.group for r in loop.requests if r.state == State.TRANSFERRING and not r.transfer.ready()}
+        flying = {r.drafting.group for r in loop.requests if r.state == State.TRANSFERRING and not r.drafting.transfer.ready()}
         assert len(flying) <= 1, flying
-        groups_seen |= {r.group for r in loop.requests if r.state == State.TRANSFERRING}
+        groups_seen |= {r.drafting.group for r in loop.requests if r.state == State.TRANSFERRING}
     assert [loop.requests[i].seq.output_ids for i in ids] == serving_reference
     assert len(groups_seen) >= 2 and loop.offload.mean_groups > 1
 
@@ -296,7 +296,7 @@ def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompt
             loop.step()
         assert [loop.requests[i].seq.output_ids for i in ids] == serving_reference[:3]
         assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
-        rounds = sum(loop.requests[i].round.rounds for i in ids)
+        rounds = sum(loop.requests[i].drafting.round.rounds for i in ids)
         moved[r] = loop.link.stats.bytes_moved / rounds
         loop.link.close()
     if resident == n_layers:

@@ -418,3 +418,23 @@ def test_a_requests_mode_is_compared_in_one_module():
     # the check finds what it looks for
     assert mode_comparisons({"x.py": "if req.mode == 'lossy':\n    pass\n"}) == ["x.py:1 req.mode == 'lossy'"]
     assert mode_comparisons({"x.py": "ok = opts.mode in ('lossy', 'vericache')\n"}) != []
+
+
+def test_a_request_is_a_small_core_record_with_typed_parts():
+    """Issue 54, item 4: ``Request`` is a small record (<= 14 fields) whose parts are typed (its caches,
+    prefill progress, rounds, remote parts, measures); no field of it or its parts is typed ``object``."""
+    import dataclasses
+    import typing
+
+    from vericache.engine import requests
+
+    core = dataclasses.fields(requests.Request)
+    assert len(core) <= 14, [f.name for f in core]
+    parts = [requests.Request, requests.RequestKV, requests.PrefillProgress, requests.Drafting, requests.RemoteParts,
+             requests.Measures, requests.Served]
+    untyped = [f"{cls.__name__}.{name}" for cls in parts
+               for name, hint in typing.get_type_hints(cls, vars(requests)).items() if hint is object]
+    assert untyped == []
+    assert {f.name for f in core} >= {"kv", "prefill", "drafting", "remote", "measured"}
+    loose = dataclasses.make_dataclass("Loose", [("policy_state", object, None)])   # what the check catches
+    assert [n for n, h in typing.get_type_hints(loose).items() if h is object] == ["policy_state"]

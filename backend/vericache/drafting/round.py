@@ -311,7 +311,7 @@ class DraftPlanner:
     def new_round(self, r) -> int:
         """The draft length of ``r``'s next round (0: a plain full-KV step)."""
         policy = r.opts.policy
-        k = policy.next_len(r.policy_state, r.seq.remaining)
+        k = policy.next_len(r.drafting.policy_state, r.seq.remaining)
         if r.placement.offloaded:
             if k and policy.fixed is None and self.offload.stretches:
                 k = max(k, min(self.offload.draft_to_cover_link(), policy.max_len, r.seq.remaining - 1))
@@ -324,28 +324,28 @@ class DraftPlanner:
         """Lookup proposal tokens for ``r``'s next draft step (``drafting.lookup``), [] for a single row:
         where its committed tokens hold the last 3 (or 2) tokens earlier, what followed them, as many
         as the round has room for beyond the step's own draft and the fitted costs find worth checking."""
-        if r.lookup is None:
+        if r.drafting.lookup is None:
             return []
-        rs, seq = r.round, r.seq
+        rs, seq = r.drafting.round, r.seq
         room = rs.k - len(rs.drafts) - 1
         if room < 1:
             return []
         tokens = seq.prompt_ids + seq.output_ids
-        r.lookup.extend(tokens)
-        proposal = r.lookup.propose(tokens, (tokens[-3:] + rs.drafts)[-3:], room)
+        r.drafting.lookup.extend(tokens)
+        proposal = r.drafting.lookup.propose(tokens, (tokens[-3:] + rs.drafts)[-3:], room)
         if not proposal:
             return []
         pos = r.position + len(rs.drafts)
         self.cost.refit(self.instruments.steps, self.instruments.n_steps)
-        n = self.cost.proposal_len(r.lookup.keep_rate(), self.n_active(),
-                                   lambda rows: r.draft.attention_cost(pos, rows), len(proposal))
+        n = self.cost.proposal_len(r.drafting.lookup.keep_rate(), self.n_active(),
+                                   lambda rows: r.kv.draft.attention_cost(pos, rows), len(proposal))
         return proposal[:n]
 
     def extend_waiting(self, r) -> None:
         """A complete draft waiting for its group's turn on the link: one more token while its drafts are
         mostly accepted (P2; "auto" only, within the policy's maximum and the request's budget)."""
-        policy, rs = r.opts.policy, r.round
-        if rs.k and rs.complete and policy.fixed is None and r.policy_state.ema_accepted >= 0.75 * rs.k:
+        policy, rs = r.opts.policy, r.drafting.round
+        if rs.k and rs.complete and policy.fixed is None and r.drafting.policy_state.ema_accepted >= 0.75 * rs.k:
             rs.k = min(rs.k + 1, policy.max_len, max(r.seq.remaining - 1, rs.k))
 
     def _cost_len(self, r, k: int) -> int:
@@ -362,13 +362,13 @@ class DraftPlanner:
         on random K/V it prices attention above real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2),
         so the policy sizes the rounds it lets through. The draft row is priced at the drafter's last
         commit (``draft_position``)."""
-        st, policy = r.policy_state, r.opts.policy
+        st, policy = r.drafting.policy_state, r.opts.policy
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps)
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
-                                  r.draft.attention_cost(draft_position(r.draft, pos), 1),
-                                  lambda j: r.full.attention_cost(pos, j + 1), k_max)
+                                  r.kv.draft.attention_cost(draft_position(r.kv.draft, pos), 1),
+                                  lambda j: r.kv.full.attention_cost(pos, j + 1), k_max)
         if choice is None:
             return k
         if probing:   # explore: the policy's length where a round may pay, else the shortest round

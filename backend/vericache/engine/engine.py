@@ -192,11 +192,11 @@ class Engine:
         """(prompt tokens in the caches, prompt tokens) over the unfinished requests: a long prompt's
         prefill runs ``prefill_chunk`` tokens a step."""
         reqs = [r for r in self.loop.requests if not r.done]
-        return sum(min(r.done_ids, len(r.seq.prompt_ids)) for r in reqs), sum(len(r.seq.prompt_ids) for r in reqs)
+        return sum(min(r.prefill.done_ids, len(r.seq.prompt_ids)) for r in reqs), sum(len(r.seq.prompt_ids) for r in reqs)
 
     def resident_bytes(self) -> int:
         """Bytes the unfinished requests' caches hold."""
-        return sum(r.resident_bytes() for r in self.loop.requests if not r.done)
+        return sum(r.kv.resident_bytes() for r in self.loop.requests if not r.done)
 
     def describe(self) -> dict:
         """What this engine computes with: the model, the weights', KV's and linears' arithmetic, the
@@ -246,14 +246,14 @@ class Engine:
     def queue_verification(self, rid: int, start: int, tokens: list[int], reply) -> bool:
         """Queue [x, d1 .. dk] at ``start`` on session ``rid``; False if the session is gone or done."""
         req = self.loop.requests.get(rid)
-        if req is None or req.done or req.served is None:
+        if req is None or req.done or req.remote.served is None:
             return False
-        req.served.inbox.append((start, tokens, reply))
+        req.remote.served.inbox.append((start, tokens, reply))
         return True
 
     def sessions_busy(self) -> bool:
         """Some session is waiting, prefilling or has a verification queued."""
-        return any((r.served is not None and r.served.inbox) or r.state in (State.WAITING, State.PREFILL)
+        return any((r.remote.served is not None and r.remote.served.inbox) or r.state in (State.WAITING, State.PREFILL)
                    for r in self.loop.requests)
 
     def failure(self, rid: int) -> str | None:
@@ -280,7 +280,7 @@ class Engine:
         out = EngineOutput(o.request_id, o.new_token_ids, self._text_delta(req, o), o.finished, o.finish_reason,
                            o.error, req.error_status)
         if o.finished:
-            rs = req.round   # the engine's own stats (``request_stats``, made when it ended)
+            rs = req.drafting.round   # the engine's own stats (``request_stats``, made when it ended)
             out.stats = {**req.seq.stats, **self._labels(o.request_id), "rounds": rs.rounds,
                          "drafted_tokens": rs.drafted, "accepted_tokens": rs.accepted,
                          "prompt_tokens": len(req.seq.prompt_ids), "completion_tokens": len(req.seq.output_ids)}
@@ -288,7 +288,7 @@ class Engine:
                 out.stats["error"], out.stats["status"] = o.error, req.error_status
             self._texts.pop(o.request_id, None)
             self._ended[o.request_id] = self._labels(o.request_id)
-            if req.served is None:   # a long-running engine keeps no finished request (sessions: their owner's)
+            if req.remote.served is None:   # a long-running engine keeps no finished request (sessions: their owner's)
                 self.loop.requests.forget(o.request_id)
         return out
 

@@ -124,7 +124,7 @@ class KVMemory:
 
     def verify_buffer_bytes(self, req: Request) -> int:
         """Device bytes of the buffer a verification of ``req`` needs now: its streamed layers plus the draft."""
-        return self.streamed((req.full.length + req.round.k + 1) * self.per_pos)
+        return self.streamed((req.kv.full.length + req.drafting.round.k + 1) * self.per_pos)
 
     # ------------------------------------------------------------------ caches
     def allocate(self, req: Request) -> None:
@@ -132,31 +132,31 @@ class KVMemory:
         cap, where = self.capacity(req), req.placement
         if where.full_here:
             home = torch.device("cpu") if where.offloaded else self.dev
-            if req.prefill is not None and req.prefill.full.device == home:
-                req.full = req.prefill.reset(req.seq)
+            if req.prefill.shared is not None and req.prefill.shared.full.device == home:
+                req.kv.full = req.prefill.shared.reset(req.seq)
             else:
-                req.full = FullKVCache(self.cfg, home, self.dtype, capacity=cap)
+                req.kv.full = FullKVCache(self.cfg, home, self.dtype, capacity=cap)
                 if home.type == "cpu" and self.dev.type == "cuda":  # pinned: the link copies asynchronously
-                    req.full.pin()
-                if req.prefill is not None:
-                    src = req.prefill.reset(req.seq)
-                    req.full.load(src, src.length)
-            if req.full.device != self.dev and req.prefill is None:
+                    req.kv.full.pin()
+                if req.prefill.shared is not None:
+                    src = req.prefill.shared.reset(req.seq)
+                    req.kv.full.load(src, src.length)
+            if req.kv.full.device != self.dev and req.prefill.shared is None:
                 # prefill attends on the device: into a device buffer, copied home when done
-                req.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap)
+                req.kv.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap)
         if where.draft_here:
-            req.draft = CompressedKVCache(req.opts.compressor, self.cfg, self.dev, self.dtype, capacity=cap)
+            req.kv.draft = CompressedKVCache(req.opts.compressor, self.cfg, self.dev, self.dtype, capacity=cap)
         if where.offloaded and self.resident_layers:
-            req.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers)
+            req.kv.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers)
 
     def device_bytes(self, req: Request) -> int:
         """Device bytes the request's caches hold now (what it is charged)."""
         total = 0
-        if req.full is not None and not req.placement.offloaded:
-            total += req.full.nbytes()
-        if req.draft is not None:  # everything it allocated (its store is allocated up front)
-            total += req.draft.resident_bytes()
-        for cache in (req.resident, req.prefill_buf):
+        if req.kv.full is not None and not req.placement.offloaded:
+            total += req.kv.full.nbytes()
+        if req.kv.draft is not None:  # everything it allocated (its store is allocated up front)
+            total += req.kv.draft.resident_bytes()
+        for cache in (req.kv.resident, req.kv.prefill_buf):
             if cache is not None:
                 total += cache.nbytes()
         return total
@@ -167,12 +167,12 @@ class KVMemory:
     def charge(self, req: Request) -> None:
         """Charge both tiers for what the request holds now (``fits`` first: raises OutOfBlocks otherwise)."""
         self.device.resize(("kv", req.id), self.device_bytes(req))
-        if req.placement.offloaded and req.full is not None:
-            self.host.resize(("full", req.id), req.full.nbytes())
+        if req.placement.offloaded and req.kv.full is not None:
+            self.host.resize(("full", req.id), req.kv.full.nbytes())
 
     def free(self, req: Request) -> None:
         for pool, key in ((self.device, ("kv", req.id)), (self.device, ("verify", req.id)),
                           (self.host, ("full", req.id))):
             pool.free(key)
-        req.full = req.draft = req.resident = req.prefill_buf = None
+        req.kv.full = req.kv.draft = req.kv.resident = req.kv.prefill_buf = None
 

@@ -86,8 +86,8 @@ class Offload:
         """Start verifying before the last layers land when, at the measured rates, they will land
         before the forward reaches them: r layers still in flight take r * t_link_layer, the forward
         spends (L - r) * t_verify_layer on the layers already there."""
-        streamed = req.transfer.dst.layers
-        done = req.transfer.layers_done()
+        streamed = req.drafting.transfer.dst.layers
+        done = req.drafting.transfer.layers_done()
         if done == streamed:
             return True
         if self.schedule.verifies_in_turn:
@@ -96,7 +96,7 @@ class Offload:
         rates = self.measured_rates()
         if rates is None or self.instruments.verify_layer_s <= 0 or ahead == 0:
             return False
-        link_layer_s = req.full.nbytes() / self.cfg.num_hidden_layers / rates[0]
+        link_layer_s = req.kv.full.nbytes() / self.cfg.num_hidden_layers / rates[0]
         return (streamed - done) * link_layer_s <= ahead * self.instruments.verify_layer_s
 
     # ------------------------------------------------------------------ what the loop tells it
@@ -106,7 +106,7 @@ class Offload:
 
     def start_transfer(self, req: Request) -> bool:
         """Reserve a device buffer for the request's full KV and queue it on the link."""
-        if req.state != State.DRAFTING or not req.round.complete:
+        if req.state != State.DRAFTING or not req.drafting.round.complete:
             return False
         nbytes = self.memory.verify_buffer_bytes(req)
         key = ("verify", req.id)
@@ -122,9 +122,9 @@ class Offload:
                 return False  # no room for the buffer now; retry next step
         self.memory.device.resize(key, nbytes)
         first = self.memory.resident_layers
-        buf = FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype, capacity=req.full.length + req.round.k + 1,
+        buf = FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype, capacity=req.kv.full.length + req.drafting.round.k + 1,
                           layers=self.cfg.num_hidden_layers - first)
-        req.transfer = self.link.submit(req.full, req.full.length, buf, first_layer=first)
+        req.drafting.transfer = self.link.submit(req.kv.full, req.kv.full.length, buf, first_layer=first)
         self.requests.set_state(req, State.TRANSFERRING)
         return True
 
@@ -133,8 +133,8 @@ class Offload:
         on the oldest one rather than spin."""
         in_flight = self.requests.in_state(State.TRANSFERRING)
         if in_flight and not self.requests.in_state(State.PREFILL, State.DECODING) and not any(
-                not r.round.complete for r in self.requests.in_state(State.DRAFTING)):
-            min(in_flight, key=lambda r: r.id).transfer.wait_all()
+                not r.drafting.round.complete for r in self.requests.in_state(State.DRAFTING)):
+            min(in_flight, key=lambda r: r.id).drafting.transfer.wait_all()
 
     # ------------------------------------------------------------------ measured
     def measured_rates(self) -> tuple[float, float] | None:
@@ -153,7 +153,7 @@ class Offload:
             return 0
         rate, step_s = rates
         queued = sum(self.memory.verify_buffer_bytes(r) for r in self.requests.in_state(State.TRANSFERRING)
-                     if not r.transfer.ready())
+                     if not r.drafting.transfer.ready())
         return int(queued / rate / step_s)
 
     @property
@@ -175,7 +175,7 @@ class Naive:
         pass
 
     def start_transfers(self, off: Offload, drafting: list[Request]) -> None:
-        complete = [r for r in drafting if r.round.complete]
+        complete = [r for r in drafting if r.drafting.round.complete]
         if complete and len(complete) == len(drafting) and not off.requests.in_state(State.TRANSFERRING):
             for r in complete:
                 off.start_transfer(r)
@@ -190,7 +190,7 @@ class Staggered(Naive):
 
     def start_transfers(self, off: Offload, drafting: list[Request]) -> None:
         for r in drafting:  # the link works (and queues) while the others keep drafting
-            if r.round.complete:
+            if r.drafting.round.complete:
                 off.start_transfer(r)
 
 
@@ -205,21 +205,21 @@ class Grouped(Staggered):
         return total / plans if plans else 0.0
 
     def on_new_round(self, off: Offload, req: Request, k: int) -> None:
-        req.group = req.id % self._plan(off, k)
+        req.drafting.group = req.id % self._plan(off, k)
 
     def start_transfers(self, off: Offload, drafting: list[Request]) -> None:
         """Put the next group whose drafts are all complete on the link, unless another group's
         transfers are still in flight (one group on the link while the others draft)."""
         for r in drafting:  # waiting for its group's turn, drafts mostly accepted: draft on (P2)
             off.extend(r)
-        on_link = {r.group for r in off.requests.in_state(State.TRANSFERRING) if not r.transfer.ready()}
+        on_link = {r.drafting.group for r in off.requests.in_state(State.TRANSFERRING) if not r.drafting.transfer.ready()}
         groups: dict[int, list[Request]] = {}
         for r in drafting:
-            groups.setdefault(r.group, []).append(r)
+            groups.setdefault(r.drafting.group, []).append(r)
         for g in sorted(groups, key=lambda g: (g - self.turn) % max(self.groups, g + 1)):  # round robin
             if on_link - {g}:
                 return
-            if all(r.round.complete for r in groups[g]):
+            if all(r.drafting.round.complete for r in groups[g]):
                 for r in groups[g]:
                     off.start_transfer(r)
                 self.turn = g + 1
@@ -231,7 +231,7 @@ class Grouped(Staggered):
         vc = off.requests.in_state(State.DRAFTING, State.TRANSFERRING)
         if rates is not None and vc:
             rate, step_s = rates
-            per_request_s = sum(off.memory.streamed(r.full.nbytes()) for r in vc) / len(vc) / rate
+            per_request_s = sum(off.memory.streamed(r.kv.full.nbytes()) for r in vc) / len(vc) / rate
             self.groups = group_count(len(vc), per_request_s, step_s, draft_len)
         self.plans[0] += self.groups
         self.plans[1] += 1

@@ -45,36 +45,36 @@ class RemoteRounds:
     def start(self, req: Request) -> None:
         """At allocation: start the prefix fetch and open the verifier session, as they apply."""
         ids = req.prefill_ids
-        if self.prefix is not None and req.prefill is None and req.placement.loads_stored_prefix:
-            req.fetch = self.prefix.fetch(ids, prefix_form(req), self.device)
+        if self.prefix is not None and req.prefill.shared is None and req.placement.loads_stored_prefix:
+            req.remote.fetch = self.prefix.fetch(ids, prefix_form(req), self.device)
         if req.placement.remote:
             comp = req.opts.compressor.spec()
-            req.session = self.verifier.session(ids, max(req.seq.remaining, 1), comp)
+            req.remote.session = self.verifier.session(ids, max(req.seq.remaining, 1), comp)
 
     def fetch_pending(self, req: Request) -> bool:
         """True while the request's prefix fetch is in flight; applies it once it has landed."""
-        if req.fetch is None:
+        if req.remote.fetch is None:
             return False
-        if not req.fetch.done():
+        if not req.remote.fetch.done():
             return True
-        got, req.fetch = req.fetch.result(), None
+        got, req.remote.fetch = req.remote.fetch.result(), None
         if got.blocks:
             if not req.placement.draft_here:
-                n = req.full.load_blocks(got.blocks)
+                n = req.kv.full.load_blocks(got.blocks)
             else:
-                n = req.draft.load_stored(got.blocks, self.prefix.store.block_tokens)
-            req.done_ids = req.prefix_tokens = n
-        req.fetch_bytes, req.fetch_s = got.nbytes, got.seconds
+                n = req.kv.draft.load_stored(got.blocks, self.prefix.store.block_tokens)
+            req.prefill.done_ids = req.remote.prefix_tokens = n
+        req.remote.fetch_bytes, req.remote.fetch_s = got.nbytes, got.seconds
         return False
 
     def poll(self) -> None:
         """Apply every verifier reply that has landed (first tokens, verified rounds, failures)."""
         for req in list(self.requests):
-            if req.session is None or req.done:
+            if req.remote.session is None or req.done:
                 continue
             while not req.done:
                 try:
-                    item = req.session.poll()
+                    item = req.remote.session.poll()
                 except RemoteUnavailable as exc:
                     self.requests.fail(req, f"verifier unavailable: {exc}", status=503)
                     break
@@ -88,22 +88,22 @@ class RemoteRounds:
                     self._verified(req, msg["accepted"], msg["token"], tensors["k"], tensors["v"])
 
     def _first_token(self, req: Request, msg: dict) -> None:
-        req.verifier_hit_tokens = msg.get("hit_tokens", 0)
+        req.remote.verifier_hit_tokens = msg.get("hit_tokens", 0)
         if req.seq.output_ids:  # re-admitted after preemption: the token is known already
             return
         finished = req.seq.append(int(msg["token"]))
-        req.first_token_at = time.perf_counter()
+        req.measured.first_token_at = time.perf_counter()
         log.info("request %s: first token from the verifier %.3f s after arrival (verifier had %d prompt tokens "
-                 "stored; drafter loaded %d, state %s)", req.id, req.first_token_at - req.added_at,
-                 req.verifier_hit_tokens, req.prefix_tokens, req.state)
+                 "stored; drafter loaded %d, state %s)", req.id, req.measured.first_token_at - req.measured.added_at,
+                 req.remote.verifier_hit_tokens, req.remote.prefix_tokens, req.state)
         if finished:
             self.requests.release(req, State.FINISHED)
-        elif req.state == State.PREFILL and req.prefilled:
+        elif req.state == State.PREFILL and req.prefill.complete:
             self.requests.set_state(req, State.DRAFTING)
 
     def _verified(self, req: Request, m: int, token: int, k, v) -> None:
-        rs = req.round
-        m = finish_round(req.seq, rs, req.position, req.draft, targets=rs.drafts[:m] + [token], exact_kv=(k, v))
+        rs = req.drafting.round
+        m = finish_round(req.seq, rs, req.position, req.kv.draft, targets=rs.drafts[:m] + [token], exact_kv=(k, v))
         self.requests.round_done(req, m)
         if req.seq.finished:
             self.requests.release(req, State.FINISHED)
@@ -114,11 +114,11 @@ class RemoteRounds:
     def send_verifies(self) -> None:
         """Put every complete remote round on the wire."""
         for req in self.requests.in_state(State.DRAFTING):
-            if req.session is not None and req.round.complete:
-                req.session.verify(req.position, [req.last_token] + req.round.drafts)
+            if req.remote.session is not None and req.drafting.round.complete:
+                req.remote.session.verify(req.position, [req.last_token] + req.drafting.round.drafts)
                 self.requests.set_state(req, State.AWAITING_VERIFIER)
 
     def waiting(self) -> bool:
         """A verifier reply or a prefix fetch is still to come."""
-        return any((r.session is not None and r.session.in_flight) or r.fetch is not None
+        return any((r.remote.session is not None and r.remote.session.in_flight) or r.remote.fetch is not None
                    for r in self.requests if not r.done)

@@ -25,17 +25,20 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from vericache.drafting.lookup import LookupIndex
-from vericache.drafting.round import RoundState, end_round
+from vericache.drafting.round import DraftState, RoundState, end_round
 from vericache.engine.options import ResolvedOptions
 from vericache.engine.placement import Placement
+from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.link import Transfer
+from vericache.kv.tee import QueryRecorder
 from vericache.sampling import Sequence
 
 class State(StrEnum):
@@ -66,6 +69,15 @@ ALLOWED = {
 Reply = Callable[[tuple], None]
 
 
+class VerifierSession(Protocol):
+    """A drafter's stream to its remote verifier (``remote.client``): rounds out, replies polled."""
+    in_flight: bool
+
+    def verify(self, start: int, tokens: list[int]) -> None: ...
+    def poll(self) -> tuple[dict, dict, float] | None: ...
+    def close(self) -> None: ...
+
+
 @dataclass
 class Served:
     """A verifier session's side of a request (``remote.verifier``): its rounds come over the network.
@@ -73,45 +85,89 @@ class Served:
     verification's reply with ``drafting.round.verify_for_drafter``'s (m, token, K, V)."""
     opened: Callable[[int], None]       # called with the first token once the prompt is in (exact, greedy)
     chunk: int = 64                     # prompt tokens per forward: opens that land later join within a chunk
-    recorder: object = None             # a ``kv.tee.QueryRecorder``: the prompt's last queries, for the store
+    recorder: QueryRecorder | None = None   # the prompt's last queries, for the store
     inbox: deque = field(default_factory=deque)   # (start, [x, d1 .. dk], reply) verifications queued
 
 
 @dataclass
-class Request:
-    id: int
-    seq: Sequence
-    opts: ResolvedOptions
-    placement: Placement                       # where it lives (``engine.placement``): decided when added
-    policy_state: object = None
-    prefill: object = None                     # a SharedPrefill to load instead of prefilling
-    state: State = State.WAITING
+class RequestKV:
+    """The caches a request holds; which ones, on which tier, its ``Placement`` decides."""
     full: FullKVCache | None = None            # device tier (full mode, or vericache without tiers) or host
     draft: CompressedKVCache | None = None     # device tier
     resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
     prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
-    done_ids: int = 0                          # tokens already in the caches (prefill progress)
+
+    def resident_bytes(self) -> int:
+        """Bytes of every storage the caches hold (allocated capacity, not only valid positions), each
+        storage counted once."""
+        tensors = []
+        for c in (self.full, self.draft, self.resident, self.prefill_buf):
+            if isinstance(c, FullKVCache):
+                tensors += [c.k, c.v]
+            elif isinstance(c, CompressedKVCache):
+                tensors += c.tensors()
+        return storage_bytes(tensors)
+
+
+@dataclass
+class PrefillProgress:
+    """How far its prompt is in the caches."""
+    shared: SharedPrefill | None = None   # an exact prefill made elsewhere, loaded instead of computed
+    done_ids: int = 0                     # tokens already in the caches
+    complete: bool = False                # remote drafter: prefill done, the verifier's first token awaited
+
+
+@dataclass
+class Drafting:
+    """Its rounds (vericache): the round in progress, its draft-length policy's state, its proposals."""
+    policy_state: DraftState
     round: RoundState = field(default_factory=RoundState)
-    lookup: LookupIndex | None = None          # vericache with lookup proposals: its n-gram index
+    lookup: LookupIndex | None = None          # with lookup proposals: its n-gram index
     group: int = 0                             # grouped schedule: the phase group of the current round
-    transfer: Transfer | None = None
-    fetch: object = None                       # a Future of the prefix fetch (engine.remote)
-    session: object = None                     # the remote verifier session (drafter role)
-    served: Served | None = None               # the verifier role's session: rounds from a remote drafter
-    prefilled: bool = False                    # remote: prefill done, the verifier's first token awaited
-    prefix_tokens: int = 0                     # prompt positions loaded from the prefix store
-    verifier_hit_tokens: int = 0
+    transfer: Transfer | None = None           # offloaded: its full KV on the link for this round
+
+
+@dataclass
+class RemoteParts:
+    """What it holds of the remote scenario: a prefix fetch, a verifier stream (drafter role), a
+    session's queued rounds (verifier role), and what they brought."""
+    fetch: Future | None = None                 # the prefix store's fetch (``remote.fetch``)
+    session: VerifierSession | None = None      # drafter role: its stream to the verifier
+    served: Served | None = None                # verifier role: rounds from a remote drafter
+    prefix_tokens: int = 0                      # prompt positions loaded from the prefix store
+    verifier_hit_tokens: int = 0                # prompt positions the verifier had stored
     fetch_bytes: int = 0
     fetch_s: float = 0.0
+
+
+@dataclass
+class Measures:
+    """What its stats report: when it arrived, got its first token and ended; KV bytes read."""
+    added_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    draft_bytes_read: int = 0
+    verify_bytes_read: int = 0
+
+
+@dataclass
+class Request:
+    """One request in the step loop: the core record and its typed parts (its caches, its prefill's
+    progress, its rounds, its remote parts, its measures)."""
+    id: int
+    seq: Sequence
+    opts: ResolvedOptions
+    placement: Placement                       # where it lives (``engine.placement``): decided when added
+    drafting: Drafting
+    state: State = State.WAITING
+    kv: RequestKV = field(default_factory=RequestKV)
+    prefill: PrefillProgress = field(default_factory=PrefillProgress)
+    remote: RemoteParts = field(default_factory=RemoteParts)
+    measured: Measures = field(default_factory=Measures)
     emitted: int = 0          # output tokens already returned by step()
     reported: bool = False    # the final StepOutput has been returned
     error: str | None = None  # why the request failed
     error_status: int = 500   # the HTTP status that failure maps to (503: a remote part is gone)
-    draft_bytes_read: int = 0
-    verify_bytes_read: int = 0
-    added_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float = 0.0
-    finished_at: float = 0.0
 
     @property
     def mode(self) -> str:
@@ -134,17 +190,6 @@ class Request:
     @property
     def done(self) -> bool:
         return self.state in DONE
-
-    def resident_bytes(self) -> int:
-        """Bytes of every storage the request's caches hold (allocated capacity, not only valid
-        positions), each storage counted once."""
-        tensors = []
-        for c in (self.full, self.draft, self.resident, self.prefill_buf):
-            if isinstance(c, FullKVCache):
-                tensors += [c.k, c.v]
-            elif isinstance(c, CompressedKVCache):
-                tensors += c.tensors()
-        return storage_bytes(tensors)
 
 
 @dataclass
@@ -284,7 +329,7 @@ class RequestTable:
 
     def release(self, req: Request, state: State) -> None:
         """End a request in ``state`` (finished, aborted, failed): its stats, then its memory."""
-        req.finished_at = time.perf_counter()
+        req.measured.finished_at = time.perf_counter()
         req.seq.stats.update(request_stats(req))  # before the caches go
         self.drop_kv(req)
         self.set_state(req, state)
@@ -309,26 +354,26 @@ class RequestTable:
 
     def drop_kv(self, req: Request) -> None:
         """Let go of everything the request holds: its verifier session, fetch, transfer and KV."""
-        if req.session is not None:  # cancels the stream: the verifier frees its KV
-            req.session.close()
-            req.session = None
-        if req.fetch is not None:
-            req.fetch.cancel()
-            req.fetch = None
-        req.prefilled = False
-        if req.transfer is not None:
-            req.transfer.cancel()  # the copier skips what it has not started; the buffer dies with it
-            req.transfer = None
+        if req.remote.session is not None:  # cancels the stream: the verifier frees its KV
+            req.remote.session.close()
+            req.remote.session = None
+        if req.remote.fetch is not None:
+            req.remote.fetch.cancel()
+            req.remote.fetch = None
+        req.prefill.complete = False
+        if req.drafting.transfer is not None:
+            req.drafting.transfer.cancel()  # the copier skips what it has not started; the buffer dies with it
+            req.drafting.transfer = None
         self.free_kv(req)
 
     def round_done(self, req: Request, m: int, swapped: int = 0) -> None:
         """A verified round with ``m`` of its drafts accepted (``finish_round`` done) and ``swapped``
         tokens traded into its drafter's store (``drafting.guide``): the round log (metrics), then
         ``end_round`` (the draft-length policy learns it; a fresh round)."""
-        rs = req.round
+        rs = req.drafting.round
         rs.swapped += swapped
         self.instruments.round_log.append((req.id, len(rs.drafts), m, swapped, rs.proposed, rs.kept))
-        end_round(req.round, req.opts.policy, req.policy_state, m)
+        end_round(req.drafting.round, req.opts.policy, req.drafting.policy_state, m)
 
     # ------------------------------------------------------------------ outputs
     def collect_outputs(self) -> list[StepOutput]:
@@ -348,23 +393,23 @@ class RequestTable:
 
 def request_stats(req: Request) -> dict:
     """A request's timing, memory and (vericache) acceptance figures."""
-    seq, rs = req.seq, req.round
+    seq, rs = req.seq, req.drafting.round
     n_out = len(seq.output_ids)
     decoded = max(n_out - 1, 0)  # the first token comes from prefill
-    end = req.finished_at or time.perf_counter()
-    prefill_s = (req.first_token_at - req.added_at) if req.first_token_at else 0.0
-    decode_s = end - req.first_token_at if req.first_token_at else 0.0
+    end = req.measured.finished_at or time.perf_counter()
+    prefill_s = (req.measured.first_token_at - req.measured.added_at) if req.measured.first_token_at else 0.0
+    decode_s = end - req.measured.first_token_at if req.measured.first_token_at else 0.0
     st = {"mode": req.mode, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": n_out,
           "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6),
           "decode_tokens_per_s": round(decoded / decode_s, 3) if decode_s > 0 else 0.0,
-          "kv_resident_bytes": req.resident_bytes()}  # every storage its caches hold, once
-    if req.draft is not None:
-        full_bytes = req.draft.full_nbytes()
+          "kv_resident_bytes": req.kv.resident_bytes()}  # every storage its caches hold, once
+    if req.kv.draft is not None:
+        full_bytes = req.kv.draft.full_nbytes()
         st.update({
             "compressor": req.opts.compressor.spec(),
-            "compression_ratio": round(req.draft.nbytes() / full_bytes, 4) if full_bytes else 1.0,
-            "kv_bytes_read_per_token": {"draft": round(req.draft_bytes_read / max(decoded, 1), 1),
-                                        "verify": round(req.verify_bytes_read / max(decoded, 1), 1)}})
+            "compression_ratio": round(req.kv.draft.nbytes() / full_bytes, 4) if full_bytes else 1.0,
+            "kv_bytes_read_per_token": {"draft": round(req.measured.draft_bytes_read / max(decoded, 1), 1),
+                                        "verify": round(req.measured.verify_bytes_read / max(decoded, 1), 1)}})
     if req.placement.drafts:
         st.update({
             "rounds": rs.rounds, "drafted_tokens": rs.drafted, "accepted_tokens": rs.accepted,
@@ -375,17 +420,17 @@ def request_stats(req: Request) -> dict:
             # tokens each way: plain full-KV steps (cool-downs, or the costs found drafting slower)
             # and verified rounds of drafts
             "full_step_tokens": rs.full_steps, "round_tokens": decoded - rs.full_steps,
-            "fallbacks": req.policy_state.fallbacks,
-            "cost_fallbacks": req.policy_state.cost_fallbacks,
+            "fallbacks": req.drafting.policy_state.fallbacks,
+            "cost_fallbacks": req.drafting.policy_state.cost_fallbacks,
             # tokens verification-guided selection traded into the drafter's store (all layers, heads)
             "guided_swaps": rs.swapped,
             # lookup proposals (drafting.lookup): tokens the drafter checked, and those it agreed with
-            "lookup_proposed_tokens": req.lookup.proposed if req.lookup else 0,
-            "lookup_kept_tokens": req.lookup.kept if req.lookup else 0,
+            "lookup_proposed_tokens": req.drafting.lookup.proposed if req.drafting.lookup else 0,
+            "lookup_kept_tokens": req.drafting.lookup.kept if req.drafting.lookup else 0,
             "draft_steps": rs.draft_steps})   # drafter forwards this request took part in
-    if req.prefix_tokens or req.fetch_bytes or req.verifier_hit_tokens:
-        st.update({"prefix_tokens": req.prefix_tokens, "prefix_fetch_bytes": req.fetch_bytes,
-                   "prefix_fetch_s": round(req.fetch_s, 6), "verifier_prefix_tokens": req.verifier_hit_tokens})
+    if req.remote.prefix_tokens or req.remote.fetch_bytes or req.remote.verifier_hit_tokens:
+        st.update({"prefix_tokens": req.remote.prefix_tokens, "prefix_fetch_bytes": req.remote.fetch_bytes,
+                   "prefix_fetch_s": round(req.remote.fetch_s, 6), "verifier_prefix_tokens": req.remote.verifier_hit_tokens})
     if req.error:
         st["error"] = req.error
     return st

@@ -10,7 +10,6 @@ rows) and a ``StepRecord`` (its time and the work the roofline charges); it hold
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
@@ -29,6 +28,7 @@ from vericache.engine.options import (
 )
 from vericache.engine.requests import StepRecord
 from vericache.engine.scheduler import RowKind, StepPlan, StepResult
+from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.draft_weights import check_draft_weights, measured_choice
@@ -37,34 +37,6 @@ from vericache.sampling import SamplingParams, Sequence
 
 __all__ = ["MODES", "ModelRunner", "SharedPrefill"]
 AUTO_DRAFT_KINDS = ("q8",)   # what "auto" measures beside the exact weights (no copies: int8/int4 are asked for by name)
-
-
-@dataclass
-class SharedPrefill:
-    """One exact prefill of a prompt, reused by every mode and compressor (evaluation grids).
-
-    Decoding writes past the prompt into ``full``; ``reset()`` drops those positions again.
-    """
-    full: FullKVCache            # the prompt's K/V, capacity for prompt + max_tokens + 1
-    queries: list[torch.Tensor]  # per layer, the last queries [Hq, W, D] (eviction scorers read them)
-    logits: torch.Tensor         # [V], the next-token logits after the prompt
-    prompt_len: int
-    seconds: float
-    prompt_ids: tuple[int, ...] = ()   # what was prefilled (a later prefill may extend it: ``prefix``)
-
-    def check(self, seq: Sequence) -> None:
-        if len(seq.prompt_ids) != self.prompt_len:
-            raise ValueError(f"request {seq.request_id} has a {len(seq.prompt_ids)}-token prompt; "
-                             f"this prefill is of {self.prompt_len} tokens")
-        if self.full.capacity < seq.capacity:
-            raise ValueError(f"this prefill has room for {self.full.capacity} positions; request "
-                             f"{seq.request_id} needs {seq.capacity}")
-
-    def reset(self, seq: Sequence) -> FullKVCache:
-        """The full cache, back at the end of the prompt, for ``seq`` (which must have this prompt)."""
-        self.check(seq)
-        self.full.truncate(self.prompt_len)
-        return self.full
 
 
 class ModelRunner:

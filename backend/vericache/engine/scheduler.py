@@ -125,43 +125,43 @@ class Scheduler:
     def plan(self) -> StepPlan:
         plan = StepPlan()
         for r in self.requests.in_state(State.TRANSFERRING):
-            if r.transfer.error:
-                self.requests.fail(r, f"transfer failed: {r.transfer.error}")
+            if r.drafting.transfer.error:
+                self.requests.fail(r, f"transfer failed: {r.drafting.transfer.error}")
             elif self.offload.can_verify(r):
-                if not r.transfer.ready():
+                if not r.drafting.transfer.ready():
                     self.instruments.early_verifies += 1
-                tokens = [r.last_token] + r.round.drafts
+                tokens = [r.last_token] + r.drafting.round.drafts
                 plan.add(r, RowKind.VERIFY, tokens, r.position,
-                         self._verify_cache(r, StreamedKV(r.transfer, r.resident), len(tokens)), "all")
+                         self._verify_cache(r, StreamedKV(r.drafting.transfer, r.kv.resident), len(tokens)), "all")
         budget = self.prefill_chunk
         for r in self.requests.in_state(State.PREFILL):
-            if budget > 0 and not r.prefilled:
+            if budget > 0 and not r.prefill.complete:
                 budget -= self._plan_prefill(r, plan, budget)
         for r in self.requests.in_state(State.DECODING):
-            plan.add(r, RowKind.DECODE, [r.last_token], r.position, r.draft if r.placement.draft_here else r.full)
+            plan.add(r, RowKind.DECODE, [r.last_token], r.position, r.kv.draft if r.placement.draft_here else r.kv.full)
         for r in self.requests.in_state(State.DRAFTING):
             self._plan_round(r, plan)
         for r in self.requests.in_state(State.SERVING):   # a verifier session: the drafter's next round
-            if r.served.inbox:
-                start, tokens, _ = r.served.inbox[0]
-                plan.add(r, RowKind.VERIFY, tokens, start, r.full, "all")
+            if r.remote.served.inbox:
+                start, tokens, _ = r.remote.served.inbox[0]
+                plan.add(r, RowKind.VERIFY, tokens, start, r.kv.full, "all")
         return plan
 
     def _plan_round(self, r: Request, plan: StepPlan) -> None:
         """A drafting request's row: its next draft token, or its verification once the draft is complete."""
-        rs, offloaded = r.round, r.placement.offloaded
+        rs, offloaded = r.drafting.round, r.placement.offloaded
         if not rs.started:  # a new round
             rs.start(self.planner.new_round(r))
             if rs.k and r.placement.verifies_in_place:
-                catch_up(r.draft, r.full, r.position)   # plain full steps may have left the drafter behind
+                catch_up(r.kv.draft, r.kv.full, r.position)   # plain full steps may have left the drafter behind
         if not rs.complete and (not offloaded or self.offload.may_draft(r)):
             tok = rs.drafts[-1] if rs.drafts else r.last_token
             proposal = self.planner.proposal(r)
-            plan.add(r, RowKind.DRAFT, [tok] + proposal, r.position + len(rs.drafts), r.draft,
+            plan.add(r, RowKind.DRAFT, [tok] + proposal, r.position + len(rs.drafts), r.kv.draft,
                      "all" if proposal else "last")
         elif rs.complete and r.placement.verifies_in_place:  # else: the link (Offload) or the network (RemoteRounds)
             tokens = [r.last_token] + rs.drafts
-            plan.add(r, RowKind.VERIFY, tokens, r.position, self._verify_cache(r, r.full, len(tokens)), "all")
+            plan.add(r, RowKind.VERIFY, tokens, r.position, self._verify_cache(r, r.kv.full, len(tokens)), "all")
 
     def _verify_cache(self, r: Request, cache, t: int):
         """A local verification's cache; for a guided drafter (``drafting.guide``) one that records what
@@ -174,9 +174,9 @@ class Scheduler:
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Add the request's next prefill chunk; returns the tokens planned."""
-        if req.done_ids == 0 and req.full is None and req.draft is None:
+        if req.prefill.done_ids == 0 and req.kv.full is None and req.kv.draft is None:
             self.memory.allocate(req)
-            if req.prefill is not None:  # an exact prefill made elsewhere: load it
+            if req.prefill.shared is not None:  # an exact prefill made elsewhere: load it
                 self._load_shared_prefill(req)
                 if req.state != State.PREFILL:
                     return 0
@@ -185,29 +185,29 @@ class Scheduler:
         if self.remote is not None and self.remote.fetch_pending(req):
             return 0
         ids = req.prefill_ids
-        n = min(budget, len(ids) - req.done_ids, req.served.chunk if req.served else budget)
-        full = req.prefill_buf or req.full
-        if req.served is not None and req.served.recorder is not None:   # the store wants the last queries
-            cache = TeeCache(full, req.served.recorder)
+        n = min(budget, len(ids) - req.prefill.done_ids, req.remote.served.chunk if req.remote.served else budget)
+        full = req.kv.prefill_buf or req.kv.full
+        if req.remote.served is not None and req.remote.served.recorder is not None:   # the store wants the last queries
+            cache = TeeCache(full, req.remote.served.recorder)
         elif not req.placement.draft_here:
             cache = full
         elif not req.placement.full_here:
-            cache = req.draft
+            cache = req.kv.draft
         else:   # one prefill fills both
-            cache = TeeCache(full, req.draft)
-        chunk = ids[req.done_ids : req.done_ids + n]
-        last = req.done_ids + n == len(ids)
-        plan.add(req, RowKind.PREFILL, chunk, req.done_ids, cache, "last" if last else "none")
+            cache = TeeCache(full, req.kv.draft)
+        chunk = ids[req.prefill.done_ids : req.prefill.done_ids + n]
+        last = req.prefill.done_ids + n == len(ids)
+        plan.add(req, RowKind.PREFILL, chunk, req.prefill.done_ids, cache, "last" if last else "none")
         return n
 
     def _load_shared_prefill(self, req: Request) -> None:
         """Take the prompt's exact prefill (made once, elsewhere) and compress it: prefill work, so it
         is recorded as a "load" interval, which benches leave out of decode time."""
-        t0, shared = time.perf_counter(), req.prefill
-        if req.draft is not None:
-            req.draft.load_prefill(shared.reset(req.seq), shared.queries)
-        req.done_ids = shared.prompt_len
-        if req.done_ids == len(req.seq.prompt_ids) + max(len(req.seq.output_ids) - 1, 0):
+        t0, shared = time.perf_counter(), req.prefill.shared
+        if req.kv.draft is not None:
+            req.kv.draft.load_prefill(shared.reset(req.seq), shared.queries)
+        req.prefill.done_ids = shared.prompt_len
+        if req.prefill.done_ids == len(req.seq.prompt_ids) + max(len(req.seq.output_ids) - 1, 0):
             self._finish_prefill(req, shared.logits, shared.full)
         self.instruments.note_interval(t0, time.perf_counter(), "load")
 
@@ -232,85 +232,85 @@ class Scheduler:
 
     def _finish_prefill(self, req: Request, logits: torch.Tensor, context: FullKVCache | None) -> None:
         """The prompt (and any recomputed output) is in the caches: compress, pick the first token."""
-        seq, n = req.seq, req.done_ids
-        if req.prefill_buf is not None:  # home to the host tier
-            req.full.load(req.prefill_buf, n)
-        if req.draft is not None:
+        seq, n = req.seq, req.prefill.done_ids
+        if req.kv.prefill_buf is not None:  # home to the host tier
+            req.kv.full.load(req.kv.prefill_buf, n)
+        if req.kv.draft is not None:
             comp = req.opts.compressor
             # a prompt partly loaded from the prefix store has no whole-prompt context here
-            whole = req.draft.prefill_context()
+            whole = req.kv.draft.prefill_context()
             scores = None if whole is None else comp.on_prefill(self.loaded.model, context or whole, req.prefill_ids,
                                                                 self.loaded.tokenizer)
-            req.draft.set_prefill_scores(scores, n)
+            req.kv.draft.set_prefill_scores(scores, n)
             # compression starts once the whole prompt is in (an exact prefill); beside a full
             # cache the draft cache takes the prompt's K/V from it
-            req.draft.commit(n, source=context)
-        if req.resident is not None:  # the resident layers go up once
-            req.resident.load(req.prefill_buf or req.full, n)
-        req.prefill_buf = None
+            req.kv.draft.commit(n, source=context)
+        if req.kv.resident is not None:  # the resident layers go up once
+            req.kv.resident.load(req.kv.prefill_buf or req.kv.full, n)
+        req.kv.prefill_buf = None
         if req.placement.session:  # a verifier session: the drafter appends the first token, not us
             self.requests.set_state(req, State.SERVING)
-            req.served.opened(seq.choose(logits))
+            req.remote.served.opened(seq.choose(logits))
             return
         if req.placement.remote:  # the first token is the verifier's (exact), not the drafter's
-            req.prefilled = True
+            req.prefill.complete = True
             if seq.output_ids:
                 self.requests.set_state(req, State.DRAFTING)
             return
         if not seq.output_ids:
             seq.append(seq.choose(logits))
-            req.first_token_at = time.perf_counter()
+            req.measured.first_token_at = time.perf_counter()
         self.requests.set_state(req, State(req.placement.state_after_prefill()))
 
     def _after_prefill(self, req: Request, row: Row, logits, argmax) -> None:
-        req.done_ids += len(row.tokens)
+        req.prefill.done_ids += len(row.tokens)
         if logits is not None:
-            self._finish_prefill(req, logits[0], req.prefill_buf or req.full)
+            self._finish_prefill(req, logits[0], req.kv.prefill_buf or req.kv.full)
 
     def _after_decode(self, req: Request, row: Row, logits, argmax) -> None:
-        if req.draft is not None:  # lossy: the drafter's own K/V are final
-            req.draft_bytes_read += req.draft.nbytes()
-            req.draft.commit(req.position + 1)
+        if req.kv.draft is not None:  # lossy: the drafter's own K/V are final
+            req.measured.draft_bytes_read += req.kv.draft.nbytes()
+            req.kv.draft.commit(req.position + 1)
         params = req.seq.params
         req.seq.append(argmax[0] if params.greedy else req.seq.choose(logits[0]))
 
     def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
-        req.draft_bytes_read += req.draft.nbytes()
-        req.round.draft_steps += 1
+        req.measured.draft_bytes_read += req.kv.draft.nbytes()
+        req.drafting.round.draft_steps += 1
         if len(row.tokens) == 1:
-            add_draft(req.seq, req.round, logits[0], argmax[0], req.opts.acceptance)
+            add_draft(req.seq, req.drafting.round, logits[0], argmax[0], req.opts.acceptance)
         else:   # a lookup proposal, checked by the drafter in one step
-            kept = add_checked_proposal(req.seq, req.round, row.tokens[1:], logits, argmax, req.opts.acceptance)
-            req.lookup.record(len(row.tokens) - 1, kept)
+            kept = add_checked_proposal(req.seq, req.drafting.round, row.tokens[1:], logits, argmax, req.opts.acceptance)
+            req.drafting.lookup.record(len(row.tokens) - 1, kept)
 
     def _after_verify(self, req: Request, row: Row, logits, argmax) -> None:
-        if req.served is not None:   # the verifier role: the drafter's round, answered over the network
-            _, _, reply = req.served.inbox.popleft()
-            reply(verify_for_drafter(req.full, row.start, row.tokens[1:], argmax))
+        if req.remote.served is not None:   # the verifier role: the drafter's round, answered over the network
+            _, _, reply = req.remote.served.inbox.popleft()
+            reply(verify_for_drafter(req.kv.full, row.start, row.tokens[1:], argmax))
             return
         write_back, view = None, row.cache.cache if isinstance(row.cache, SeenRecorder) else row.cache
         if isinstance(view, StreamedKV):
             write_back = lambda s, e: self._write_back(req, view, s, e)  # noqa: E731
-        req.verify_bytes_read += req.full.nbytes()
-        m = finish_round(req.seq, req.round, req.position, req.draft, logits=logits, targets=argmax,
-                         full=req.full, write_back=write_back, rule=req.opts.acceptance)
+        req.measured.verify_bytes_read += req.kv.full.nbytes()
+        m = finish_round(req.seq, req.drafting.round, req.position, req.kv.draft, logits=logits, targets=argmax,
+                         full=req.kv.full, write_back=write_back, rule=req.opts.acceptance)
         swapped = 0
         if isinstance(row.cache, SeenRecorder):   # the drafter's store takes what the verifier attended to
-            swapped = guide_store(req.draft, req.full, row.cache.seen, row.start + len(row.tokens),
+            swapped = guide_store(req.kv.draft, req.kv.full, row.cache.seen, row.start + len(row.tokens),
                                   req.opts.compressor.swaps, self.guide_select)
         self.requests.round_done(req, m, swapped)
         if req.state == State.TRANSFERRING:
             self.memory.device.free(("verify", req.id))
-            req.transfer = None
+            req.drafting.transfer = None
             self.requests.set_state(req, State.DRAFTING)
 
     def _write_back(self, req: Request, view: StreamedKV, start: int, keep: int) -> None:
         """The verified positions, written on the device, back to the host tier."""
-        req.full.begin(start, keep - start)
-        req.full.overwrite(view.buf, start, keep, first_layer=self.memory.resident_layers)
-        if req.resident is not None:  # the resident layers were written on the device
-            req.full.overwrite(req.resident, start, keep)
-            req.resident.truncate(keep)
+        req.kv.full.begin(start, keep - start)
+        req.kv.full.overwrite(view.buf, start, keep, first_layer=self.memory.resident_layers)
+        if req.kv.resident is not None:  # the resident layers were written on the device
+            req.kv.full.overwrite(req.kv.resident, start, keep)
+            req.kv.resident.truncate(keep)
 
     # ------------------------------------------------------------------ memory: charge, preempt
     def charge(self, req: Request) -> None:
@@ -335,6 +335,6 @@ class Scheduler:
         """Back to waiting with nothing held: it is prefilled again when admitted."""
         self.instruments.preemptions += 1
         self.requests.drop_kv(req)
-        req.done_ids = 0
-        req.round.reset()
+        req.prefill.done_ids = 0
+        req.drafting.round.reset()
         self.requests.set_state(req, State.WAITING)

@@ -31,9 +31,11 @@ from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import RequestOptions, ResolvedOptions
 from vericache.engine.placement import place
-from vericache.engine.requests import Instruments, Request, RequestTable, Served, State, StepOutput
+from vericache.engine.requests import (Drafting, Instruments, PrefillProgress, RemoteParts, Request, RequestKV,
+                                      RequestTable, Served, State, StepOutput)
 from vericache.engine.runner import ModelRunner
 from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
+from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.sampling import SamplingParams, Sequence
 
@@ -96,15 +98,18 @@ class StepLoop:
         ``full`` already (blocks from the prefix store); once prefilled it verifies the rounds queued
         on ``served.inbox`` instead of decoding."""
         self.runner.check_request(seq.prompt_ids, seq.params)
-        return self._add(seq, RequestOptions(mode="full"), None, full=full, done_ids=full.length, served=served)
+        return self._add(seq, RequestOptions(mode="full"), None, served, RequestKV(full=full),
+                         PrefillProgress(done_ids=full.length))
 
-    def _add(self, seq: Sequence, options, prefill, **fields) -> int:
+    def _add(self, seq: Sequence, options, prefill: SharedPrefill | None, served: Served | None = None,
+             kv: RequestKV | None = None, progress: PrefillProgress | None = None) -> int:
         opts = options if isinstance(options, ResolvedOptions) else self.runner.resolve(options)
-        placement = place(opts.mode, offload=self.memory.offload, remote=self.memory.remote,
-                          session=fields.get("served") is not None)
+        placement = place(opts.mode, offload=self.memory.offload, remote=self.memory.remote, session=served is not None)
         lookup = LookupIndex() if opts.lookup and placement.drafts else None
-        req = Request(-1, seq, opts, placement, policy_state=opts.policy.new_state(), prefill=prefill, lookup=lookup,
-                      **fields)
+        progress = progress or PrefillProgress()
+        progress.shared = prefill
+        req = Request(-1, seq, opts, placement, Drafting(opts.policy.new_state(), lookup=lookup),
+                      kv=kv or RequestKV(), prefill=progress, remote=RemoteParts(served=served))
         prompt_ids, params = seq.prompt_ids, seq.params
         if prefill is not None:
             prefill.check(seq)
