@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 import vericache
 
 if not torch.cuda.is_available():

@@ -68,7 +68,7 @@ def test_a_long_prompt_reports_its_prefill_and_the_kv_it_holds(capsys):
     tokens a step; ``vericache generate`` prints that on stderr for a slow prefill, and the KV's bytes."""
     import vericache
     from vericache import SamplingParams
-    from vericache.cli import prefill_progress_printer, main
+    from vericache.cli import main, prefill_progress_printer
 
     llm = vericache.LLM("tiny", mode="vericache", prefill_chunk=64)
     prompt = "def f(x):\n    return x + 1\n" * 40

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from vericache.compress.base import Composed
-from vericache.kv.quantized import pack_bits, unpack_bits
 from vericache.compress.registry import METHODS, describe_methods, parse_compressor
 from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.quantized import pack_bits, unpack_bits
 
 EVICTION = ["streaming", "snapkv", "h2o", "kvzip"]
 QUANT = ["kivi", "int4", "int8", "fp8"]

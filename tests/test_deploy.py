@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+
 from conftest import system_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,15 +97,19 @@ def test_triton_adapter_translates_and_validates(llm):
     svc = BackgroundService(Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", device_budget_gb=1))
     try:
         ad = TritonAdapter(svc)
-        ids, params, options, streaming = ad.parse({"text_input": np.array([b"def f():"], dtype=object),
+        intake, streaming = ad.parse({"text_input": np.array([b"def f():"], dtype=object),
                                                     "max_tokens": np.array([5], dtype=np.int32),
                                                     "stop_words": np.array([b"\n\n"], dtype=object),
                                                     "random_seed": np.array([3], dtype=np.uint64),
                                                     "mode": np.array([b"full"], dtype=object),
                                                     "draft_len": np.array([0], dtype=np.int32)})
-        assert ids == llm.tokenizer.encode("def f():") and params.max_tokens == 5 and params.seed == 3
+        params = intake.params
+        assert intake.prompt_ids == llm.tokenizer.encode("def f():") and params.max_tokens == 5 and params.seed == 3
         assert params.stop_list == ["\n\n"] and streaming is False
-        assert options.mode == "full" and options.draft_len == "auto" and options.compressor is None
+        assert intake.asked.mode == "full" and intake.asked.draft_len == "auto" and intake.asked.compressor is None
+        # resolved once: the mode asked for, the server's compressor, "auto" draft lengths
+        assert intake.options.mode == "full" and intake.options.compressor.spec() == "snapkv:ratio=0.125"
+        assert intake.options.policy.fixed is None
         for bad, needle in [({"max_tokens": np.array([5], dtype=np.int32)}, "text_input"),
                             ({"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([0])}, "max_tokens"),
                             ({"text_input": np.array([b"x"], dtype=object), "compressor": np.array([b"zip"], dtype=object)},

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from vericache.drafting.calibrate import Calibration
-from vericache.drafting.round import DraftLengthPolicy
 from vericache.drafting.cost import CostsAt, DraftCost, StepCosts, best_draft_len, expected_tokens
-from vericache_lab.predict import predict_offloaded
+from vericache.drafting.round import DraftLengthPolicy
 from vericache.engine.requests import StepRecord
+from vericache_lab.predict import predict_offloaded
 
 
 def test_expected_tokens_counts_the_bonus_token():

@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
+
 from vericache import SamplingParams
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.options import RequestOptions
 from vericache.engine.requests import DONE, State
 from vericache.engine.runner import ModelRunner
-from vericache.engine.options import RequestOptions
+from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
 

@@ -12,8 +12,8 @@ import pytest
 import uvicorn
 
 from vericache import SamplingParams
-from vericache.kernels.linear_op import supported_isas
 from vericache.engine.engine import Engine
+from vericache.kernels.linear_op import supported_isas
 from vericache.serving.service import BackgroundService
 from vericache_gateway.app import create_app
 
@@ -83,12 +83,18 @@ def test_continuous_usage_counts_every_token_of_a_round_and_ignore_eos_decodes_m
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text and len(ref.token_ids) == 40
 
 
-def test_a_request_is_validated_once(server, client, monkeypatch):
-    runner, calls = server.service.engine.runner, []
-    check = runner.check_request
-    monkeypatch.setattr(runner, "check_request", lambda ids, params: (calls.append(len(ids)), check(ids, params)))
-    client.completions.create(model="tiny", prompt="def f(x):\n    return", max_tokens=4, temperature=0)
-    assert len(calls) == 1
+def test_a_request_is_validated_and_resolved_once(server, client, monkeypatch):
+    """One intake (issue 54, item 5): the gateway's request is checked and its options resolved once, on
+    the way in; the service and the engine take the ``Intake`` as it is."""
+    from vericache.engine import options
+
+    calls = []
+    for name in ("check_prompt", "resolve_options"):
+        real = getattr(options, name)
+        monkeypatch.setattr(options, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    client.completions.create(model="tiny", prompt="def f(x):\n    return", max_tokens=4, temperature=0,
+                              extra_body={"vericache": {"draft_len": 3}})
+    assert sorted(calls) == ["check_prompt", "resolve_options"]
 
 
 def test_per_request_vericache_options(llm, server, client):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+
 from vericache.config import ModelConfigError
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import load_model
@@ -14,6 +15,7 @@ from vericache.model.loader import load_model
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 from gguf.quants import quantize  # noqa: E402
+
 from gguf_synthetic import K_SCALES, byte_vocab, k_quant_blocks, permute_qk  # noqa: E402
 
 # hidden 256 so K-quant blocks (256 values) fit a row; head_dim 64, GQA 4:2
@@ -284,9 +286,8 @@ def test_models_command_and_missing_package_hint(capsys, monkeypatch):
     import json
 
     from vericache.cli import main
-    from vericache.model import registry
-
     from vericache.kernels.linear_op import supported_isas
+    from vericache.model import registry
 
     assert main(["models", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import load_model
 

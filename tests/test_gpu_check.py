@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vericache_lab.bench.gpu_check import DRY_SIZES, KERNEL_SETS
 from vericache.model.random_model import SHAPES, random_model
+from vericache_lab.bench.gpu_check import DRY_SIZES, KERNEL_SETS
 
 ROOT = Path(__file__).resolve().parent.parent
 

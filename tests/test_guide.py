@@ -11,8 +11,8 @@ import torch
 from vericache import SamplingParams
 from vericache.compress.registry import parse_compressor
 from vericache.drafting.guide import guide_store, select_trades_torch
-from vericache.kernels import packed_kernels
 from vericache.engine.engine import Engine
+from vericache.kernels import packed_kernels
 from vericache.kv.compressed import CompressedKVCache, KeptTokens
 from vericache.kv.full import FullKVCache
 

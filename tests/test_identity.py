@@ -52,8 +52,8 @@ def kv_loaded(request, llm):
 
 @pytest.fixture(scope="session")
 def identity_prompts(llm, code_prompts) -> list[list[int]]:
-    from vericache_lab.eval.model_quality import build_prompt
     from vericache_lab.data.tasks import retrieval_task
+    from vericache_lab.eval.model_quality import build_prompt
 
     tok = llm.tokenizer
     rng = random.Random(11)

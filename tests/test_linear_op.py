@@ -187,7 +187,9 @@ def q8_reference(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
         raise ValueError(w.fmt)
     s = np.einsum("nbe,mbe->mnb", c, a).astype(np.float32)                              # exact integers
     y = np.zeros((m, w.n), np.float32)
-    fma = lambda p, q, acc: (p.astype(np.float64) * q + acc).astype(np.float32)   # one rounding: exact product
+    def fma(p, q, acc):   # one rounding: the product is exact in float64
+        return (p.astype(np.float64) * q + acc).astype(np.float32)
+
     for b in range(nb):
         y = fma(s[:, :, b], (d[None, :, b] * dx[:, None, b]).astype(np.float32), y)
         if wm is not None:

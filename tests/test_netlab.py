@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from conftest import system_command
 from vericache_lab import netlab
 

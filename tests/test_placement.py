@@ -4,6 +4,7 @@ charges and moves each request exactly as its placement says."""
 from __future__ import annotations
 
 import pytest
+
 from vericache import SamplingParams
 from vericache.engine.options import RequestOptions
 from vericache.engine.placement import Home, Placement, place

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+
+from test_identity import COMPRESSORS
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
@@ -16,8 +18,6 @@ from vericache.remote.codec import CorruptValue, pack, unpack
 from vericache.remote.forms import compressed_forms
 from vericache.remote.prefixes import model_id, put_prompt
 from vericache.remote.store import PrefixStore, StoreUnavailable
-
-from test_identity import COMPRESSORS
 
 BT = 64  # small blocks keep the prompts short
 

@@ -9,10 +9,10 @@ import torch
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
 from vericache.compress.registry import METHODS, parse_compressor
-from vericache.engine.step_loop import StepLoop
+from vericache.engine.options import RequestOptions
 from vericache.engine.requests import State
 from vericache.engine.runner import ModelRunner
-from vericache.engine.options import RequestOptions
+from vericache.engine.step_loop import StepLoop
 from vericache.kv.attention import attend_all
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout, attend_quantized

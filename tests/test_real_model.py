@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from test_identity import COMPRESSORS
 from vericache import SamplingParams
 from vericache.engine.engine import Engine
-from test_identity import COMPRESSORS
 
 MAX_TOKENS = 24
 FAMILIES = ["snapkv:ratio=0.125", "kivi:bits=2", "snapkv:ratio=0.125+kivi:bits=2"]  # eviction, quantization, both

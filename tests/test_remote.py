@@ -14,6 +14,7 @@ import time
 import openai
 import pytest
 import uvicorn
+
 from vericache.engine.engine import Engine
 from vericache.engine.requests import State
 from vericache.remote.client import VerifierClient, VerifierUnavailable

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from vericache import SamplingParams
-from vericache.engine.step_loop import StepLoop
-from vericache.engine.requests import ALLOWED, State
 from vericache.engine.engine import Engine
-from vericache.engine.runner import ModelRunner
 from vericache.engine.memory import BlockPool, OutOfBlocks
+from vericache.engine.requests import ALLOWED, State
+from vericache.engine.runner import ModelRunner
+from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
 

@@ -180,8 +180,8 @@ def test_prefix_bench_reads_traces_into_busy_shares_and_fetch_rates():
 
 
 def test_remote_costs_are_measured_at_the_bench_geometry(llm):
-    from vericache_lab.bench.prefix_model import measure_remote_costs
     from vericache.compress.registry import parse_compressor
+    from vericache_lab.bench.prefix_model import measure_remote_costs
     c = measure_remote_costs(llm, parse_compressor("snapkv:ratio=0.25"), context=300, n=2, tail=16, k=3.0,
                              draft_kind="int8", repeats=1)
     for f in (c.decode_full, c.decode_comp, c.draft, c.verify):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from vericache_lab.bench.serve import soak_verdict
 from vericache.cli import main
+from vericache_lab.bench.serve import soak_verdict
 
 
 def test_a_one_minute_soak_passes_with_memory_flat(tmp_path, capsys):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from vericache import SamplingParams
+from vericache.drafting.round import DraftLengthPolicy
 from vericache.engine.engine import Engine
 from vericache.sampling import Sequence
-from vericache.drafting.round import DraftLengthPolicy
 
 SPEC = "snapkv:ratio=0.1"
 

@@ -438,3 +438,28 @@ def test_a_request_is_a_small_core_record_with_typed_parts():
     assert {f.name for f in core} >= {"kv", "prefill", "drafting", "remote", "measured"}
     loose = dataclasses.make_dataclass("Loose", [("policy_state", object, None)])   # what the check catches
     assert [n for n, h in typing.get_type_hints(loose).items() if h is object] == ["policy_state"]
+
+
+def flag_parameters(sources: dict[str, str], name: str = "checked") -> list[str]:
+    """Functions that take a parameter called ``name``."""
+    found = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                found += [f"{path}:{node.lineno} {node.name}" for a in args if a.arg == name]
+    return found
+
+
+def test_one_intake_one_owner_loop_one_output_type():
+    """Issue 54, item 5: a request is checked and resolved once (``Engine.intake``; no ``checked`` flag
+    threaded through signatures); the service and the verifier role own their engines through one
+    ``EngineOwner`` (neither runs a thread or a command loop of its own); the front ends get ``EngineOutput``."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in library_files()}
+    assert flag_parameters(sources) == []
+    assert flag_parameters({"x.py": "def add(ids, checked=False): ...\n"}) == ["x.py:1 add"]   # the check finds it
+    owners = [PACKAGES["vericache"] / "serving" / "service.py", PACKAGES["vericache"] / "remote" / "verifier.py"]
+    for path in owners:
+        text = path.read_text()
+        assert "EngineOwner(" in text and "threading.Thread(" not in text, path   # no thread, no loop of its own
+    assert not any(re.search(r"^class Delta\b", t, re.M) for t in sources.values())

@@ -34,10 +34,9 @@ def _add_compressors(sub) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from vericache.model.registry import list_models
-
     from vericache.kernels.linear_op import best_isa
     from vericache.kernels.prebuilt import origin
+    from vericache.model.registry import list_models
 
     if args.path:
         return _describe_gguf(args.path, args.json)

@@ -97,7 +97,7 @@ class ModelConfig:
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ModelConfigError("config.json has no 'architectures' field")
@@ -135,7 +135,7 @@ class ModelConfig:
             raise ModelConfigError(f"config.json is missing required field {exc.args[0]!r}") from None
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelConfig":
+    def from_file(cls, path: Path) -> ModelConfig:
         try:
             raw = json.loads(Path(path).read_text())
         except FileNotFoundError:

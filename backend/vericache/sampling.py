@@ -3,10 +3,9 @@ tokens (finish logic), token sampling and the speculative accept/resample rule."
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
-
-import secrets
 
 import torch
 

@@ -96,7 +96,7 @@ def _add_eval_numerics(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from vericache_lab.eval.long_eval import FULL_GRID, QUICK_GRID, QUALITY, plot_long_eval, run_long_eval
+    from vericache_lab.eval.long_eval import FULL_GRID, QUALITY, QUICK_GRID, plot_long_eval, run_long_eval
 
     if args.suite == "humaneval":
         return _cmd_humaneval(args)

@@ -10,11 +10,11 @@ prefill is shared by the three modes, so their tok/s compare decoding alone."""
 from __future__ import annotations
 
 from vericache.engine.engine import Engine
-from vericache_lab.eval import humaneval as he
-from vericache_lab.eval import long_tasks as lt
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
+from vericache_lab.eval import humaneval as he
+from vericache_lab.eval import long_tasks as lt
 
 DEMO_COMPRESSOR = "snapkv:ratio=0.125"
 DEMO_PROBLEM = "HumanEval/2"   # truncate_number: short, and its test checks the exact arithmetic

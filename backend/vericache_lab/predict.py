@@ -6,7 +6,7 @@ measured on real caches (``measure_step_costs``, ``move_seconds``). The model it
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -20,7 +20,7 @@ def record(path: str | None, title: str, markdown: str, argv: list[str] | None =
         return
     f = Path(path)
     f.parent.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     with f.open("a") as out:
         out.write(f"\n## {title} ({stamp})\n\nCommand: `{command_line(argv)}`\n\n{markdown}\n")
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vericache.engine.options import InvalidOption, RequestOptions, resolve_options
+from vericache.engine.options import InvalidOption, RequestOptions
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
 from vericache.serving.metrics import Metrics, metrics_sink, refresh_gauges
@@ -217,19 +217,22 @@ async def serve_request(gw: Gateway, request: Request, body, prompt: str, max_to
     if body.model != gw.model_name:
         raise APIError(400, f"model {body.model!r} does not exist; this server serves {gw.model_name!r}",
                        param="model", type_="invalid_request_error")
-    options, labels = _request_options(body, backend)
+    options = _request_options(body)
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
     ids = backend.tokenizer.encode(prompt)
     try:
         params = SamplingParams(max_tokens=max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
                                 top_k=body.top_k, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
-        backend.check(ids, params)
+        intake = backend.intake(ids, params, options)
+    except InvalidOption as exc:
+        raise APIError(400, str(exc), param=f"vericache.{exc.field}") from None
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None
+    labels = {"mode": intake.options.mode, "compressor": intake.options.compressor_label}
     if not await backend.ready():
         raise APIError(503, "backend is not ready", "server_error")
-    deltas = _deltas(gw, _key_of(request), backend.generate(ids, params, options, request.is_disconnected), labels)
+    deltas = _deltas(gw, _key_of(request), backend.generate(intake, request.is_disconnected), labels)
     try:
         first = await deltas.__anext__()  # surfaces queue-full, shutdown and backend errors as HTTP codes
     except StopAsyncIteration:
@@ -337,12 +340,7 @@ def _usage(stats: dict, n_prompt: int | None = None) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _request_options(body, backend) -> tuple[RequestOptions | None, dict]:
-    """The request's ``vericache`` options (validated: 400 naming the field) and its metric labels."""
+def _request_options(body) -> RequestOptions | None:
+    """The request's ``vericache`` options as asked (the backend's intake validates and resolves them)."""
     opts = body.vericache
-    options = None if opts is None else RequestOptions(opts.mode, opts.compressor, opts.draft_len, opts.lookup)
-    try:
-        resolved = resolve_options(options, backend.defaults)
-    except InvalidOption as exc:
-        raise APIError(400, str(exc), param=f"vericache.{exc.field}") from None
-    return options, {"mode": resolved.mode, "compressor": resolved.compressor_label}
+    return None if opts is None else RequestOptions(opts.mode, opts.compressor, opts.draft_len, opts.lookup)

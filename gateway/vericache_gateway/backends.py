@@ -2,7 +2,8 @@
 
 Both give the app the same small surface: ``tokenizer``, ``mode``/``compressor`` (the server's
 defaults, for labels), ``defaults`` (resolved options that per-request ``RequestOptions`` are
-filled from), ``check`` (validate before accepting), ``generate`` (an async iterator of ``Delta``;
+filled from), ``intake`` (the request checked and its options resolved, once, before accepting:
+``vericache.engine.options.make_intake``), ``generate`` (an async iterator of ``EngineOutput``, the engine's one output type, for an intake;
 leaving it early aborts the request), ``ready`` and ``gauges``.
 """
 
@@ -10,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
 from vericache.engine.config import DEFAULTS, EngineConfig
-from vericache.engine.options import RequestOptions, ResolvedOptions, check_prompt, draft_len_to_wire
+from vericache.engine.engine import EngineOutput
+from vericache.engine.options import Intake, RequestOptions, ResolvedOptions, draft_len_to_wire, make_intake
 from vericache.sampling import SamplingParams
-from vericache.serving.service import Delta, BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
-
+from vericache.serving.service import BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
 DISCONNECT_CHECK_S = 0.25   # a stream with no new delta this long asks whether its client left
 
@@ -35,16 +36,15 @@ class EmbeddedBackend:
         self.mode = self.defaults.mode
         self.compressor = self.defaults.compressor_label
 
-    def check(self, ids: list[int], params: SamplingParams) -> None:
-        self.service.engine.check_request(ids, params)
+    def intake(self, ids: list[int], params: SamplingParams, options: RequestOptions | None) -> Intake:
+        return self.service.engine.intake(ids, params, options)
 
-    async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
-                       disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
-        """Stream the request's deltas; ``ids`` and ``params`` have passed ``check`` (the gateway's 400s).
+    async def generate(self, intake: Intake, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[EngineOutput]:
+        """Stream the request's deltas (``intake``: made by ``intake``, where the gateway's 400s come from).
         The engine thread wakes this coroutine when a delta lands (no thread waits per stream: threads
         polling queues took the CPU from the engine's forward on a 2-core machine); every
         ``DISCONNECT_CHECK_S`` without one it asks whether the client is still there."""
-        stream = await asyncio.to_thread(self.service.submit, ids, params, options, True)
+        stream = await asyncio.to_thread(self.service.enqueue, intake)
         loop, landed = asyncio.get_running_loop(), asyncio.Event()
         stream.on_put = lambda: loop.call_soon_threadsafe(landed.set)
         finished = False
@@ -107,8 +107,10 @@ class TritonBackend:
                                         DraftLengthPolicy.from_arg(config.draft_len))
         self.mode, self.compressor = config.mode, self.defaults.compressor_label
 
-    def check(self, ids: list[int], params: SamplingParams) -> None:
-        check_prompt(ids, params, self.max_context, self.vocab_size)
+    def intake(self, ids: list[int], params: SamplingParams, options: RequestOptions | None) -> Intake:
+        """Checked here against the model's limits and resolved against the Triton model's defaults, so
+        the gateway answers bad input with its 400s; what the client asked is what goes on the wire."""
+        return make_intake(ids, params, options, self.defaults, self.max_context, self.vocab_size)
 
     def _inputs(self, text: str, params: SamplingParams, options: RequestOptions | None) -> list:
         g = self._grpc
@@ -138,12 +140,11 @@ class TritonBackend:
             ins.append(t("lookup", np.array([options.lookup]), "BOOL"))
         return ins
 
-    async def generate(self, ids: list[int], params: SamplingParams, options: RequestOptions | None,
-                       disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta]:
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)  # chat markup must reach the model
+    async def generate(self, intake: Intake, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[EngineOutput]:
+        text = self.tokenizer.decode(intake.prompt_ids, skip_special_tokens=False)  # chat markup must reach the model
 
         async def requests():
-            yield {"model_name": self.triton_model, "inputs": self._inputs(text, params, options)}
+            yield {"model_name": self.triton_model, "inputs": self._inputs(text, intake.params, intake.asked)}
 
         from tritonclient.utils import InferenceServerException
 
@@ -157,8 +158,10 @@ class TritonBackend:
                 reason = result.as_numpy("finish_reason")[0].decode() or None
                 stats = {"accepted_tokens": int(result.as_numpy("accepted_tokens")[0]),
                          "drafted_tokens": int(result.as_numpy("drafted_tokens")[0])}
-                yield Delta([int(i) for i in result.as_numpy("output_ids")], result.as_numpy("text_output")[0].decode(),
-                            reason is not None, reason, stats if reason else {})
+                # the engine's output as the Triton model sent it (its request id stays inside Triton)
+                yield EngineOutput(-1, [int(i) for i in result.as_numpy("output_ids")],
+                                   result.as_numpy("text_output")[0].decode(), reason is not None, reason,
+                                   stats=stats if reason else {})
                 if reason is not None:
                     return
         except InferenceServerException as exc:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from vericache.compress.base import QuantCompressor
-from vericache.kv.quantized import CHANNEL_GROUPS, FP8 as FP8_KIND, TOKEN_GROUPS, Layout
+from vericache.kv.quantized import CHANNEL_GROUPS, TOKEN_GROUPS, Layout
+from vericache.kv.quantized import FP8 as FP8_KIND
 
 
 def _check_bits(name: str, bits: int, allowed: tuple[int, ...]) -> None:

@@ -17,8 +17,8 @@ few strong keys), so the planner lets these costs veto rounds but not size them 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

@@ -30,8 +30,8 @@ choice (the link, not compute, sets k there).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class StepCosts:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence, matmuls: Callable[[int], float] | None = None) -> "StepCosts | None":
+    def fit(cls, steps: Sequence, matmuls: Callable[[int], float] | None = None) -> StepCosts | None:
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
         weights' measured seconds at a row count) that curve in place of rows * t_row. None until there
@@ -78,7 +78,7 @@ class StepCosts:
 
     @classmethod
     def from_samples(cls, x: np.ndarray, seconds: np.ndarray,
-                     matmuls: Callable[[int], float] | None = None) -> "StepCosts":
+                     matmuls: Callable[[int], float] | None = None) -> StepCosts:
         """The terms fitted to forwards: x [N, 4] holds each forward's (1, rows, K/V bytes, pairs). With
         ``matmuls`` the weights' part of each forward is that curve's (a CPU's integer matmuls need not
         grow along a line through 0: 57 ms at 1 row, 75 at 2, 280 at 16 on the 0.5B code model, AVX2)

@@ -24,7 +24,7 @@ Drafts stay drafts: the full verification decides every token, so the output is 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +32,6 @@ from vericache.kv.compressed import CompressedKVCache, KeptTokens
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, LayeredParts
 from vericache.kv.protocol import KVCache
-
 
 # log units a round: a kept token's verifier attention fades by ~10% a round in its memory, so what a
 # recent round attended stays (measured: trading on one round's attention alone evicted tokens the next

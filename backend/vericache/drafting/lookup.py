@@ -16,8 +16,8 @@ of L + 1 rows against L + 1 single-row steps, at the request's measured rate of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 NGRAMS = (3, 2)   # the tail lengths matched, longest first
 

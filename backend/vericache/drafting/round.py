@@ -18,8 +18,8 @@ long a round is (``DraftPlanner``, the one owner of the draft length).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -186,7 +186,7 @@ def verify_for_drafter(full: FullKVCache, start: int, drafts: list[int],
     return (m, targets[m], *full.copy_out(start, keep))
 
 
-def end_round(rs: RoundState, policy: "DraftLengthPolicy", state: "DraftState", m: int) -> None:
+def end_round(rs: RoundState, policy: DraftLengthPolicy, state: DraftState, m: int) -> None:
     """After ``finish_round``: the draft-length policy learns the round, and a fresh round begins."""
     policy.update(state, len(rs.drafts), m)
     rs.reset()
@@ -250,7 +250,7 @@ class DraftLengthPolicy:
     cooldown: int = 16
 
     @classmethod
-    def from_arg(cls, draft_len: int | str) -> "DraftLengthPolicy":
+    def from_arg(cls, draft_len: int | str) -> DraftLengthPolicy:
         if draft_len == "auto":
             return cls()
         if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:

@@ -88,7 +88,7 @@ class EngineConfig:
         if isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int) or self.resident_layers < 0:
             bad("resident_layers", "must be an integer >= 0")
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         """A copy with ``changes`` (validated again); an unknown name is a TypeError naming it."""
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
@@ -115,7 +115,7 @@ class EngineConfig:
 
     # ------------------------------------------------------------------ the other two ways in
     @classmethod
-    def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
+    def from_parameters(cls, params: dict[str, str]) -> EngineConfig:
         """From Triton's config.pbtxt parameters (strings; "" or absent: the default). Names are the
         fields'; ``device_budget_gb`` "none" means no limit; ``draft_len`` 0 means "auto"."""
         known = {f.name: f for f in fields(cls)}
@@ -129,7 +129,7 @@ class EngineConfig:
         return cls(**values)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, only: tuple[str, ...] | None = None) -> "EngineConfig":
+    def from_args(cls, args: argparse.Namespace, only: tuple[str, ...] | None = None) -> EngineConfig:
         """From the flags ``add_engine_args`` added (``--device-budget-gb 0``: no limit); ``only``: just these
         fields (a command whose other flags mean something else, e.g. ``MODEL_FIELDS``), the rest defaults."""
         names = only or [f.name for f in fields(cls)]

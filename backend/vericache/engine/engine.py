@@ -19,12 +19,12 @@ place, so every row kind of a step runs the native step, the same path ``bench b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from vericache.drafting.calibrate import model_calibration
 from vericache.engine.config import DEFAULTS, EngineConfig
-from vericache.engine.options import RequestOptions, ResolvedOptions, check_mode
+from vericache.engine.options import Intake, RequestOptions, ResolvedOptions, check_mode
 from vericache.engine.placement import drafts_in_rounds
 from vericache.engine.requests import Served, State, StepOutput
 from vericache.engine.runner import ModelRunner, SharedPrefill
@@ -76,8 +76,9 @@ class Engine:
                              resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
         if time_costs_now and drafts_in_rounds(c.mode):   # timed now, not in a request's path
             self.runner.build_drafts()
-            if c.draft_len == "auto":
-                model_calibration(self.loaded)   # the draft lengths' first costs
+            # the first costs of "auto" draft lengths and of lookup proposals' sizes (a fixed draft length
+            # still sizes its proposals by them: timed at its first draft step, 5 s of a 16K decode)
+            model_calibration(self.loaded)
         self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
         self._ended: dict[int, dict] = {}   # labels of the requests the last step ended (its round events')
 
@@ -100,17 +101,20 @@ class Engine:
         """The loop's measurements (step records, intervals, rates): read-only, for benches and traces."""
         return self.loop.instruments
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """ValueError naming what is wrong (empty prompt, over the context limit, ids outside the vocabulary)."""
-        self.runner.check_request(prompt_ids, params)
-
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
         """A request's options filled from the defaults (``InvalidOption``, a ValueError, if invalid)."""
         return self.runner.resolve(options)
 
-    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                     checked: bool = False) -> Sequence:
-        return self.runner.new_sequence(request_id, prompt_ids, params, checked)
+    def intake(self, prompt_ids: list[int], params: SamplingParams,
+               options: RequestOptions | ResolvedOptions | None = None) -> Intake:
+        """The one intake: the prompt and budget checked against this model, the options resolved from
+        this engine's defaults (ValueError naming what is wrong, ``InvalidOption`` naming the field,
+        TypeError). Front ends call it where a request arrives and hand the ``Intake`` on (``add``)."""
+        return self.runner.intake(prompt_ids, params, options)
+
+    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A checked request's ``Sequence``, for ``add_sequence`` (ValueError / TypeError for bad input)."""
+        return self.runner.new_sequence(request_id, prompt_ids, params)
 
     def prefill(self, ids: list[int], caches: list) -> None:
         """Run ``ids`` (positions 0..) exactly into each of ``caches`` (storing a prefix, tests)."""
@@ -123,11 +127,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    options: RequestOptions | ResolvedOptions | None = None, checked: bool = False,
-                    detokenize: bool = True) -> int:
-        """Queue a request; its outputs carry text deltas when ``detokenize``. ``checked``: the caller
-        ran ``check_request`` already. Raises ValueError/TypeError for bad input (nothing queued)."""
-        rid = self.loop.add_request(prompt_ids, params, options, checked=checked)
+                    options: RequestOptions | ResolvedOptions | None = None, detokenize: bool = True) -> int:
+        """Queue a request (``intake`` then ``add``); its outputs carry text deltas when ``detokenize``.
+        Raises ValueError/TypeError for bad input (nothing queued)."""
+        return self.add(self.intake(prompt_ids, params, options), detokenize)
+
+    def add(self, intake: Intake, detokenize: bool = True) -> int:
+        """Queue a request that came in through ``intake``; its outputs carry text deltas when ``detokenize``."""
+        rid = self.loop.add(intake)
         if detokenize:
             self._texts[rid] = ""
         return rid
@@ -238,10 +245,11 @@ class Engine:
             self.loop.link.close()
 
     # ------------------------------------------------------------------ the verifier role's sessions
-    def add_session(self, seq: Sequence, full: FullKVCache, served: Served) -> int:
-        """A verifier session: a full-mode request whose prompt may be partly in ``full`` (blocks from
-        the prefix store); once prefilled it verifies the rounds queued with ``queue_verification``."""
-        return self.loop.add_session(seq, full, served)
+    def add_session(self, intake: Intake, session_id: int, full: FullKVCache, served: Served) -> int:
+        """A verifier session (``intake``: full mode): a request whose prompt may be partly in ``full``
+        (blocks from the prefix store); once prefilled it verifies the rounds queued with
+        ``queue_verification``."""
+        return self.loop.add_session(intake, session_id, full, served)
 
     def queue_verification(self, rid: int, start: int, tokens: list[int], reply) -> bool:
         """Queue [x, d1 .. dk] at ``start`` on session ``rid``; False if the session is gone or done."""

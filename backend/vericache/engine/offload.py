@@ -26,7 +26,7 @@ another verifies), at most n; 2 before anything is measured.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from vericache.engine.memory import KVMemory
 from vericache.engine.requests import Instruments, Request, RequestTable, State

@@ -109,3 +109,26 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class Intake:
+    """A request as an engine takes it: its prompt and sampling checked against the model's limits and
+    its options resolved, once, by ``make_intake`` (``Engine.intake``). Every front end makes one where
+    the request arrives (the gateway, the Triton model, the library, the verifier role), so bad input
+    fails there, before anything is queued, and nothing after checks or resolves it again."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    options: ResolvedOptions
+    asked: RequestOptions | None = None   # what the client set (a gateway forwards these, not the defaults)
+
+
+def make_intake(prompt_ids: list[int], params: SamplingParams, options: RequestOptions | ResolvedOptions | None,
+                default: ResolvedOptions, max_context: int, vocab_size: int) -> Intake:
+    """The one intake: ``check_prompt`` and ``resolve_options`` (ValueError / ``InvalidOption`` / TypeError)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    check_prompt(prompt_ids, params, max_context, vocab_size)
+    if isinstance(options, ResolvedOptions):
+        return Intake(list(prompt_ids), params, options)
+    return Intake(list(prompt_ids), params, resolve_options(options, default), options)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from vericache.drafting.round import finish_round
 from vericache.engine.memory import KVMemory

@@ -25,10 +25,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 from vericache.drafting.lookup import LookupIndex
 from vericache.drafting.round import DraftState, RoundState, end_round
@@ -40,6 +41,7 @@ from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.link import Transfer
 from vericache.kv.tee import QueryRecorder
 from vericache.sampling import Sequence
+
 
 class State(StrEnum):
     WAITING = "waiting"

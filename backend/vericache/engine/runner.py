@@ -10,7 +10,7 @@ rows) and a ``StepRecord`` (its time and the work the roofline charges); it hold
 from __future__ import annotations
 
 import time
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -20,10 +20,11 @@ from vericache.drafting.round import DraftLengthPolicy
 from vericache.engine.config import DEFAULTS
 from vericache.engine.options import (
     MODES,
+    Intake,
     RequestOptions,
     ResolvedOptions,
     check_mode,
-    check_prompt,
+    make_intake,
     resolve_options,
 )
 from vericache.engine.requests import StepRecord
@@ -144,15 +145,18 @@ class ModelRunner:
     def max_context(self) -> int:
         return self.cfg.context_limit
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        check_prompt(prompt_ids, params, self.max_context, self.cfg.vocab_size)
+    def intake(self, prompt_ids: list[int], params: SamplingParams,
+               options: RequestOptions | ResolvedOptions | None = None) -> Intake:
+        """The request checked and its options resolved, once (``options.make_intake``)."""
+        return make_intake(prompt_ids, params, options, self.defaults, self.max_context, self.cfg.vocab_size)
 
-    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                     checked: bool = False) -> Sequence:
-        """``checked``: the caller has run ``check_request`` on these already (a request is validated once)."""
-        if not checked:
-            self.check_request(prompt_ids, params)
-        return Sequence(request_id, prompt_ids, params, self.tokenizer, self.tokenizer.eos_token_ids)
+    def new_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A checked request's ``Sequence`` (ValueError / TypeError for bad input)."""
+        return self.sequence_of(self.intake(prompt_ids, params), request_id)
+
+    def sequence_of(self, intake: Intake, request_id: int) -> Sequence:
+        """The ``Sequence`` of a request that came in through ``intake`` (checked there)."""
+        return Sequence(request_id, intake.prompt_ids, intake.params, self.tokenizer, self.tokenizer.eos_token_ids)
 
     def new_cache(self, seq: Sequence) -> FullKVCache:
         return FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype,

@@ -28,8 +28,14 @@ import torch
 
 from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.guide import SeenRecorder, guide_store
-from vericache.drafting.round import (DraftPlanner, add_checked_proposal, add_draft, catch_up, finish_round,
-                                      verify_for_drafter)
+from vericache.drafting.round import (
+    DraftPlanner,
+    add_checked_proposal,
+    add_draft,
+    catch_up,
+    finish_round,
+    verify_for_drafter,
+)
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.remote_rounds import RemoteRounds

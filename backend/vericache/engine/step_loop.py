@@ -29,10 +29,20 @@ import torch
 from vericache.drafting.lookup import LookupIndex
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
-from vericache.engine.options import RequestOptions, ResolvedOptions
+from vericache.engine.options import Intake, RequestOptions, ResolvedOptions
 from vericache.engine.placement import place
-from vericache.engine.requests import (Drafting, Instruments, PrefillProgress, RemoteParts, Request, RequestKV,
-                                      RequestTable, Served, State, StepOutput)
+from vericache.engine.requests import (
+    Drafting,
+    Instruments,
+    PrefillProgress,
+    RemoteParts,
+    Request,
+    RequestKV,
+    RequestTable,
+    Served,
+    State,
+    StepOutput,
+)
 from vericache.engine.runner import ModelRunner
 from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
 from vericache.engine.shared_prefill import SharedPrefill
@@ -79,31 +89,32 @@ class StepLoop:
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    options: RequestOptions | ResolvedOptions | None = None, prefill=None, checked: bool = False) -> int:
+                    options: RequestOptions | ResolvedOptions | None = None, prefill=None) -> int:
         """Queue a request; ``options`` override the engine's mode, compressor and draft length;
-        ``prefill`` (a ``ModelRunner.shared_prefill`` of this prompt) is loaded instead of recomputed;
-        ``checked``: the caller validated the input (``ModelRunner.check_request``) already."""
-        seq = self.runner.new_sequence(-1, prompt_ids, params, checked)
-        seq.request_id = rid = self._add(seq, options, prefill)   # our own sequence: it takes the id
+        ``prefill`` (a ``ModelRunner.shared_prefill`` of this prompt) is loaded instead of recomputed.
+        ValueError / TypeError for bad input (nothing queued)."""
+        return self.add(self.runner.intake(prompt_ids, params, options), prefill)
+
+    def add(self, intake: Intake, prefill=None) -> int:
+        """Queue a request that came in through ``ModelRunner.intake`` (checked and resolved there)."""
+        seq = self.runner.sequence_of(intake, -1)
+        seq.request_id = rid = self._add(seq, intake.options, prefill)   # our own sequence: it takes the id
         return rid
 
     def add_sequence(self, seq: Sequence, options: RequestOptions | ResolvedOptions | None = None,
                      prefill=None) -> int:
         """``add_request`` for a ``Sequence`` made by the caller (who reads its output from it)."""
-        self.runner.check_request(seq.prompt_ids, seq.params)
-        return self._add(seq, options, prefill)
+        return self._add(seq, self.runner.intake(seq.prompt_ids, seq.params, options).options, prefill)
 
-    def add_session(self, seq: Sequence, full: FullKVCache, served: Served) -> int:
-        """A verifier session (``remote.verifier``): a full-mode request whose prompt may be partly in
-        ``full`` already (blocks from the prefix store); once prefilled it verifies the rounds queued
-        on ``served.inbox`` instead of decoding."""
-        self.runner.check_request(seq.prompt_ids, seq.params)
-        return self._add(seq, RequestOptions(mode="full"), None, served, RequestKV(full=full),
-                         PrefillProgress(done_ids=full.length))
+    def add_session(self, intake: Intake, session_id: int, full: FullKVCache, served: Served) -> int:
+        """A verifier session (``remote.verifier``; ``intake``: full mode): a request whose prompt may be
+        partly in ``full`` already (blocks from the prefix store); once prefilled it verifies the rounds
+        queued on ``served.inbox`` instead of decoding."""
+        return self._add(self.runner.sequence_of(intake, session_id), intake.options, None, served,
+                         RequestKV(full=full), PrefillProgress(done_ids=full.length))
 
-    def _add(self, seq: Sequence, options, prefill: SharedPrefill | None, served: Served | None = None,
+    def _add(self, seq: Sequence, opts: ResolvedOptions, prefill: SharedPrefill | None, served: Served | None = None,
              kv: RequestKV | None = None, progress: PrefillProgress | None = None) -> int:
-        opts = options if isinstance(options, ResolvedOptions) else self.runner.resolve(options)
         placement = place(opts.mode, offload=self.memory.offload, remote=self.memory.remote, session=served is not None)
         lookup = LookupIndex() if opts.lookup and placement.drafts else None
         progress = progress or PrefillProgress()

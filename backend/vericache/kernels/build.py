@@ -17,8 +17,8 @@ import fcntl
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 WAIT_NOTICE_S = 10.0   # waiting longer than this for another builder is said on stderr
 

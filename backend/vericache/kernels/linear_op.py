@@ -134,7 +134,7 @@ class StoredWeight:
         return self.data.nbytes
 
     @classmethod
-    def from_tensor(cls, w: torch.Tensor) -> "StoredWeight":
+    def from_tensor(cls, w: torch.Tensor) -> StoredWeight:
         """A dense fp32/fp16/bf16 [n, k] tensor as it is (no copy when contiguous)."""
         fmt = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(w.dtype)
         if fmt is None or w.dim() != 2:
@@ -142,7 +142,7 @@ class StoredWeight:
         return cls(fmt, w.detach().contiguous(), w.shape[0], w.shape[1])
 
     @classmethod
-    def q8_0(cls, w: torch.Tensor) -> "StoredWeight":
+    def q8_0(cls, w: torch.Tensor) -> StoredWeight:
         """A dense [n, k] weight as GGUF Q8_0 blocks (the ``gguf`` package's rounding): what a float
         checkpoint's linears read in the q8 numerics."""
         from gguf import GGMLQuantizationType
@@ -154,7 +154,7 @@ class StoredWeight:
         return cls("Q8_0", torch.from_numpy(raw.reshape(w.shape[0], -1)).contiguous(), w.shape[0], w.shape[1])
 
     @staticmethod
-    def cat(parts: list["StoredWeight"]) -> "StoredWeight":
+    def cat(parts: list[StoredWeight]) -> StoredWeight:
         """Rows of several weights of one format and width, stacked (the fused q/k/v and gate/up)."""
         fmts, ks = {p.fmt for p in parts}, {p.k for p in parts}
         if len(fmts) != 1 or len(ks) != 1:

@@ -17,7 +17,7 @@ Shapes: Hq query heads, Hkv KV heads (G = Hq / Hkv), N packed query rows, T a se
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton

@@ -87,7 +87,7 @@ class FullKVCache(KVCache):
         self._start = start
         self.length = start + count
 
-    def load(self, src: "FullKVCache", n: int) -> None:
+    def load(self, src: FullKVCache, n: int) -> None:
         """Hold src's positions 0..n-1 (of as many layers as this cache has: its first ones) and
         nothing after them."""
         layers = self.k.shape[0]
@@ -105,7 +105,7 @@ class FullKVCache(KVCache):
         self.k[:, :, s : s + t] = k
         self.v[:, :, s : s + t] = v
 
-    def overwrite(self, src: "FullKVCache", start: int, end: int, first_layer: int = 0) -> None:
+    def overwrite(self, src: FullKVCache, start: int, end: int, first_layer: int = 0) -> None:
         """Positions start .. end-1 of layers first_layer .. first_layer + (src's layers) - 1, from
         ``src``, which holds just those layers (a device buffer of the streamed layers, the resident ones)."""
         n = src.k.shape[0]

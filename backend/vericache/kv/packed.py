@@ -13,15 +13,14 @@ Shapes: Hq query heads, Hkv KV heads, N packed query rows, T a sequence's rows, 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from vericache.kernels import packed_kernels
 from vericache.kernels.store_kinds import CHANNEL_GROUPS, DENSE
 from vericache.kv.attention import Part, attend_all, attend_causal, merge
-
 
 
 @dataclass

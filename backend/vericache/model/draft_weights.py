@@ -23,8 +23,8 @@ the exact weight.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -129,7 +129,7 @@ class DraftChoice:
     seconds: dict[str, list[float]]
 
     @classmethod
-    def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> "DraftChoice":
+    def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> DraftChoice:
         """Time the copies ``model.quantize_drafts`` built (``model.draft_sets``) on random rows."""
         seconds: dict[str, list[float]] = {}
         kinds = {kind: [lin for layer in copies for lin in layer] + [head if head is not None else model.head_exact]

@@ -16,7 +16,7 @@ Shapes: N packed rows, H hidden, D head dim, L layers.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -32,7 +32,8 @@ SHAPES = {
 def word_tokenizer(vocab_size: int, directory: Path) -> Tokenizer:
     """A tokenizer of ``vocab_size`` words "t0" .. (one id each): the random model's, so that output ids
     decode to text like any model's."""
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
 
     tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

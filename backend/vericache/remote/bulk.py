@@ -16,7 +16,7 @@ import json
 import socket
 import struct
 import zlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import unquote, urlparse
 
 from vericache.remote.codec import MAGIC, CorruptValue, digest_of
@@ -60,7 +60,7 @@ class BulkReader:
         for i, conn in enumerate(self._session(keys)):
             yield conn.read_codec_into(lambda entries: dest(i, entries))
 
-    def _session(self, keys: list[str]) -> Iterator["_Replies"]:
+    def _session(self, keys: list[str]) -> Iterator[_Replies]:
         """A connection with every GET sent; yields it once per key, to read that key's reply."""
         with socket.create_connection(self.address, timeout=self.timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -15,17 +15,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Callable, Generator
 
 import torch
 
+from vericache.kv.full import FullKVCache
 from vericache.remote.bulk import BulkReader, RedisReplyError
 from vericache.remote.chain import BLOCK_TOKENS, block_hashes
 from vericache.remote.codec import CorruptValue, pack, unpack
-from vericache.kv.full import FullKVCache
 from vericache.remote.forms import Form
-
 
 READERS = ("bulk", "redis-py")
 FETCH_CONNECTIONS = 4   # connections one full-KV fetch is spread over (the verifier's open)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.engine.engine import Engine, Served
+from vericache.engine.options import Intake, RequestOptions
+from vericache.engine.owner import EngineOwner
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder
 from vericache.remote.forms import compressed_forms, full_forms
@@ -42,8 +43,7 @@ log = logging.getLogger("vericache.verifier")
 @dataclass
 class Session:
     id: int
-    prompt_ids: list[int]
-    max_tokens: int
+    intake: Intake                   # its prompt and budget, checked when it opened (``Engine.intake``)
     compressor: str = ""             # the drafter's, for --store-prefixes
     full: FullKVCache | None = None
     hit_tokens: int = 0
@@ -55,6 +55,10 @@ class Session:
     opened: Future = field(default_factory=Future, repr=False)   # the first token
     replies: list = field(default_factory=list, repr=False)      # futures of verifications not yet answered
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.intake.prompt_ids
 
 
 class VerifierCore:
@@ -71,33 +75,30 @@ class VerifierCore:
         self.sessions: dict[int, Session] = {}
         self.events: list[tuple[str, dict]] = []      # drained by the metrics exporter
         self._ids = itertools.count()
-        self._work: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         # full mode, the sessions' KV in one memory; the step budget admits every session's chunk: each
         # is capped per session (``Served.chunk``)
         self.engine = Engine(loaded, mode="full", prefill_chunk=1 << 30, max_running=max_sessions, tiered=False,
                              device_budget_gb=None)
         self._answers: list[tuple[Future, object]] = []   # results of this step, given after its events
-        self._thread = threading.Thread(target=self._work_loop, name="vericache-verifier", daemon=True)
-        if autostart:
-            self.start()
+        self._owner = EngineOwner("vericache-verifier", self.engine.sessions_busy, self._step, self._step_failed,
+                                  autostart=autostart)
 
     def start(self) -> None:
-        self._thread.start()
+        self._owner.start()
 
     def pending(self) -> int:
         """Work items queued for the worker."""
-        return self._work.qsize()
+        return self._owner.pending()
 
     # ------------------------------------------------------------------ callers (any thread)
     def open(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> tuple[Session, int]:
         """A new session over ``prompt_ids``; returns it and the first generated token."""
-        self.engine.check_request(prompt_ids, SamplingParams(max_tokens=max_tokens))
+        intake = self.engine.intake(prompt_ids, SamplingParams(max_tokens=max_tokens), RequestOptions(mode="full"))
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 raise RuntimeError(f"verifier is full: {self.max_sessions} sessions open")
-            sess = Session(next(self._ids), list(prompt_ids), max_tokens, compressor)
+            sess = Session(next(self._ids), intake, compressor)
             self.sessions[sess.id] = sess
         loaded = self.engine.loaded
         full = FullKVCache(loaded.config, loaded.device, loaded.kv_dtype,
@@ -114,7 +115,7 @@ class VerifierCore:
                 self._event("store_error", {"role": "verifier"})
                 full.truncate(0)
         t0 = time.perf_counter()
-        self._work.put(("open", sess, full))
+        self._owner.call(lambda: self._add_session(sess, full))
         token = sess.opened.result()
         log.info("session %s: %d of %d prompt tokens from the store (%.1f MB in %.3f s), then queue + prefill %.3f s",
                  sess.id, sess.hit_tokens, len(prompt_ids), sess.fetch_bytes / 1e6, sess.fetch_s,
@@ -128,10 +129,10 @@ class VerifierCore:
         if not tokens or start != sess.full.length:
             raise ValueError(f"verify at position {start} with {len(tokens)} tokens; session {sess.id} "
                              f"expects position {sess.full.length} and at least one token")
-        if start + len(tokens) > positions_needed(len(sess.prompt_ids), sess.max_tokens):
+        if start + len(tokens) > positions_needed(len(sess.prompt_ids), sess.intake.params.max_tokens):
             raise ValueError(f"verify of {len(tokens)} tokens at {start} runs past prompt + max_tokens")
         fut: Future = Future()
-        self._work.put(("verify", sess, (start, list(tokens), fut)))
+        self._owner.call(lambda: self._queue_verification(sess, start, list(tokens), fut))
         return fut.result()
 
     def close(self, sess: Session) -> None:
@@ -140,68 +141,44 @@ class VerifierCore:
             sess.closed, sess.full = True, None
         with self._lock:
             self.sessions.pop(sess.id, None)
-        self._work.put(("close", sess, None))
+        self._owner.call(lambda: self._close_session(sess))
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._work.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._owner.stop()
 
     def _event(self, name: str, fields: dict) -> None:
         """``fields`` plus ``end``, the wall-clock time it happened (events are drained later)."""
         self.events.append((name, {**fields, "end": time.time()}))
 
-    # ------------------------------------------------------------------ the worker
-    def _work_loop(self) -> None:
-        """Take what the callers queued, then step the loop while it has work; idle: wait for work."""
-        while not self._stop.is_set():
-            items = [] if self._busy() else [self._work.get()]   # idle: wait for work
-            while True:
-                try:
-                    items.append(self._work.get_nowait())
-                except queue.Empty:
-                    break
-            for item in items:
-                if item is not None:
-                    self._take(*item)
-            if self._busy():
-                try:
-                    self._step()
-                except Exception as exc:  # noqa: BLE001 - the loop itself broke: fail what it holds, go on
-                    log.exception("verifier step failed")
-                    self.engine.fail_unfinished(f"{type(exc).__name__}: {exc}")
-                    for sess in list(self.sessions.values()):
-                        self._fail(sess, exc)
+    # ------------------------------------------------------------------ on the engine's thread
+    def _step_failed(self, exc: Exception) -> bool:
+        """The loop itself broke: fail what it holds, every session's waiters get the error; go on."""
+        self.engine.fail_unfinished(f"{type(exc).__name__}: {exc}")
+        for sess in list(self.sessions.values()):
+            self._fail(sess, exc)
+        return True
 
-    def _busy(self) -> bool:
-        """Some session is prefilling or has a verification queued."""
-        return self.engine.sessions_busy()
+    def _close_session(self, sess: Session) -> None:
+        """Its KV goes now; an open or a verification still waiting gets an error."""
+        if sess.request_id >= 0:
+            self.engine.abort(sess.request_id)
+            self.engine.forget(sess.request_id)
+        self._fail(sess, ValueError(f"session {sess.id} is closed"))
 
-    def _take(self, kind: str, sess: Session, arg) -> None:
-        if kind == "open":
-            self._add_session(sess, arg)
-        elif kind == "close":   # its KV goes now; an open or a verification still waiting gets an error
-            if sess.request_id >= 0:
-                self.engine.abort(sess.request_id)
-                self.engine.forget(sess.request_id)
-            self._fail(sess, ValueError(f"session {sess.id} is closed"))
-        else:
-            start, tokens, fut = arg
-            sess.replies.append(fut)
-            if sess.closed or sess.request_id < 0 or not self.engine.queue_verification(
-                    sess.request_id, start, tokens, self._reply(sess, fut)):
-                sess.replies.remove(fut)
-                fut.set_exception(ValueError(f"session {sess.id} is closed"))
+    def _queue_verification(self, sess: Session, start: int, tokens: list[int], fut: Future) -> None:
+        sess.replies.append(fut)
+        if sess.closed or sess.request_id < 0 or not self.engine.queue_verification(
+                sess.request_id, start, tokens, self._reply(sess, fut)):
+            sess.replies.remove(fut)
+            fut.set_exception(ValueError(f"session {sess.id} is closed"))
 
     def _add_session(self, sess: Session, full: FullKVCache) -> None:
         sess.hit_tokens = full.length
         if self.store_prefixes and self.store is not None:
             sess.recorder = QueryRecorder(self.engine.loaded.config.num_hidden_layers, 64)
-        seq = self.engine.new_sequence(sess.id, sess.prompt_ids, SamplingParams(max_tokens=sess.max_tokens), checked=True)
         served = Served(lambda token: self._opened(sess, full, token), self.prefill_chunk, sess.recorder)
         try:
-            sess.request_id = self.engine.add_session(seq, full, served)
+            sess.request_id = self.engine.add_session(sess.intake, sess.id, full, served)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             sess.opened.set_exception(exc)
 

@@ -1,25 +1,22 @@
 """The engine as a service: a background step loop, a bounded queue, per-request delta streams.
 
 No Triton or HTTP imports: the gateway's embedded backend and the Triton model both drive this.
-Threading model: one thread owns the ``Engine`` and runs ``step()``; other threads only
-put commands (submit, abort) on a queue that the loop drains between steps, and read deltas from
-each request's own queue. Aborting frees the request's KV at the next loop turn (milliseconds).
+Threading model: one thread owns the ``Engine`` (``engine.owner.EngineOwner``) and runs ``step()``;
+other threads only hand it commands (add, abort), run between steps, and read deltas from each
+request's own queue. Aborting frees the request's KV at the next loop turn (milliseconds).
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from vericache.engine.engine import Engine, EngineOutput
-from vericache.engine.options import RequestOptions
+from vericache.engine.options import Intake, RequestOptions
+from vericache.engine.owner import EngineOwner
 from vericache.sampling import SamplingParams
-
-log = logging.getLogger("vericache.service")
 
 
 class QueueFull(RuntimeError):
@@ -30,35 +27,26 @@ class ServiceStopped(RuntimeError):
     """The service is shutting down or has stopped (HTTP 503)."""
 
 
-@dataclass
-class Delta:
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    stats: dict = field(default_factory=dict)
-
-
 class RequestStream:
-    """Deltas of one request, in order. ``get`` blocks (a timeout raises queue.Empty); an event loop
+    """A request's outputs (``EngineOutput``: new tokens, their text, at the end its stats), in order. ``get`` blocks (a timeout raises queue.Empty); an event loop
     instead sets ``on_put`` (called from the engine thread after each delta is queued: hand it to the
     loop with ``call_soon_threadsafe``) and takes them with ``get_nowait``, holding no thread."""
 
     def __init__(self, rid: int, prompt_tokens: int) -> None:
         self.id = rid
         self.prompt_tokens = prompt_tokens
-        self._q: queue.Queue[Delta] = queue.Queue()
+        self._q: queue.Queue[EngineOutput] = queue.Queue()
         self.on_put: Callable[[], None] | None = None
 
-    def put(self, d: Delta) -> None:
+    def put(self, d: EngineOutput) -> None:
         self._q.put(d)
         if self.on_put is not None:
             self.on_put()
 
-    def get(self, timeout: float | None = None) -> Delta:
+    def get(self, timeout: float | None = None) -> EngineOutput:
         return self._q.get(timeout=timeout)
 
-    def get_nowait(self) -> Delta:
+    def get_nowait(self) -> EngineOutput:
         return self._q.get_nowait()
 
 
@@ -75,34 +63,31 @@ class BackgroundService:
         self.tokenizer = engine.tokenizer
         self.max_queue = engine.config.max_queue if max_queue is None else max_queue
         self.metrics = metrics or (lambda event, fields: None)
-        self._commands: queue.Queue = queue.Queue()
         self._streams: dict[int, RequestStream] = {}
         self._arrival: dict[int, float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._draining = False
-        self._broken = False
         self._step_errors = 0
-        self._thread = threading.Thread(target=self._run, name="vericache-engine", daemon=True)
-        self._thread.start()
+        self._owner = EngineOwner("vericache-engine", engine.has_unfinished, self._step, self._step_failed)
 
     # ------------------------------------------------------------------ callers' side
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               options: RequestOptions | None = None, checked: bool = False) -> RequestStream:
-        """Validate (unless ``checked``: the caller ran ``ModelRunner.check_request``), enqueue, and return
-        the request's stream. ``options`` override the server's mode, compressor and draft length for
-        this request. Raises ValueError, TypeError, QueueFull, ServiceStopped."""
-        if self._stop.is_set() or self._draining:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, options: RequestOptions | None = None) -> RequestStream:
+        """``enqueue`` the request's ``Engine.intake`` (bad input fails here, before queueing): ``options``
+        override the server's mode, compressor and draft length for this request. Raises ValueError,
+        TypeError, QueueFull, ServiceStopped."""
+        return self.enqueue(self.engine.intake(prompt_ids, params, options))
+
+    def enqueue(self, intake: Intake) -> RequestStream:
+        """Queue a request that came in through ``Engine.intake`` and return its stream. Raises QueueFull,
+        ServiceStopped."""
+        if self._owner.stopped or self._draining:
             raise ServiceStopped("the engine is shutting down")
-        if not checked:
-            self.engine.check_request(prompt_ids, params)  # bad input fails here, before queueing
-        opts = self.engine.resolve(options)
         with self._lock:
-            if self.num_waiting() + self._commands.qsize() >= self.max_queue:
+            if self.num_waiting() + self._owner.pending() >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
             done = threading.Event()
             holder: dict = {}
-            self._commands.put(("submit", prompt_ids, params, opts, holder, done))
+            self._owner.call(lambda: self._add(intake, holder, done))
         if not done.wait(timeout=30):
             raise ServiceStopped("the engine loop did not accept the request")
         if "error" in holder:
@@ -110,7 +95,7 @@ class BackgroundService:
         return holder["stream"]
 
     def abort(self, rid: int) -> None:
-        self._commands.put(("abort", rid))
+        self._owner.call(lambda: self._abort(rid))
 
     def num_running(self) -> int:
         return self.engine.counts()[0]
@@ -128,41 +113,32 @@ class BackgroundService:
 
     def healthy(self) -> bool:
         """False only when the engine cannot go on (its thread is gone or its steps keep failing)."""
-        return self._thread.is_alive() and not self._stop.is_set() and not self._broken
+        return self._owner.running
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish (up to ``drain_timeout``), then stop."""
         self._draining = True
         deadline = time.time() + drain_timeout
-        while self.engine.has_unfinished() and time.time() < deadline:
+        while self.engine.has_unfinished() and time.time() < deadline and self._owner.running:
             time.sleep(0.02)
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._owner.stop()
         self.engine.close()
 
-    # ------------------------------------------------------------------ the engine thread
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_commands()
-            if not self.engine.has_unfinished():
-                try:  # idle: sleep until a command arrives
-                    self._handle(self._commands.get(timeout=0.05))
-                except queue.Empty:
-                    pass
-                continue
-            try:
-                outs = self.engine.step()
-                self._step_errors = 0
-            except Exception:  # noqa: BLE001 - the engine's own bookkeeping broke: fail what runs, go on
-                log.exception("engine step failed")
-                self._step_errors += 1
-                outs = self.engine.fail_unfinished("the engine step failed; see the server log")
-                if self._step_errors >= 3:  # it keeps failing: the engine cannot go on (/health: 503)
-                    self._broken = True
-                    self._stop.set()
-            self._emit(self.engine.take_events())
-            for o in outs:
-                self._deliver(o)
+    # ------------------------------------------------------------------ on the engine's thread
+    def _step(self) -> None:
+        outs = self.engine.step()
+        self._step_errors = 0
+        self._emit(self.engine.take_events())
+        for o in outs:
+            self._deliver(o)
+
+    def _step_failed(self, exc: Exception) -> bool:
+        """The engine's own bookkeeping broke: fail what runs and go on, unless it keeps failing (then the
+        engine cannot go on: /health says 503)."""
+        self._step_errors += 1
+        for o in self.engine.fail_unfinished("the engine step failed; see the server log"):
+            self._deliver(o)
+        return self._step_errors < 3
 
     def _emit(self, events: dict) -> None:
         """The step's events as metrics: phases, rounds, verifier round trips, prefix fetches."""
@@ -177,35 +153,26 @@ class BackgroundService:
         for event, fields in events["prefix"]:   # fetches and store outages (``remote.fetch``)
             self.metrics(event, fields)
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                self._handle(self._commands.get_nowait())
-            except queue.Empty:
-                return
+    def _add(self, intake: Intake, holder: dict, done: threading.Event) -> None:
+        try:
+            rid = self.engine.add(intake)
+            holder["stream"] = self._streams[rid] = RequestStream(rid, len(intake.prompt_ids))
+            self._arrival[rid] = time.perf_counter()
+        except ValueError as exc:
+            holder["error"] = exc
+        done.set()
 
-    def _handle(self, cmd) -> None:
-        if cmd[0] == "submit":
-            _, prompt_ids, params, opts, holder, done = cmd
-            try:
-                rid = self.engine.add_request(prompt_ids, params, opts, checked=True)  # submit checked it
-                holder["stream"] = self._streams[rid] = RequestStream(rid, len(prompt_ids))
-                self._arrival[rid] = time.perf_counter()
-            except ValueError as exc:
-                holder["error"] = exc
-            done.set()
-        elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
-            for o in self.engine.collect():  # report the abort at once, even when idle
-                self._deliver(o)
+    def _abort(self, rid: int) -> None:
+        self.engine.abort(rid)
+        for o in self.engine.collect():  # report the abort at once, even when idle
+            self._deliver(o)
 
     def _deliver(self, o: EngineOutput) -> None:
         stream = self._streams.get(o.request_id)
         if stream is None:
             return
-        stats = o.stats
         if o.finished:
-            stats["e2e_s"] = time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())
-            self.metrics("request_done", {"finish_reason": o.finish_reason, **stats})
+            o.stats["e2e_s"] = time.perf_counter() - self._arrival.pop(o.request_id, time.perf_counter())
+            self.metrics("request_done", {"finish_reason": o.finish_reason, **o.stats})
             del self._streams[o.request_id]
-        stream.put(Delta(o.token_ids, o.text, o.finished, o.finish_reason, stats))
+        stream.put(o)

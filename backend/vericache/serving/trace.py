@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 Sink = Callable[[str, dict], None]
 

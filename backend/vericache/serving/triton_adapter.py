@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 
 from vericache.engine.config import EngineConfig
-from vericache.engine.options import RequestOptions, draft_len_from_wire
+from vericache.engine.options import Intake, RequestOptions, draft_len_from_wire
 from vericache.sampling import SamplingParams
 from vericache.serving.service import BackgroundService, RequestStream
-
 
 # how long a response thread waits for a delta before it looks at its cancelled flag (a cancelled request
 # is aborted by the watcher, and its final delta wakes the thread anyway: no need to wake often)
@@ -77,14 +76,14 @@ class CancelWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def watch(self, job: "Job", ask: Callable[[], bool]) -> threading.Event:
+    def watch(self, job: Job, ask: Callable[[], bool]) -> threading.Event:
         """Start asking ``ask`` about ``job``; the returned flag is set once it said yes."""
         flag = threading.Event()
         with self._lock:
             self._jobs[job.stream.id] = (ask, flag)
         return flag
 
-    def forget(self, job: "Job") -> None:
+    def forget(self, job: Job) -> None:
         with self._lock:
             self._jobs.pop(job.stream.id, None)
 
@@ -133,7 +132,7 @@ class TritonAdapter:
         self.engine = service.engine
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str]) -> "TritonAdapter":
+    def from_parameters(cls, params: dict[str, str]) -> TritonAdapter:
         """Build from config.pbtxt parameters: ``EngineConfig``'s fields by name, "" for its default."""
         from vericache.serving.build import build_service
 
@@ -149,7 +148,8 @@ class TritonAdapter:
                               draft_len=draft_len_from_wire(k),
                               lookup=None if lookup is None else bool(lookup))
 
-    def parse(self, inputs: dict) -> tuple[list[int], SamplingParams, RequestOptions, bool]:
+    def parse(self, inputs: dict) -> tuple[Intake, bool]:
+        """The request's ``Engine.intake`` (``InvalidInput`` naming what is wrong) and whether it streams."""
         text = _scalar(inputs, "text_input")
         if not isinstance(text, str) or not text:
             raise InvalidInput("text_input must be a non-empty string")
@@ -164,15 +164,14 @@ class TritonAdapter:
             raise InvalidInput(str(exc)) from None
         ids = self.engine.tokenizer.encode(text)
         try:
-            self.engine.check_request(ids, params)
-            self.engine.resolve(options)
+            intake = self.engine.intake(ids, params, options)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
-        return ids, params, options, bool(_scalar(inputs, "stream", False))
+        return intake, bool(_scalar(inputs, "stream", False))
 
     def start(self, inputs: dict) -> Job:
-        ids, params, options, streaming = self.parse(inputs)
-        return Job(self.service.submit(ids, params, options, checked=True), streaming)   # parse checked them
+        intake, streaming = self.parse(inputs)
+        return Job(self.service.enqueue(intake), streaming)
 
     def responses(self, job: Job, cancelled: Callable[[], bool],
                   check_every_s: float = CANCEL_CHECK_S) -> Iterator[dict[str, np.ndarray]]:

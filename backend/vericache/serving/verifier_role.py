@@ -45,6 +45,7 @@ def run_verifier(config: EngineConfig, host: str, port: int, prefix_store: str |
 
 def _metrics(mid: str, host: str, port: int):
     from prometheus_client import start_http_server
+
     from vericache.serving.metrics import Metrics, metrics_sink
 
     m = Metrics(mid, "verifier", "")

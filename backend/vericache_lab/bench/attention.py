@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from vericache_lab.bench.common import code_prompt, cpu_model
-from vericache_lab.report import markdown_table
 from vericache.compress.registry import parse_compressor
-from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.attention import merge
-from vericache.kv.packed import torch_part, attend_packed
+from vericache.kv.compressed import CompressedKVCache
+from vericache.kv.packed import attend_packed, torch_part
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache_lab.bench.common import code_prompt, cpu_model
+from vericache_lab.report import markdown_table
 from vericache_lab.sim import roofline
 
 COLUMNS = ["compressor", "bytes_per_token", "x_full_bytes", "attention_ms", "x_full_attention", "achieved_GBps",

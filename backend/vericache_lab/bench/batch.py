@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from vericache_lab.bench import llama_cpp_bench, openvino_bench
-from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
-from vericache_lab.report import draft_sources, markdown_table
 from vericache.engine.config import DEFAULTS
 from vericache.engine.engine import Engine
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache_lab.bench import llama_cpp_bench, openvino_bench
+from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
+from vericache_lab.report import draft_sources, markdown_table
 from vericache_lab.sim import roofline
 
 COLUMNS = ["mode", "tokens_per_s", "tokens_per_s_runs", "predicted_tokens_per_s", "measured_over_predicted", "x_full", "identical_to_full",

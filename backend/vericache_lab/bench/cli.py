@@ -7,16 +7,16 @@ import json
 from pathlib import Path
 
 from vericache.cli_args import add_kv_dtype_arg, add_numerics_arg, draft_len, ints, progress
-from vericache_lab.bench.common import mode_labels
 from vericache.engine.config import DEFAULTS
 from vericache.model.registry import DEFAULT_MODEL
+from vericache_lab.bench.common import mode_labels
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache_lab.report import record
     from vericache_lab.bench.decode import decode_markdown, plot_decode, run_decode_bench
+    from vericache_lab.report import record
     from vericache_lab.sim.roofline import Roofline, plot_roofline
 
     if args.threads:
@@ -65,8 +65,8 @@ def _add_decode(bsub) -> None:
 def _cmd_throughput(args: argparse.Namespace) -> int:
     import torch
 
-    from vericache_lab.report import markdown_table, record
     from vericache_lab.bench.throughput import plot_timeline, run_throughput
+    from vericache_lab.report import markdown_table, record
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,10 +121,10 @@ def _add_throughput(bsub) -> None:
 
 
 def _cmd_prefix(args) -> int:
-    from vericache_lab.report import record
     from vericache_lab.bench.prefix import prefix_markdown, run_prefix_bench
     from vericache_lab.bench.prefix_timeline import plot_prefix
     from vericache_lab.netlab import Shape
+    from vericache_lab.report import record
 
     try:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
@@ -204,8 +204,8 @@ def _add_attention(bsub) -> None:
 def _cmd_linear(args) -> int:
     import torch
 
-    from vericache_lab.report import record
     from vericache_lab.bench.linear import linear_markdown, plot_linear, run_linear
+    from vericache_lab.report import record
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -328,8 +328,8 @@ def _add_batch(bsub) -> None:
 def _cmd_serve_load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from vericache_lab.report import record
     from vericache_lab.bench.serve import LaunchedServer, plot_soak, run_load, soak_verdict
+    from vericache_lab.report import record
 
     soak = args.soak is not None
     if soak:

@@ -11,11 +11,11 @@ import time
 
 import torch
 
+from vericache.llm import LLM
+from vericache.sampling import SamplingParams
 from vericache_lab.bench import llama_cpp_bench, openvino_bench
 from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
 from vericache_lab.report import markdown_table
-from vericache.llm import LLM
-from vericache.sampling import SamplingParams
 from vericache_lab.sim import roofline
 
 

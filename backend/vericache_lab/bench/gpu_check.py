@@ -108,9 +108,9 @@ def _prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]
 
 def run_check(out: Path, dry_run: bool, budget_s: float, log=print, draft_len: int | str = "auto") -> Report:
     """Every part in order, each skipped once ``budget_s`` is spent; returns the report (saved)."""
+    from vericache.model.random_model import random_model
     from vericache_lab.bench import gpu_parts as parts
     from vericache_lab.bench.batch import distinct_prompts
-    from vericache.model.random_model import random_model
     from vericache_lab.sim.cost_model import GPUS, MODELS, SimConfig, simulate
 
     sizes = DRY_SIZES if dry_run else DEVICE_SIZES

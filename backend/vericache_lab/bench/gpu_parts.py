@@ -5,13 +5,13 @@ elsewhere (the dry run, where the figures only show that the code ran)."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from vericache.config import ModelConfig
-from vericache.engine.options import RequestOptions
 from vericache.engine.engine import Engine
+from vericache.engine.options import RequestOptions
 from vericache.engine.runner import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import CudaLink, EmulatedLink

@@ -16,11 +16,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vericache_lab.bench.common import cpu_model
-from vericache_lab.report import markdown_table
 from vericache.kernels.linear_op import NUMERICS, LinearOp, supported_isas
 from vericache.model.exact_linear import exact_linears
 from vericache.model.loader import load_model
+from vericache_lab.bench.common import cpu_model
+from vericache_lab.report import markdown_table
 from vericache_lab.sim.roofline import read_bandwidth
 
 COLUMNS = ["rows", "contender", "ms", "x_mkl", "fp32_over_this", "x_bytes_floor"]

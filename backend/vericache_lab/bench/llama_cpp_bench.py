@@ -32,7 +32,7 @@ def available() -> bool:
 
 def gguf_path(model_name: str) -> Path | None:
     """The GGUF file a model name or path comes from (None: the model has none, e.g. ``tiny``)."""
-    from vericache.model.registry import MODELS, ALIASES, model_file
+    from vericache.model.registry import ALIASES, MODELS, model_file
 
     path = model_file(model_name) if model_name in MODELS or model_name in ALIASES else Path(model_name)
     return path if path.is_file() and path.suffix == ".gguf" else None

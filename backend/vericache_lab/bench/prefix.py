@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vericache.serving.trace import read_trace
+from vericache_lab import netlab
 from vericache_lab.bench.prefix_timeline import (
     LinkSampler,
     busy_share,
@@ -38,17 +40,15 @@ from vericache_lab.bench.prefix_timeline import (
     sessions_per_forward,
     spans,
 )
-from vericache_lab import netlab
-from vericache.serving.trace import read_trace
 
 MODES = ["recompute", "full-remote", "full-remote-all", "lossy-remote", "vericache"]
 
 
 def _prompts(model: str, n: int, prefix_tokens: int) -> tuple[list[str], list[str], list[int], str]:
     """Each request's prefix text and prompt, the prefix's token count, and the model's KV id."""
-    from vericache_lab.eval.run_model_eval import heldout_tokens
     from vericache.model.loader import load_model
     from vericache.remote.prefixes import model_id
+    from vericache_lab.eval.run_model_eval import heldout_tokens
 
     loaded = load_model(model, device="cpu", dtype="float32")
     tok = loaded.tokenizer

@@ -9,8 +9,8 @@ import bisect
 
 import torch
 
-from vericache_lab.sim.remote_prefix import RemoteCosts, RemoteSetting, predict_remote
 from vericache.timing import best_seconds
+from vericache_lab.sim.remote_prefix import RemoteCosts, RemoteSetting, predict_remote
 
 
 def _interpolated(xs: list[int], ys: list[float]):

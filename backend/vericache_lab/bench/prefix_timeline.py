@@ -21,7 +21,7 @@ class LinkSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="vericache-link-sampler")
 
-    def start(self) -> "LinkSampler":
+    def start(self) -> LinkSampler:
         self._thread.start()
         return self
 

@@ -100,10 +100,10 @@ def server_rows(url: str, model: str, prompts: list[str], max_tokens: int, modes
 
 def run_serve_long(model: str, prompt_tokens: int, concurrency: int, max_tokens: int, modes: list[str],
                    compressor: str, url: str | None = None, batch: bool = True, log=print) -> dict:
+    from vericache.model.loader import load_tokenizer
     from vericache_lab.bench.batch import distinct_prompts, run_batch
     from vericache_lab.bench.common import cpu_model
     from vericache_lab.bench.serve import LaunchedServer
-    from vericache.model.loader import load_tokenizer
 
     tokenizer, _ = load_tokenizer(model)
     prompts = [tokenizer.decode(p) for p in distinct_prompts(tokenizer, concurrency, prompt_tokens)]

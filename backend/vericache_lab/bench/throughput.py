@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from vericache_lab.bench.batch import decode_all, distinct_prompts
-from vericache_lab.bench.common import shared_prefills
 from vericache.engine.engine import Engine
 from vericache.kv.link import CudaLink, EmulatedLink
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
+from vericache_lab.bench.batch import decode_all, distinct_prompts
+from vericache_lab.bench.common import shared_prefills
 from vericache_lab.predict import predict_offloaded
 from vericache_lab.sim.calibrate import default_path, load
 

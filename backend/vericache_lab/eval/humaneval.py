@@ -95,7 +95,7 @@ def run_tests(problem: dict, completion: str, timeout_s: float = TEST_TIMEOUT_S,
             return Verdict(False, "timeout", parses)
     if done.returncode == 0:
         return Verdict(True, "", parses)
-    last = (done.stderr.strip().splitlines() or ["exit status %d" % done.returncode])[-1]
+    last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
     return Verdict(False, last[:200], parses)
 
 

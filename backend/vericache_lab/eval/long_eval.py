@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from vericache.engine.engine import Engine
-from vericache_lab.eval import long_tasks as lt
-from vericache_lab.report import draft_sources
 from vericache.llm import LLM
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import SamplingParams
+from vericache_lab.eval import long_tasks as lt
+from vericache_lab.report import draft_sources
 
 FULL_GRID = [f"{m}:ratio={r}" for m in ("snapkv", "streaming", "h2o") for r in (0.25, 0.125, 0.0625)] + [
     "kivi:bits=2", "snapkv:ratio=0.125+kivi:bits=2"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from vericache_lab.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 from vericache.model.loader import load_model
 from vericache.model.registry import DEFAULT_MODEL
 from vericache_lab.data import corpus
+from vericache_lab.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 
 
 def heldout_tokens(tokenizer) -> list[int]:

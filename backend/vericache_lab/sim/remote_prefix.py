@@ -23,11 +23,11 @@ mean of its measured ones beside these.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from vericache_lab.sim.cost_model import GPUS, MODELS, GPU, ModelShape, gpu_step_costs, gpus_needed, tensor_parallel
 from vericache.drafting.cost import CostsAt
+from vericache_lab.sim.cost_model import GPU, GPUS, MODELS, ModelShape, gpu_step_costs, gpus_needed, tensor_parallel
 
 
 @dataclass

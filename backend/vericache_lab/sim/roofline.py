@@ -51,7 +51,7 @@ class Roofline:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def best(self, other: "Roofline") -> "Roofline":
+    def best(self, other: Roofline) -> Roofline:
         """The faster of two measurements, figure by figure: on a shared machine a slow moment
         (another tenant's burst) should not lower what the hardware is credited with."""
         if other.weight_rows != self.weight_rows:

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from vericache.config import ModelConfig
-from vericache_lab.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 from vericache.model.llama import Transformer
 from vericache.model.tokenizer import Tokenizer
 from vericache_lab.data import corpus
 from vericache_lab.data.tasks import retrieval_task, tool_call_task
+from vericache_lab.eval.model_quality import heldout_loss, retrieval_exact_match, toolcall_exact_match
 
 # (fraction of the time budget at which the stage starts, window length, share of task documents)
 CURRICULA = {
