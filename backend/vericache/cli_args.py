@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from vericache.engine.config import add_engine_args, add_kv_dtype_arg, add_numerics_arg  # noqa: F401 - re-exported
+from vericache.engine.config import draft_len_arg as draft_len  # noqa: F401 - re-exported
 
 
 def ints(text: str) -> list[int]:

@@ -42,7 +42,6 @@ class LLM:
                  draft_weights: str = DEFAULTS.draft_weights, kv_dtype: str | torch.dtype | None = DEFAULTS.kv_dtype,
                  kernels: str | None = DEFAULTS.kernels, numerics: str | None = DEFAULTS.numerics,
                  **settings) -> None:
-        self.engine = None
         config = DEFAULTS.replace(model=model, mode=mode, compressor=compressor, draft_len=draft_len,
                                   draft_weights=draft_weights, **settings)   # validated before the load
         self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels,

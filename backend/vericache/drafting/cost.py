@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -162,6 +163,11 @@ def best_draft_len(alpha: float, draft_s: float, verify_s: Callable[[int], float
     return 1 + int(np.argmax(rates))
 
 
+class Calibrated(Protocol):
+    """What ``DraftCost`` takes from a calibration (``drafting.calibrate.Calibration``): its costs, if any."""
+    costs: StepCosts | None
+
+
 @dataclass
 class DraftCost:
     """The engine's cost-based draft length: costs from ``calibrate`` (timed forwards of the model and
@@ -171,7 +177,7 @@ class DraftCost:
     the costs in hand."""
 
     every: int = 8
-    calibrate: Callable[[], object] | None = field(default=None, repr=False)   # -> a ``Calibration``
+    calibrate: Callable[[], Calibrated] | None = field(default=None, repr=False)   # -> a ``Calibration``
     fitted: StepCosts | None = None
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.drafting.cost import DraftCost
+from vericache.drafting.cost import Calibrated, DraftCost
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.sampling import Sequence, probs_from_logits, speculative_accept
@@ -101,7 +101,7 @@ def greedy_accepted(targets: list[int], draft: list[int]) -> int:
     return m
 
 
-def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q: list,
+def accept_draft(seq: Sequence, target_logits: torch.Tensor | None, draft: list[int], q: list,
                  targets: list[int] | None = None, rule: str = "coupled") -> int:
     """Append accepted draft tokens and the verifier's token; returns m, the accepted count.
 
@@ -110,19 +110,25 @@ def accept_draft(seq: Sequence, target_logits: torch.Tensor, draft: list[int], q
     sampled row's noise and truncation cost ~1 ms): the rows after a rejection are never looked at.
     """
     params = seq.params
+    if targets is None or not params.greedy:   # sampled rows (and greedy ones not yet chosen) need the logits
+        if target_logits is None:
+            raise ValueError("accepting drafts needs the verifier's logits (or, greedy, their argmax)")
+        logits = target_logits
     if params.greedy and targets is None:  # one argmax over the chunk: no per-row device sync
-        targets = target_logits.argmax(dim=-1).tolist()
+        targets = logits.argmax(dim=-1).tolist()
+    chosen: list[int] = targets or []
 
     def verifier_choice(i: int) -> int:   # row i decides the token at seq.next_position
-        return targets[i] if params.greedy else seq.choose(target_logits[i])
+        return chosen[i] if params.greedy else seq.choose(logits[i])
 
     for i, d in enumerate(draft):
         if params.greedy or rule == "coupled":
             replacement = verifier_choice(i)
             ok = replacement == d
         else:
-            p = probs_from_logits(target_logits[i][None], params)[0]
-            ok, replacement = speculative_accept(p, q[i], d, seq.seed, seq.next_position)
+            p = probs_from_logits(logits[i][None], params)[0]
+            ok, rejected_for = speculative_accept(p, q[i], d, seq.seed, seq.next_position)
+            replacement = d if rejected_for is None else rejected_for
         if not ok:
             seq.append(replacement)
             return i
@@ -301,7 +307,7 @@ class DraftPlanner:
        turn drafts on while its drafts are mostly accepted (P2)."""
 
     def __init__(self, offload, n_active: Callable[[], int],
-                 instruments, calibrate: Callable[[], object] | None = None) -> None:
+                 instruments, calibrate: Callable[[], Calibrated] | None = None) -> None:
         """``offload``: the engine's ``Offload`` (for requests whose placement is offloaded: full KV behind the link);
         ``n_active()``: requests drafting or decoding now; ``instruments``: the measured steps;
         ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``), asked once at the first choice."""

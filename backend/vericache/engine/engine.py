@@ -176,13 +176,13 @@ class Engine:
             raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
         opts = self.resolve(RequestOptions(mode=check_mode(mode or self.config.mode)))
         rids = [self.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
-        errors = {}
+        errors: dict[int, str] = {}
         while self.has_unfinished():
             done, total = self.prefill_progress() if progress is not None else (0, 0)
             errors.update((o.request_id, o.error) for o in self.step() if o.error)
             if done < total:   # this step prefilled
                 after = self.prefill_progress()
-                if after[1]:   # its requests go on (one that ended in this step reports nothing)
+                if after[1] and progress is not None:   # its requests go on (one that ended reports nothing)
                     progress(*after)
         errors.update((o.request_id, o.error) for o in self.collect() if o.error)
         for seq, rid in zip(seqs, rids):

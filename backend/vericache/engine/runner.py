@@ -93,7 +93,9 @@ class ModelRunner:
             return "fp32"
         self.build_drafts()
         if self.draft_weights == "auto":
-            return self.model.draft_choice.kind_for(n_draft_rows, ("fp32", *self.auto_draft_kinds()))
+            choice = self.model.draft_choice
+            assert choice is not None, "build_drafts measures the choice for auto"
+            return choice.kind_for(n_draft_rows, ("fp32", *self.auto_draft_kinds()))
         return self.draft_weights
 
     @torch.inference_mode()
@@ -110,7 +112,9 @@ class ModelRunner:
             rows = sorted(rows, key=lambda r: r.kind != RowKind.DRAFT)    # stable: the others keep their order
         else:
             n_draft = 0
-        tokens, index, offset = [], [], 0
+        tokens: list[int] = []
+        index: list[int] = []
+        offset = 0
         for row in rows:
             tokens.extend(row.tokens)
             n = len(row.tokens)
@@ -167,14 +171,17 @@ class ModelRunner:
     def prefill(self, ids: list[int], caches: Seq, start: int = 0) -> torch.Tensor:
         """Run ``ids`` (positions start..) through the model in chunks over each of ``caches``;
         returns the last logits [V] (of the first cache)."""
+        if not caches or not ids:
+            raise ValueError(f"prefill needs tokens and a cache, got {len(ids)} tokens and {len(caches)} caches")
         dev = self.loaded.device
-        logits = None
+        logits: torch.Tensor | None = None
         for cache in caches:
             for s in range(0, len(ids), self.prefill_chunk):
                 chunk = ids[s : s + self.prefill_chunk]
                 out = self.model(torch.tensor(chunk, device=dev), [start + s], [len(chunk)], [cache],
                                  logits_index=torch.tensor([len(chunk) - 1], device=dev))
             logits = out[0] if logits is None else logits
+        assert logits is not None
         return logits
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ class SharedPrefill:
     Decoding writes past the prompt into ``full``; ``reset()`` drops those positions again.
     """
     full: FullKVCache            # the prompt's K/V, capacity for prompt + max_tokens + 1
-    queries: list[torch.Tensor]  # per layer, the last queries [Hq, W, D] (eviction scorers read them)
+    queries: list[torch.Tensor | None]  # per layer, the last queries [Hq, W, D] (eviction scorers read them)
     logits: torch.Tensor         # [V], the next-token logits after the prompt
     prompt_len: int
     seconds: float

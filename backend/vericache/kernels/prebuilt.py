@@ -89,6 +89,8 @@ def import_packed(path: Path, isa: str):
     import torch  # noqa: F401  (the extension's symbols come from libtorch)
 
     spec = importlib.util.spec_from_file_location(packed_module_name(isa), path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a loadable extension module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -18,6 +18,7 @@ natural-log sum of exp of the scaled scores per query row, in fp32.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -64,5 +65,5 @@ def merge(parts: list[Part]) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0][0]
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)                   # [Hq, T]
-    out = sum(o.float() * torch.exp(l - lse)[..., None] for o, l in parts)
+    out = cast(torch.Tensor, sum(o.float() * torch.exp(l - lse)[..., None] for o, l in parts))
     return out.to(parts[0][0].dtype)

@@ -142,7 +142,7 @@ class FullKVCache(KVCache):
         K then V, so a block can be received from a socket straight into place."""
         if self.k.device.type != "cpu" or start + t > self.length:
             raise ValueError(f"byte views need a CPU cache holding positions {start}..{start + t - 1}")
-        return [memoryview(x[layer, head, start : start + t].view(torch.uint8).numpy()).cast("B")
+        return [x[layer, head, start : start + t].view(torch.uint8).numpy().data.cast("B")
                 for x in (self.k, self.v) for layer in range(x.shape[0]) for head in range(x.shape[1])]
 
     def truncate(self, length: int) -> None:

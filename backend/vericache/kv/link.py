@@ -169,7 +169,8 @@ class CudaLink:
         return self._stats
 
     def submit(self, src: FullKVCache, length: int, dst: FullKVCache, first_layer: int = 0) -> Transfer:
-        t = Transfer(src, length, dst, first_layer, cuda_events=[])
+        events: list = []
+        t = Transfer(src, length, dst, first_layer, cuda_events=events)
         t.started_at = time.perf_counter()
         start = torch.cuda.Event(enable_timing=True)
         # the buffer was zero-filled on the compute stream: the copies must come after that
@@ -181,7 +182,7 @@ class CudaLink:
                 dst.v[layer, :, :length].copy_(src.v[first_layer + layer, :, :length], non_blocking=True)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.stream)
-                t.cuda_events.append(ev)
+                events.append(ev)
         # the caching allocator must not hand the buffer out again before these copies finish
         dst.k.record_stream(self.stream)
         dst.v.record_stream(self.stream)
@@ -201,21 +202,23 @@ class StreamedKV(KVCache):
         if transfer.first_layer and (resident is None or resident.k.shape[0] != transfer.first_layer):
             raise ValueError(f"layers 0..{transfer.first_layer - 1} do not move, so a resident cache "
                              f"holding exactly them is needed")
-        self.t, self.buf, self.resident = transfer, transfer.dst, resident
+        # the resident layers are read only where some stay on the device (first_layer > 0)
+        self.t, self.buf, self.resident = transfer, transfer.dst, resident if transfer.first_layer else None
 
     def begin(self, start: int, count: int) -> None:
         self.buf.length = self.t.length  # the arriving positions count as written
         self.buf.begin(start, count)
-        if self.t.first_layer:
+        if self.resident is not None:
             self.resident.begin(start, count)
 
     def attention_cost(self, start: int, t: int) -> tuple[int, int]:
         nbytes, pairs = self.buf.attention_cost(start, t)
-        return nbytes + (self.resident.attention_cost(start, t)[0] if self.t.first_layer else 0), pairs
+        return nbytes + (self.resident.attention_cost(start, t)[0] if self.resident is not None else 0), pairs
 
     def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         first = self.t.first_layer
         if layer < first:
+            assert self.resident is not None   # checked when made: first_layer > 0 needs the resident layers
             return self.resident.parts(layer, q, k, v)
         self.t.wait_layer(layer - first)
         return self.buf.parts(layer - first, q, k, v)

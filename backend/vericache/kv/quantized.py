@@ -115,6 +115,8 @@ class Layout:
         if self.kind != CHANNEL_GROUPS:   # per-token fields: each token encoded alone
             tok, _ = self.encode(x[:, None])
             return {f: y[:, 0] for f, y in tok.items()}
+        if grp is None:
+            raise ValueError("channel-group encoding of single tokens needs their groups' tables (grp)")
         levels = (1 << self.bits) - 1
         codes = ((x.float() - grp["zero"].float()) / grp["scale"].float()).round().clamp(0, levels)
         return {"codes": pack_bits(codes.to(torch.uint8), self.bits)}

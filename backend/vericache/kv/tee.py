@@ -13,7 +13,7 @@ from vericache.kv.protocol import KVCache
 
 
 class TeeCache(KVCache):
-    def __init__(self, full: FullKVCache, draft: CompressedKVCache) -> None:
+    def __init__(self, full: FullKVCache, draft: CompressedKVCache | QueryRecorder) -> None:
         self.full, self.draft = full, draft
 
     def begin(self, start: int, count: int) -> None:

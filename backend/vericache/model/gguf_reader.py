@@ -100,7 +100,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
     from gguf.quants import quant_shape_to_byte_shape
 
     data = np.memmap(path, mode="r")
-    cur = _Cursor(memoryview(data))   # a memoryview's slices are cheap; a memmap's each make a new array
+    cur = _Cursor(data.data)   # a memoryview's slices are cheap; a memmap's each make a new array
     if bytes(data[:4]) != GGUF_MAGIC:
         raise ValueError("not a GGUF file (no GGUF magic)")
     cur.at = 4

@@ -24,7 +24,14 @@ from torch import nn
 from vericache.config import ModelConfig
 from vericache.kv.packed import attend_packed
 from vericache.kv.protocol import KVCache
-from vericache.model.draft_weights import QUANTIZERS, DraftLinear, check_draft_weights, mixed_linear, weight_matrices
+from vericache.model.draft_weights import (
+    QUANTIZERS,
+    DraftChoice,
+    DraftLinear,
+    check_draft_weights,
+    mixed_linear,
+    weight_matrices,
+)
 from vericache.model.exact_linear import ExactLinear
 from vericache.model.native_step import NATIVE_DRAFT_WEIGHTS
 
@@ -252,7 +259,7 @@ class Transformer(nn.Module):
         self.attn_dtype: torch.dtype | None = None
         self.draft_weights = "fp32"                      # the draft copies draft rows read (``quantize_drafts``)
         self.draft_sets: dict[str, tuple] = {}           # kind -> (per-layer copies, lm_head copy)
-        self.draft_choice = None                         # draft_weights.DraftChoice once measured ("auto")
+        self.draft_choice: DraftChoice | None = None     # once measured ("auto")
         self.lm_head_draft: DraftLinear | None = None
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
         self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)

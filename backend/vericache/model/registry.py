@@ -77,11 +77,11 @@ def model_file(name: str) -> Path:
             raise ModelConfigError(f"model {name!r} ({entry.description}) is not installed; install it with: "
                                    f"{entry.install_command}")
         return path
-    path = packaged_file(entry)
-    if path is None:
+    packaged = packaged_file(entry)
+    if packaged is None:
         raise ModelConfigError(f"model {name!r} ({entry.description}) is not installed; install it with: "
                                f"{entry.install_command}")
-    return path
+    return packaged
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

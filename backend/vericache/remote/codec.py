@@ -13,6 +13,7 @@ import json
 import struct
 import warnings
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ class CorruptValue(ValueError):
     """A value failed its checksum or does not parse: treat it as missing."""
 
 
-def _digest(parts: list[bytes | memoryview]) -> str:
+def _digest(parts: Sequence[bytes | memoryview]) -> str:
     crc = 0
     for p in parts:
         crc = zlib.crc32(p, crc)

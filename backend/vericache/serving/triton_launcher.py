@@ -22,6 +22,14 @@ from pathlib import Path
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 
 
+
+def pytriton_dir() -> str:
+    """The installed nvidia-pytriton package's directory (it carries tritonserver and its stubs)."""
+    path = sys.modules["pytriton"].__file__
+    if path is None:
+        raise FileNotFoundError("nvidia-pytriton has no package directory (a namespace package?)")
+    return str(Path(path).parent)
+
 def find_tritonserver() -> tuple[Path, Path | None]:
     """(tritonserver binary, the pytriton 'tritonserver' folder or None for a system install)."""
     on_path = shutil.which("tritonserver")
@@ -32,7 +40,7 @@ def find_tritonserver() -> tuple[Path, Path | None]:
     except ImportError:
         raise FileNotFoundError("no tritonserver on PATH and nvidia-pytriton is not installed "
                                 "(pip install 'vericache[triton]')") from None
-    root = Path(sys.modules["pytriton"].__file__).parent / "tritonserver"
+    root = Path(pytriton_dir()) / "tritonserver"
     binary = root / "bin" / "tritonserver"
     if not binary.exists():
         raise FileNotFoundError(f"tritonserver not found in the nvidia-pytriton wheel at {binary}")
@@ -65,7 +73,7 @@ def prepare(repository: Path, workdir: Path) -> tuple[list[str], dict[str, str],
         if not stub.exists():
             raise FileNotFoundError(f"the nvidia-pytriton wheel has no Python backend stub for Python {ver} ({stub})")
         shutil.copy2(stub, python_backend / "triton_python_backend_stub")
-        libs = Path(sys.modules["pytriton"].__file__).parent.parent / "nvidia_pytriton.libs"
+        libs = Path(pytriton_dir()).parent / "nvidia_pytriton.libs"
         ld = [str(libs), sysconfig.get_config_var("LIBDIR") or "", env.get("LD_LIBRARY_PATH", "")]
         env["LD_LIBRARY_PATH"] = ":".join(p for p in ld if p)
         args.append(f"--backend-directory={backends}")
