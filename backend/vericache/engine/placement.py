@@ -21,7 +21,7 @@ the stats ask a ``Placement``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from vericache.engine.options import check_mode
@@ -38,48 +38,33 @@ class Home(StrEnum):
 class Placement:
     mode: str
     home: Home
+    # What follows from the two, derived once when it is made: plain fields, so a step reads them without
+    # running this module's code (tests/test_step_trace.py counts the modules a step runs).
+    full_here: bool = field(init=False, repr=False)     # it holds its full KV in this engine (device or host)
+    draft_here: bool = field(init=False, repr=False)    # it holds a compressed (draft) cache on the device
+    drafts: bool = field(init=False, repr=False)        # its tokens come in draft-then-verify rounds
+    offloaded: bool = field(init=False, repr=False)     # its full KV is in the host tier, crossing the link
+    remote: bool = field(init=False, repr=False)        # a remote verifier verifies its rounds (and first token)
+    session: bool = field(init=False, repr=False)       # a verifier session for a remote drafter's rounds
+    verifies_in_place: bool = field(init=False, repr=False)    # a complete round is verified where its KV is
+    loads_stored_prefix: bool = field(init=False, repr=False)  # a prefix store may hold what it would prefill
 
-    @property
-    def full_here(self) -> bool:
-        """The request holds its full KV in this engine (device or host tier)."""
-        return self.mode == "full" or (self.mode == "vericache" and self.home is not Home.REMOTE)
-
-    @property
-    def draft_here(self) -> bool:
-        """The request holds a compressed (draft) cache on the device."""
-        return self.mode != "full"
-
-    @property
-    def drafts(self) -> bool:
-        """Its tokens come in draft-then-verify rounds (vericache)."""
-        return drafts_in_rounds(self.mode)
-
-    @property
-    def offloaded(self) -> bool:
-        """Its full KV lives in the host tier and crosses the link for each verification."""
-        return self.home is Home.HOST
-
-    @property
-    def remote(self) -> bool:
-        """A remote verifier verifies its rounds (and picks its first token)."""
-        return self.home is Home.REMOTE
-
-    @property
-    def session(self) -> bool:
-        """A verifier session: it verifies the rounds a remote drafter sends."""
-        return self.home is Home.SESSION
-
-    @property
-    def verifies_in_place(self) -> bool:
-        """A complete round is verified over the full KV where it already is (no link, no network)."""
-        return self.drafts and self.home is Home.DEVICE
-
-    @property
-    def loads_stored_prefix(self) -> bool:
-        """A prefix store may hold what its prefill would make: the full form (full mode) or its
-        compressed form (lossy, or a drafter whose full KV is remote). A local vericache request
-        prefills both caches together, so it fetches neither."""
-        return self.mode != "vericache" or self.home is Home.REMOTE
+    def __post_init__(self) -> None:
+        drafts = drafts_in_rounds(self.mode)
+        derived = {
+            "drafts": drafts,
+            "full_here": self.mode == "full" or (drafts and self.home is not Home.REMOTE),
+            "draft_here": self.mode != "full",
+            "offloaded": self.home is Home.HOST,
+            "remote": self.home is Home.REMOTE,
+            "session": self.home is Home.SESSION,
+            "verifies_in_place": drafts and self.home is Home.DEVICE,
+            # the full form (full mode) or its compressed form (lossy, or a drafter whose full KV is remote);
+            # a local vericache request prefills both caches together, so it fetches neither
+            "loads_stored_prefix": not drafts or self.home is Home.REMOTE,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def prefix_form(self, compressor_spec: str) -> str:
         """The form its prefix takes in a prefix store: "full" or the compressor's spec."""
