@@ -165,7 +165,8 @@ def best_draft_len(alpha: float, draft_s: float, verify_s: Callable[[int], float
 
 class Calibrated(Protocol):
     """What ``DraftCost`` takes from a calibration (``drafting.calibrate.Calibration``): its costs, if any."""
-    costs: StepCosts | None
+    @property
+    def costs(self) -> StepCosts | None: ...
 
 
 @dataclass
