@@ -42,6 +42,9 @@ def kernel_build():
         print("setup.py: torch is not importable here, so this wheel carries no compiled kernels (they compile at "
               "first use); `make wheel` (pip wheel --no-build-isolation) builds one that does", file=sys.stderr)
         return [], {}
+    # kernels/__init__ and linear_op import the CPU-feature reader by its name (it needs nothing but the
+    # standard library): registered under that name first, the import finds it without vericache/__init__
+    sys.modules.setdefault("vericache.kernels.cpu", kernel_module("cpu"))
     kernels, linear_op, prebuilt = (kernel_module(n) for n in ("__init__", "linear_op", "prebuilt"))
     HERE, PACKED_CFLAGS, PACKED_SOURCES = kernels.HERE, kernels.PACKED_CFLAGS, kernels.PACKED_SOURCES
     ISA_FLAGS, compile_linear = linear_op.ISA_FLAGS, linear_op.compile_linear
