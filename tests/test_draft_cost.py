@@ -122,7 +122,7 @@ def test_a_measured_weights_curve_prices_the_rows_and_the_rest_is_fitted():
     errors = [abs(line.seconds(rows, *chunk) / (true_c0 + curve(rows) + chunk[0] * true_byte + chunk[1] * true_pair) - 1)
               for rows in (1, 2, 9, 32)]
     assert max(errors) > 0.03   # a line through the same steps misprices some row counts
-    cost = DraftCost(calibrate=lambda: Calibration(np.zeros((0, 4)), np.zeros(0), fit))
+    cost = DraftCost(calibrate=lambda: Calibration(np.zeros((0, 5)), np.zeros(0), fit))
     cost.refit([], 0)
     assert cost.matmuls is curve and cost.source == "calibrated"     # the engine's own fits take the curve
 
@@ -195,7 +195,7 @@ def test_a_collapsed_fit_never_decides_and_the_calibration_stands():
     assert DraftCost(fitted=collapsed).choose(0.9, 8, row, chunk, 16) is None
 
     prior, calls = StepCosts(c0=0.01, t_row=0.001, t_byte=1e-10, t_pair=1e-8), []
-    calibration = Calibration(np.zeros((0, 4)), np.zeros(0), prior)   # its costs only
+    calibration = Calibration(np.zeros((0, 5)), np.zeros(0), prior)   # its costs only
     cost = DraftCost(every=1, calibrate=lambda: calls.append(1) or calibration)
     assert cost.source == "none"
     cost.refit(instant, len(instant))
@@ -208,14 +208,45 @@ def test_a_collapsed_fit_never_decides_and_the_calibration_stands():
 
 
 def test_calibration_times_the_model_itself(llm):
-    """``drafting.calibrate``: timed forwards of the real model give usable costs before any step, and
-    a verification chunk of 4 x 9 rows over 1536 positions is priced above one decode row over 256."""
-    from vericache.drafting.calibrate import calibrate
+    """``drafting.calibrate``: timed forwards of the real model give usable costs before any step (the
+    weights' curve from whole forwards, attention beyond it), and a verification chunk of 4 x 9 rows
+    over 1536 positions is priced above one decode row over 256."""
+    from vericache.drafting.calibrate import CURVE_ROWS, SHAPES, calibrate
 
     calibration = calibrate(llm.loaded)
     costs = calibration.costs
-    assert costs is not None and costs.usable() and len(calibration.x) == len(calibration.seconds) == 6
-    assert costs.seconds(36, 4 * 1545 * 1e4, 36 * 1536) > costs.seconds(1, 257 * 1e4, 256) > 0
+    assert costs is not None and costs.usable()
+    assert len(calibration.x) == len(calibration.seconds) == len(CURVE_ROWS) + len(SHAPES)
+    assert costs.seconds(36, 4 * 1545 * 1e4, 36 * 1536, 4) > costs.seconds(1, 257 * 1e4, 256, 1) > 0
+
+
+def test_the_calibration_fit_recovers_attention_beyond_the_weights_curve():
+    """``fit_calibration`` on forwards made of known terms: a weights curve along no line, a sequence's
+    own work, K/V bytes and query-key pairs. The long forwards less the curve's recover t_seq, t_byte and
+    t_pair, and the fitted costs price a 17-row chunk at 32K and a decode row at 8K as the terms do.
+    Fitting the long forwards against matmuls timed apart, which cost more than the forwards, prices
+    attention at nothing (the mistake this fit replaced)."""
+    from vericache.drafting.calibrate import CURVE_ROWS, SHAPES, fit_calibration
+
+    weights = lambda rows: 0.030 + 0.012 * (rows - 1) ** 0.8      # noqa: E731
+    t_seq, t_byte, t_pair, per_pos = 0.004, 3e-12, 1.2e-6, 4e4
+    cost = lambda ctx, rows: (per_pos * (ctx + rows), rows * ctx + rows * (rows + 1) // 2)   # noqa: E731
+
+    def forward(n, rows, ctx):
+        kv_bytes, pairs = (n * c for c in cost(ctx, rows))
+        return [n, n * rows, kv_bytes, pairs, ctx], weights(n * rows) + n * t_seq + kv_bytes * t_byte + pairs * t_pair
+
+    samples = [forward(1, r, 256) for r in CURVE_ROWS] + [forward(n, r, 4096) for n, r in SHAPES]
+    x, y = np.array([s[0] for s in samples], dtype=float), np.array([s[1] for s in samples])
+    fit = fit_calibration(x, y, lambda rows: cost(256, rows))
+    assert fit.t_seq == pytest.approx(t_seq, rel=0.05) and fit.t_pair == pytest.approx(t_pair, rel=0.05)
+    for n, rows, ctx in ((1, 17, 32000), (1, 1, 8000), (4, 1, 8000)):
+        (_, _, kv_bytes, pairs, _), truth = forward(n, rows, ctx)
+        assert fit.seconds(n * rows, kv_bytes, pairs, n) == pytest.approx(truth, rel=0.05)
+    apart = lambda rows: 1.5 * weights(rows)                       # noqa: E731
+    long = x[len(CURVE_ROWS):]
+    wrong = StepCosts.from_samples(long[:, :4] * [0, 1, 1, 1] + [1, 0, 0, 0], y[len(CURVE_ROWS):], apart)
+    assert wrong.t_pair < 0.5 * t_pair
 
 
 def test_the_first_round_is_priced_before_any_step_and_explores_short(llm):
@@ -228,7 +259,7 @@ def test_the_first_round_is_priced_before_any_step_and_explores_short(llm):
         engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
         planner = engine.loop.scheduler.planner
         # every forward costs the same: no round pays
-        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), StepCosts(c0=1.0))
+        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 5)), np.zeros(0), StepCosts(c0=1.0))
         for i in range(n):
             engine.add_request(llm.tokenizer.encode(f"def f{i}(x):\n    return x\n" * 8),
                                SamplingParams(max_tokens=24, ignore_eos=True))
@@ -266,7 +297,7 @@ def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
     def second_rounds(n: int, costs: StepCosts) -> list[int]:
         engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
         planner = engine.loop.scheduler.planner
-        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 4)), np.zeros(0), costs)
+        planner.cost.calibrate = lambda: Calibration(np.zeros((0, 5)), np.zeros(0), costs)
         planner.cost.every = 10 ** 9   # no online fit in this test: the calibration's costs throughout
         for i in range(n):
             engine.add_request(llm.tokenizer.encode(f"def f{i}(x):\n    return x\n" * 8),
@@ -286,34 +317,12 @@ def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
 
 def test_nothing_is_timed_under_tritons_interpreter(llm, monkeypatch):
     """The Triton kernels on a CPU run in Triton's interpreter (gpu-check's dry run): a calibration there
-    would take minutes and describe no machine, so none is made (nor the weights' curve timed) and the
-    policy decides as before a fit."""
+    would take minutes and describe no machine, so none is made and the policy decides as before a fit."""
     from dataclasses import replace
 
     from vericache.drafting import calibrate as cal
 
     interpreted = replace(llm.loaded, kernels="triton", calibration=[])
+    monkeypatch.setattr(cal, "best_seconds", lambda *a: pytest.fail("a forward was timed"))
     assert cal.calibrate(interpreted).costs is None and len(cal.calibrate(interpreted).x) == 0
-    monkeypatch.setattr(cal, "measured_choice", lambda model: pytest.fail("the weights were timed"))
     assert cal.model_calibration(interpreted).costs is None
-
-
-def test_the_library_times_step_costs_at_the_first_draft_length_asked():
-    """A server's engine times its model when built (no request pays it); the offline ``LLM`` leaves it
-    to the first choice of a draft length, after the first token (from prefill), so a one-prompt script's
-    first token never waits for it."""
-    import vericache
-    from vericache import SamplingParams
-    from vericache.engine.engine import Engine
-
-    llm = vericache.LLM("tiny", mode="vericache")
-    assert llm.loaded.calibration == []
-    llm.generate("def f(x):\n", SamplingParams(max_tokens=1))
-    assert llm.loaded.calibration == []              # the first token alone: never asked
-    llm.generate("def f(x):\n", SamplingParams(max_tokens=8))
-    assert len(llm.loaded.calibration) == 1          # the first round's draft length asked
-    llm.generate(["def f(x):\n", "class A:\n"], SamplingParams(max_tokens=8))
-    assert len(llm.loaded.calibration) == 1          # once per model
-    server_side = vericache.LLM("tiny", mode="vericache").loaded
-    Engine(server_side, mode="vericache")
-    assert len(server_side.calibration) == 1

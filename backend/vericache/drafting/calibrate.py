@@ -4,87 +4,136 @@ The draft length is chosen from fitted step costs (``drafting.cost``), and the e
 dozen forwards with and without verification rows. Without a prior, a batch's first rounds ran at the
 policy's length whatever they cost: at 8 requests x 4K on a CPU those rounds alone made VeriCache slower
 than full decoding. So the engine times its model when it is built: the same model, kernels and KV
-dtype, forwards of 1 and 4 sequences of one row and of 2 sequences of 9 rows (a verification chunk),
-over full caches of a short and a long context (random K/V: a forward's time does not depend on the
-values). The two contexts separate a row's weights (``t_row``) from its attention (``t_byte``,
-``t_pair``); 1 and 4 sequences the step's fixed work (``c0``). The long context is 4096 positions (or
-the model's limit): at a short one a verified row's attention is too small to time, and a calibration
-that prices it at nothing sends a batch into rounds that cost more than they give. About 2 s for
-SmolLM2 on 2 Zen 2 cores, 0.5 s for ``tiny``. Random K/V is not real attention (real scores have a
-few strong keys), so the planner lets these costs veto rounds but not size them (``DraftPlanner``).
+dtype, over full caches of random K/V (a forward's time does not depend on the values), in two parts:
+
+1. the weights' curve: forwards of one sequence of 1, 2, 4 ... 64 rows over a short context (256
+   positions, where attention is a few percent of a forward): a forward's weights and fixed work by
+   row count, which on a CPU grow along no line (integer matmuls: 47 ms at 1 row, 130 at 16 on the
+   0.5B code model, AVX2);
+2. attention: forwards of 1 and 4 sequences of one row and of 2 sequences of 9 rows (a verification
+   chunk) over a long context (4096 positions, or the model's limit), each against the curve's forward
+   of as many rows: what remains is each extra sequence's own work (``t_seq``), each K/V byte read
+   (``t_byte``) and each query-key pair (``t_pair``: the compute that makes a verified row cost as much
+   as a draft step at 32K on a 2-core CPU).
+
+The weights are timed inside whole forwards, not as matmuls alone: the separately timed matmuls of the
+0.5B code model (70 ms at 1 row, AVX2) cost more than its whole forward (47 ms), and a fit against them
+priced attention at nearly nothing, so rounds ran at 32K where each verified row costs a draft step.
+About 5 s for the 0.5B code model on 2 Zen 3 cores, 0.5 s for ``tiny``. Random K/V is not real attention
+(real scores have a few strong keys), so the planner lets these costs veto rounds but not size them
+(``DraftPlanner``).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vericache.drafting.cost import StepCosts
+from vericache.drafting.cost import StepCosts, nonnegative_lstsq
 from vericache.kv.full import FullKVCache
-from vericache.model.draft_weights import measured_choice
 from vericache.timing import best_seconds
 
-CONTEXTS = (256, 4096)   # positions in each scratch cache (the long one within the model's limit)
-SHAPES = ((1, 1), (4, 1), (2, 9))   # (sequences, rows each): decode steps, verification chunks
+SHORT = 256                              # positions where a forward is its weights
+LONG = 4096                              # positions where attention shows (within the model's limit)
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)    # one sequence's rows at SHORT: the weights' curve
+SHAPES = ((1, 1), (4, 1), (2, 9))        # (sequences, rows each) at LONG: decode steps, verification chunks
+
+
+@dataclass(frozen=True)
+class WeightsCurve:
+    """A forward's seconds beyond its attention and its sequences' own work, by row count: measured at
+    ``rows``, linear between them, proportional to rows beyond the last."""
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, n_rows: int) -> float:
+        xs, ys = self.rows, self.seconds
+        if n_rows <= xs[0]:
+            return ys[0]
+        for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:]):
+            if n_rows <= x1:
+                return y0 + (y1 - y0) * (n_rows - x0) / (x1 - x0)
+        return ys[-1] * n_rows / xs[-1]
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Timed forwards of one model: x [N, 4] (1, rows, K/V bytes, pairs) and their seconds [N]; ``costs``
-    fitted to them, None where they give no usable fit (``StepCosts.usable``)."""
+    """Timed forwards of one model: x [N, 5] (sequences, rows, K/V bytes, pairs, context) and their
+    seconds [N]; ``costs`` fitted to them (the weights priced by their curve), None where they give no
+    usable fit (``StepCosts.usable``)."""
     x: np.ndarray
     seconds: np.ndarray
     costs: StepCosts | None
 
 
 @torch.inference_mode()
-def calibrate(loaded, contexts: tuple[int, ...] = CONTEXTS, repeats: int = 2,
-              matmuls: Callable[[int], float] | None = None) -> Calibration:
-    """Time ``loaded`` (a ``LoadedModel``) at ``SHAPES`` over scratch caches of each context; with
-    ``matmuls`` (the weights' measured seconds at a row count) the costs price the weights by that curve
-    (``StepCosts.from_samples``). Nothing is timed for the Triton kernels on a CPU: Triton's interpreter
-    (gpu-check's dry run) runs them in numpy, minutes a forward at 4096 positions, and its times describe
-    no machine."""
-    model, cfg, dev = loaded.model, loaded.config, loaded.device
+def calibrate(loaded, repeats: int = 2, short: int = SHORT, long: int = LONG) -> Calibration:
+    """Time ``loaded`` (a ``LoadedModel``) at ``CURVE_ROWS`` over a scratch cache of ``short`` positions
+    and at ``SHAPES`` over ``long`` ones, and fit the costs (``fit_calibration``). Nothing is timed for
+    the Triton kernels on a CPU: Triton's interpreter (gpu-check's dry run) runs them in numpy, minutes a
+    forward at 4096 positions, and its times describe no machine."""
     if interpreted(loaded):
-        return Calibration(np.zeros((0, 4)), np.zeros(0), None)
+        return Calibration(np.zeros((0, 5)), np.zeros(0), None)
+    model, cfg, dev = loaded.model, loaded.config, loaded.device
+    most_rows = max(max(CURVE_ROWS), max(r for _, r in SHAPES))
+    short = min(short, cfg.context_limit - most_rows)
+    long = max(min(long, cfg.context_limit - most_rows), short)
+    caches = [FullKVCache(cfg, dev, loaded.kv_dtype, capacity=long + most_rows)
+              for _ in range(max(n for n, _ in SHAPES))]
     features, seconds = [], []
-    longest_rows = max(r for _, r in SHAPES)
-    for context in sorted({min(c, cfg.context_limit - longest_rows) for c in contexts}):
-        caches = []
-        for _ in range(max(n for n, _ in SHAPES)):
-            cache = FullKVCache(cfg, dev, loaded.kv_dtype, capacity=context + longest_rows)
+
+    def timed(context: int, n: int, rows: int) -> None:
+        for cache in caches[:n]:
             cache.begin(0, context)   # every run writes positions context.. (``begin`` there drops the last run's)
-            cache.fill_random()
-            caches.append(cache)
-        for n, rows in SHAPES:
-            toks = torch.zeros(n * rows, dtype=torch.long, device=dev)
-            last = torch.arange(rows - 1, n * rows, rows, device=dev)   # one logits row per sequence
-            # .item(): the logits reach the host, so a CUDA forward is timed to its end
-            run = lambda: model(toks, [context] * n, [rows] * n, caches[:n], logits_index=last)[0, 0].item()  # noqa: E731
-            kv_bytes, pairs = (n * x for x in caches[0].attention_cost(context, rows))
-            features.append([1.0, n * rows, kv_bytes, pairs])
-            seconds.append(best_seconds(run, repeats))
-    x, y = np.array(features), np.array(seconds)
-    costs = StepCosts.from_samples(x, y, matmuls)
+        toks = torch.zeros(n * rows, dtype=torch.long, device=dev)
+        last = torch.arange(rows - 1, n * rows, rows, device=dev)   # one logits row per sequence
+        # .item(): the logits reach the host, so a CUDA forward is timed to its end
+        run = lambda: model(toks, [context] * n, [rows] * n, caches[:n], logits_index=last)[0, 0].item()  # noqa: E731
+        kv_bytes, pairs = (n * x for x in caches[0].attention_cost(context, rows))
+        features.append([n, n * rows, kv_bytes, pairs, context])
+        seconds.append(best_seconds(run, repeats))
+
+    for cache in caches:
+        cache.begin(0, long)
+        cache.fill_random()
+    for rows in CURVE_ROWS:
+        timed(short, 1, rows)
+    for n, rows in SHAPES:
+        timed(long, n, rows)
+    x, y = np.array(features, dtype=np.float64), np.array(seconds)
+    costs = fit_calibration(x, y, lambda rows: caches[0].attention_cost(short, rows))
     return Calibration(x, y, costs if costs.usable() else None)
+
+
+def fit_calibration(x: np.ndarray, seconds: np.ndarray, short_cost) -> StepCosts:
+    """The costs from a calibration's forwards (x as in ``Calibration``; the first ``len(CURVE_ROWS)``
+    are the curve's, one sequence each at the short context). Each long forward of n sequences and R
+    rows, less the curve's forward of R rows, leaves (n - 1) t_seq + (its K/V bytes and pairs less the
+    curve forward's) priced at t_byte and t_pair: fitted by least squares, none negative. The curve then
+    sheds the short forward's own sequence and attention (``short_cost(rows)``: its (K/V bytes, pairs)),
+    so ``StepCosts.seconds`` adds them back once at any context."""
+    k = len(CURVE_ROWS)
+    curve_rows, curve_s = x[:k, 1].astype(int), seconds[:k]
+    measured = WeightsCurve(tuple(int(r) for r in curve_rows), tuple(float(s) for s in curve_s))
+    rest, terms = [], []
+    for (n, rows, kv_bytes, pairs, _), s in zip(x[k:], seconds[k:]):
+        short_bytes, short_pairs = short_cost(int(rows))
+        rest.append(s - measured(int(rows)))
+        terms.append([n - 1, kv_bytes - short_bytes, pairs - short_pairs])
+    t_seq, t_byte, t_pair = nonnegative_lstsq(np.array(terms), np.array(rest))
+    weights = WeightsCurve(measured.rows, tuple(
+        max(s - t_seq - np.dot(short_cost(r), (t_byte, t_pair)), 0.0) for r, s in zip(measured.rows, measured.seconds)))
+    return StepCosts(0.0, 0.0, t_seq, t_byte, t_pair, matmuls=weights)
 
 
 def model_calibration(loaded) -> Calibration:
     """``loaded``'s calibration, timed at the first ask and kept on it (``LoadedModel.calibration``), so
     every engine over one model shares it: a serving engine asks when it is built (``Engine``), the
-    offline ``LLM`` at its first choice of a draft length. On the CPU's linear op the weights are priced
-    by their own measured matmuls (``draft_weights.measured_choice``: its exact weights' row)."""
+    offline ``LLM`` at its first choice of a draft length."""
     if not loaded.calibration:
-        matmuls = None
-        if loaded.model.head_exact is not None and not interpreted(loaded):
-            choice = measured_choice(loaded.model)
-            matmuls = functools.partial(choice.seconds_at, "fp32")
-        loaded.calibration.append(calibrate(loaded, matmuls=matmuls))
+        loaded.calibration.append(calibrate(loaded))
     return loaded.calibration[0]
 
 
