@@ -33,6 +33,19 @@ def system_command(name: str) -> str:
                 f"(`make test` does it, via scripts/system-deps)")
 
 
+def bare_loop(loaded, *, link=None, device_budget: int | None = None, tiered: bool = True, **settings):
+    """A ``StepLoop`` over ``loaded`` as unit tests build one: ``EXACT_FULL`` with ``settings`` (``EngineConfig``
+    fields), ``device_budget`` in bytes (None: no limit), the full KV in a host tier behind ``link`` unless
+    ``tiered=False``."""
+    from vericache.engine.config import EXACT_FULL
+    from vericache.engine.runner import ModelRunner
+    from vericache.engine.step_loop import StepLoop
+
+    budget_gb = None if device_budget is None else device_budget / (1 << 30)
+    config = EXACT_FULL.replace(tiered=tiered, device_budget_gb=budget_gb, **settings)
+    return StepLoop(ModelRunner(loaded, config), config, link=link)
+
+
 @pytest.fixture(scope="session")
 def llm() -> vericache.LLM:
     return vericache.LLM("tiny", device="cpu", dtype="float32", mode="full")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache import LLM, SamplingParams
+from vericache.engine.config import EXACT_FULL
 from vericache.engine.runner import ModelRunner
 from vericache.model.draft_weights import Int4Linear, Int8Linear, mixed_linear
 
@@ -60,7 +61,7 @@ def test_mixed_linear_sends_only_the_first_rows_to_the_draft_weights():
 
 
 def test_draft_rows_read_int8_and_the_rest_the_exact_weights(llm):
-    runner = ModelRunner(llm.loaded, draft_weights="int8")
+    runner = ModelRunner(llm.loaded, EXACT_FULL.replace(draft_weights="int8"))
     assert runner.draft_kind(6) == "int8" and runner.draft_kind(0) == "fp32"   # built on the first draft rows
     model = runner.model
     model.quantize_drafts("int8")
@@ -76,7 +77,7 @@ def test_draft_rows_read_int8_and_the_rest_the_exact_weights(llm):
 
 def test_engines_on_one_model_draft_on_their_own_copies(llm):
     """An int4 engine and an int8 engine share the model; each step's draft rows read its engine's copies."""
-    e8, e4 = ModelRunner(llm.loaded, draft_weights="int8"), ModelRunner(llm.loaded, draft_weights="int4")
+    e8, e4 = (ModelRunner(llm.loaded, EXACT_FULL.replace(draft_weights=kind)) for kind in ("int8", "int4"))
     model = e8.model
     tokens = torch.tensor(llm.tokenizer.encode("def add(a, b):\n    return a + b\n")[:6])
     outs = {}
@@ -107,7 +108,7 @@ def test_q8_drafts_read_the_stored_blocks_without_a_copy(smollm, smollm_fp32, nu
     assert loaded.numerics == numerics
     model = loaded.model
     before = resident_weight_bytes(model)
-    runner = ModelRunner(loaded, draft_weights="q8")
+    runner = ModelRunner(loaded, EXACT_FULL.replace(draft_weights="q8"))
     assert runner.draft_kind(3) == "q8"
     model.quantize_drafts("q8")
     try:
@@ -134,7 +135,7 @@ def test_auto_draft_weights_measure_and_pick_per_step(llm):
     the kind measured fastest for it (copies other engines built are not candidates)."""
     from vericache.model.draft_weights import DraftChoice
 
-    runner = ModelRunner(llm.loaded, mode="vericache", draft_weights="auto")
+    runner = ModelRunner(llm.loaded, EXACT_FULL.replace(mode="vericache", draft_weights="auto"))
     runner.build_drafts()   # what a serving Engine does at start
     choice = runner.model.draft_choice
     assert set(choice.seconds) >= {"q8", "fp32"} and all(len(v) == len(choice.rows) for v in choice.seconds.values())
@@ -145,7 +146,7 @@ def test_auto_draft_weights_measure_and_pick_per_step(llm):
     fake = DraftChoice((1, 16), {"int8": [2.0, 3.0], "int4": [1.0, 5.0]})
     assert fake.kind_for(1) == "int4" and fake.kind_for(4) == "int4"          # 1.8 < 2.2 between the two
     assert fake.kind_for(12) == "int8" and fake.kind_for(100) == "int8"
-    assert ModelRunner(llm.loaded, draft_weights="fp32").draft_kind(4) == "fp32"
+    assert ModelRunner(llm.loaded, EXACT_FULL.replace(draft_weights="fp32")).draft_kind(4) == "fp32"
 
 
 def test_auto_in_the_q8_numerics_times_the_exact_weights_once():
@@ -154,7 +155,7 @@ def test_auto_in_the_q8_numerics_times_the_exact_weights_once():
     from vericache.model.loader import load_model
 
     loaded = load_model("smollm2-135m")   # its own: other tests build sets on the session's model
-    runner = ModelRunner(loaded, mode="vericache", draft_weights="auto")
+    runner = ModelRunner(loaded, EXACT_FULL.replace(mode="vericache", draft_weights="auto"))
     assert loaded.numerics == "q8" and runner.auto_draft_kinds() == ()
     runner.build_drafts()
     assert loaded.model.draft_sets == {} and set(loaded.model.draft_choice.seconds) == {"fp32"}

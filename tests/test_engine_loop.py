@@ -8,11 +8,10 @@ import random
 import pytest
 import torch
 
+from conftest import bare_loop
 from vericache import SamplingParams
 from vericache.engine.options import RequestOptions
 from vericache.engine.requests import DONE, State
-from vericache.engine.runner import ModelRunner
-from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
 
@@ -51,9 +50,8 @@ def _kv_bytes(llm, n: int) -> int:
 def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
     rng = random.Random(seed)
     link = EmulatedLink(gbps=8) if offload else None
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full", compressor="snapkv:ratio=0.25"),
-                          device_budget=_kv_bytes(llm, 900), scheduler=scheduler, link=link,
-                          prefill_chunk=128, offload=offload)
+    loop = bare_loop(llm.loaded, mode="full", compressor="snapkv:ratio=0.25", device_budget=_kv_bytes(llm, 900),
+                     scheduler=scheduler, link=link, prefill_chunk=128, tiered=offload)
     added: dict[int, tuple[list[int], int]] = {}
     aborted: set[int] = set()
     for _ in range(400):
@@ -97,7 +95,7 @@ def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
 def test_a_failing_request_fails_alone(llm, pool, reference):
     """An exception inside one request's attention fails that request only: it ends with
     finish_reason "error" and its KV is freed; a later request is served."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25"), offload=False)
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", tiered=False)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     bad = loop.add_request(pool[1], params)
     loop.step()  # prefill
@@ -124,7 +122,7 @@ def test_a_bad_part_in_the_attention_op_fails_only_its_request(llm, pool, refere
     refuses (float64). The op raises for the whole step; each row then runs alone: that request fails
     with the op's error naming what it got, the other two finish with the full-KV output (a row's bits
     do not depend on its batch), and every block comes back."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), offload=False)
+    loop = bare_loop(llm.loaded, mode="full", tiered=False)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     rids = [loop.add_request(p, params) for p in pool[:3]]
     loop.step()   # the three prefills
@@ -144,7 +142,7 @@ def test_a_bad_part_in_the_attention_op_fails_only_its_request(llm, pool, refere
 
 
 def test_an_error_in_postprocessing_fails_only_its_request(llm, pool, reference, monkeypatch):
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), offload=False)
+    loop = bare_loop(llm.loaded, mode="full", tiered=False)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     a, b = loop.add_request(pool[0], params), loop.add_request(pool[4], params)
     loop.step()
@@ -162,7 +160,7 @@ def test_an_error_in_postprocessing_fails_only_its_request(llm, pool, reference,
 
 def test_one_forward_per_step_packs_every_kind(llm, pool, monkeypatch):
     """A step with a prefill, decode rows, draft rows and a verification runs the model once."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), offload=False, prefill_chunk=64)
+    loop = bare_loop(llm.loaded, mode="full", tiered=False, prefill_chunk=64)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     loop.add_request(pool[0], params)
     loop.add_request(pool[4], params, RequestOptions(mode="vericache", draft_len=3))
@@ -183,8 +181,8 @@ def test_a_verification_buffer_that_can_never_fit_fails_its_request_instead_of_w
     its own KV: nothing else holds the device, so nothing will ever make room. It fails with the sizes
     (before, it waited forever: a step with nothing to run, again and again), and frees every block."""
     link = EmulatedLink(gbps=8)
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len=4),
-                    device_budget=_kv_bytes(llm, 900), link=link, prefill_chunk=256)
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len=4,
+                     device_budget=_kv_bytes(llm, 900), link=link, prefill_chunk=256)
     too_big = loop.device.capacity_bytes + 1
     monkeypatch.setattr(loop.memory, "verify_buffer_bytes", lambda req: too_big)
     rid = loop.add_request(pool[0], SamplingParams(max_tokens=8, ignore_eos=True))

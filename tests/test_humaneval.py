@@ -75,6 +75,17 @@ def test_the_grid_shares_a_prefill_checkpoints_and_resumes(tmp_path, monkeypatch
     assert (tmp_path / "he.png").stat().st_size > 10_000
 
 
+def test_with_no_context_full_decoding_alone_is_the_baseline(tmp_path):
+    """Context 0 and no compressors: the problem alone, full decoding only (the pass@1 a long context is
+    held against), drawn dashed beside a context's panel."""
+    args = dict(model="tiny", configs=[], limit=1, max_tokens=8, log=lambda m: None)
+    baseline = he.run_humaneval(contexts=(0,), **args)
+    assert [(r["context"], r["config"], r["problems"]) for r in baseline] == [(0, "full", 1)]
+    rows = baseline + he.run_humaneval(contexts=(200,), **{**args, "configs": ["streaming:ratio=0.25"]})
+    he.plot_humaneval(rows, str(tmp_path / "he.png"))
+    assert (tmp_path / "he.png").stat().st_size > 10_000
+
+
 def test_bad_arguments_are_clear_errors(capsys):
     from vericache.cli import main
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import bare_loop
 from vericache import SamplingParams
 from vericache.engine.options import RequestOptions
 from vericache.engine.placement import Home, Placement, place
 from vericache.engine.requests import State
-from vericache.engine.runner import ModelRunner
-from vericache.engine.step_loop import StepLoop
 
 
 @pytest.mark.parametrize("mode, offload, remote, session, home", [
@@ -55,7 +54,7 @@ def test_a_placement_that_cannot_be_is_refused(bad):
 def test_the_engine_allocates_and_moves_a_request_as_placed(llm, mode, offload):
     """After its prefill a request holds the caches its placement names, on its tiers, charged to them,
     and is in the state its placement leads to; released, every block goes back."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode=mode, compressor="snapkv:ratio=0.25", draft_len=4), offload=offload)
+    loop = bare_loop(llm.loaded, mode=mode, compressor="snapkv:ratio=0.25", draft_len=4, tiered=offload)
     ids = llm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 8)
     rid = loop.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True), RequestOptions(mode=mode))
     req = loop.requests.get(rid)

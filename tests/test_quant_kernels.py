@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import bare_loop
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
 from vericache.compress.registry import METHODS, parse_compressor
 from vericache.engine.options import RequestOptions
 from vericache.engine.requests import State
-from vericache.engine.runner import ModelRunner
-from vericache.engine.step_loop import StepLoop
 from vericache.kv.attention import attend_all
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout, attend_quantized
@@ -85,7 +84,7 @@ def prompt_4k():
 def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
     """After a 4K prefill, the bytes of every storage a request's caches hold (each counted once)
     equal what admission planned and what the device pool is charged, within 5%."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode=mode, compressor=spec), offload=False, prefill_chunk=4096)
+    loop = bare_loop(llm.loaded, mode=mode, compressor=spec, tiered=False, prefill_chunk=4096)
     rid = loop.add_request(prompt_4k, SamplingParams(max_tokens=8, ignore_eos=True), RequestOptions(mode=mode))
     req = loop.requests[rid]
     while req.state in (State.WAITING, State.PREFILL):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import bare_loop
 from vericache import SamplingParams
 from vericache.engine.engine import Engine
 from vericache.engine.memory import BlockPool, OutOfBlocks
 from vericache.engine.requests import ALLOWED, State
-from vericache.engine.runner import ModelRunner
-from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import EmulatedLink
 
@@ -38,8 +37,8 @@ def _full_kv_bytes(llm, n_tokens: int) -> int:
 
 
 def _serve(llm, mode, prompts, budget, scheduler="staggered", spec="snapkv:ratio=0.125", link=None, steps=None):
-    loop = StepLoop(ModelRunner(llm.loaded, mode=mode, compressor=spec), device_budget=budget,
-                          scheduler=scheduler, link=link, prefill_chunk=256)
+    loop = bare_loop(llm.loaded, mode=mode, compressor=spec, device_budget=budget, scheduler=scheduler, link=link,
+                     prefill_chunk=256)
     ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts]
     seen_states, n = set(), 0
     while loop.has_unfinished():
@@ -73,8 +72,8 @@ def test_tight_budget_batching(llm, serving_prompts, serving_reference, mode, sc
 
 
 def test_abort_frees_at_once_and_outputs_stream(llm, serving_prompts):
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="h2o:ratio=0.2"),
-                          device_budget=1 << 30, link=EmulatedLink(gbps=8))
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="h2o:ratio=0.2", device_budget=1 << 30,
+                     link=EmulatedLink(gbps=8))
     a = loop.add_request(serving_prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
     b = loop.add_request(serving_prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
     streamed = {a: [], b: []}
@@ -98,8 +97,8 @@ def test_abort_frees_at_once_and_outputs_stream(llm, serving_prompts):
 
 def test_preemption_returns_blocks_and_keeps_identity(llm, serving_prompts, serving_reference):
     """A budget that the compressed caches outgrow forces preemption and recomputation."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode="lossy", compressor="streaming:ratio=1.0"),
-                          device_budget=_full_kv_bytes(llm, 1200), prefill_chunk=256)
+    loop = bare_loop(llm.loaded, mode="lossy", compressor="streaming:ratio=1.0",
+                     device_budget=_full_kv_bytes(llm, 1200), prefill_chunk=256)
     loop.memory.needed = loop.memory.transient = lambda req: 1  # admit everything: growth must be handled by preemption
     ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
     states = set()
@@ -115,14 +114,14 @@ def test_preemption_returns_blocks_and_keeps_identity(llm, serving_prompts, serv
 
 
 def test_request_larger_than_budget_is_refused(llm, serving_prompts):
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), device_budget=_full_kv_bytes(llm, 100))
+    loop = bare_loop(llm.loaded, mode="full", device_budget=_full_kv_bytes(llm, 100))
     with pytest.raises(ValueError, match="whole device budget"):
         loop.add_request(serving_prompts[0], SamplingParams(max_tokens=5))
     assert not loop.requests
 
 
 def test_illegal_transitions_are_refused(llm):
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), device_budget=1 << 30)
+    loop = bare_loop(llm.loaded, mode="full", device_budget=1 << 30)
     rid = loop.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="waiting -> drafting"):
         loop.requests.set_state(loop.requests[rid], State.DRAFTING)
@@ -133,7 +132,7 @@ def test_illegal_transitions_are_refused(llm):
 def test_the_callers_sequence_keeps_its_id_and_the_table_owns_the_lifecycle(llm):
     """A caller's Sequence is the caller's: the loop gives the request its own id and writes only the
     output into it; every state the request passes through comes from the table's transitions."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"), offload=False)
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", tiered=False)
     loop.add_request([9, 9, 9], SamplingParams(max_tokens=2))          # takes id 0
     seq = loop.runner.new_sequence(41, [5, 6, 7, 8] * 8, SamplingParams(max_tokens=6, ignore_eos=True))
     rid, seen = loop.add_sequence(seq), []
@@ -184,8 +183,7 @@ def test_emulated_link_moves_real_bytes_layer_by_layer(llm):
 
 def test_staggered_drafts_stretch_to_cover_the_link_backlog(llm, serving_prompts):
     link = EmulatedLink(gbps=1)
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
-                          device_budget=1 << 30, link=link)
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", device_budget=1 << 30, link=link)
     assert loop.offload.draft_to_cover_link() == 0  # nothing measured yet
     link.stats.add(1_000_000, 0.0, 0.01)     # measured: 100 MB/s
     loop.instruments.intervals += [(0.0, 0.002, "draft")] * 4  # measured: 2 ms per draft step
@@ -211,8 +209,8 @@ def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_refe
     that forces some to wait: full and vericache requests equal full-KV decoding; blocks all return."""
     from vericache.engine.options import RequestOptions
 
-    loop = StepLoop(ModelRunner(llm.loaded, mode="full"), prefill_chunk=256,
-                          device_budget=sum(_full_kv_bytes(llm, len(p) + MAX_TOKENS + 1) for p in serving_prompts) // 2)
+    loop = bare_loop(llm.loaded, mode="full", prefill_chunk=256,
+                     device_budget=sum(_full_kv_bytes(llm, len(p) + MAX_TOKENS + 1) for p in serving_prompts) // 2)
     assert loop.link is None  # a full-mode server makes its link only when a vericache request comes
     options = [RequestOptions(mode="vericache", compressor="kivi:bits=2", draft_len=4),
                None,
@@ -247,7 +245,7 @@ def test_per_request_options_run_side_by_side(llm, serving_prompts, serving_refe
 def test_bad_request_options_are_refused_and_change_nothing(llm, options, field, needle):
     from vericache.engine.options import InvalidOption, RequestOptions
 
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache"), device_budget=1 << 30)
+    loop = bare_loop(llm.loaded, mode="vericache", device_budget=1 << 30)
     with pytest.raises(InvalidOption, match=needle) as err:
         loop.add_request([1, 2, 3], SamplingParams(max_tokens=2), RequestOptions(**options))
     assert err.value.field == field
@@ -269,8 +267,8 @@ def test_group_count_follows_measured_rates():
 def test_grouped_schedule_takes_turns_on_the_link(llm, serving_prompts, serving_reference):
     """Under the grouped schedule at most one group has transfers in flight at any step, several
     groups are planned, and outputs stay identical to full-KV decoding."""
-    loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125"),
-                          device_budget=1 << 30, link=EmulatedLink(gbps=2), prefill_chunk=256, scheduler="grouped")
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", device_budget=1 << 30,
+                     link=EmulatedLink(gbps=2), prefill_chunk=256, scheduler="grouped")
     ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts]
     groups_seen = set()
     while loop.has_unfinished():
@@ -289,8 +287,8 @@ def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompt
     n_layers = llm.loaded.config.num_hidden_layers
     moved = {}
     for r in (0, resident):
-        loop = StepLoop(ModelRunner(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", draft_len=4),
-                              device_budget=1 << 30, link=EmulatedLink(gbps=8), prefill_chunk=256, resident_layers=r)
+        loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.125", draft_len=4,
+                         device_budget=1 << 30, link=EmulatedLink(gbps=8), prefill_chunk=256, resident_layers=r)
         ids = [loop.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in serving_prompts[:3]]
         while loop.has_unfinished():
             loop.step()
@@ -307,7 +305,7 @@ def test_resident_layers_move_fewer_bytes_and_stay_identical(llm, serving_prompt
 
 def test_resident_layers_are_validated(llm):
     with pytest.raises(ValueError, match=r"resident_layers must be an integer in \[0, 6\], got 7"):
-        StepLoop(ModelRunner(llm.loaded, mode="vericache"), device_budget=1 << 30, resident_layers=7)
+        bare_loop(llm.loaded, mode="vericache", device_budget=1 << 30, resident_layers=7)
     from vericache.kv.link import StreamedKV, Transfer
 
     cache = FullKVCache(llm.loaded.config, "cpu", torch.float32, 4)

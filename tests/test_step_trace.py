@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import bare_loop
 from vericache import SamplingParams
-from vericache.engine.runner import ModelRunner
 from vericache.engine.step_loop import StepLoop
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "DESIGN.md"
@@ -46,7 +46,7 @@ def step_modules(llm) -> dict[str, set[str]]:
     ids = llm.tokenizer.encode("def add(a, b):\n    return a + b\n" * 20)
     found: dict[str, set[str]] = {}
     for label, (mode, kind) in KINDS.items():
-        loop = StepLoop(ModelRunner(llm.loaded, mode=mode, compressor="snapkv:ratio=0.25", draft_len=4), offload=False)
+        loop = bare_loop(llm.loaded, mode=mode, compressor="snapkv:ratio=0.25", draft_len=4, tiered=False)
         loop.add_request(ids, SamplingParams(max_tokens=30, ignore_eos=True))
         loop.step()                                                        # the prefill
         for _ in range(12):
@@ -109,7 +109,7 @@ def test_the_server_verifies_on_the_native_path():
             steps.append((loop.instruments.steps[-1].kinds, modules))
         return outs
 
-    assert engine.config.mode == "vericache" and not engine.tiered
+    assert engine.config.mode == "vericache" and not engine.config.is_tiered(engine.loaded.device.type)
     server = uvicorn.Server(uvicorn.Config(create_app(service, model_name="tiny"), host="127.0.0.1", port=0,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -5,6 +5,7 @@ long functions say why, the step loop stays short and DESIGN.md's decode step na
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
@@ -306,13 +307,44 @@ def calls_load_model(text: str) -> bool:
 
 
 def test_a_config_becomes_a_model_in_one_place():
-    """``EngineConfig.load_model`` loads for the engine, the server, the verifier and ``vericache prefix``
-    (before it, one caller dropped ``--kernels`` and ``--numerics``); only ``LLM``, which also takes torch
-    dtypes and devices, calls the loader itself."""
+    """``EngineConfig.load_model`` loads for ``LLM``, the engine, the server, the verifier and ``vericache
+    prefix`` (before it, one caller dropped ``--kernels`` and ``--numerics``); nothing else in the library
+    calls the loader itself."""
     core = [p for p in library_files() if module_name(p).startswith("vericache.")]   # the lab's benches aside
     callers = {module_name(p) for p in core if module_name(p) != "vericache.model.loader" and calls_load_model(p.read_text())}
-    assert callers == {"vericache.engine.config", "vericache.llm"}
+    assert callers == {"vericache.engine.config"}
     assert calls_load_model("m = load_model('x', kernels=k)") and not calls_load_model("m = config.load_model()")
+
+
+def config_taken_apart(cls) -> list[str]:
+    """Parameters of ``cls.__init__`` that carry one ``EngineConfig`` field (a config taken apart by its
+    caller), and a missing whole ``config``."""
+    import inspect
+
+    from vericache.engine.config import EngineConfig
+
+    params = inspect.signature(cls.__init__).parameters
+    found = [name for name in params if name in {f.name for f in dataclasses.fields(EngineConfig)}]
+    if "config" not in params:
+        found.append("no config parameter")
+    return found
+
+
+def test_the_engines_parts_take_the_config_whole():
+    """``ModelRunner``, ``StepLoop`` and ``Scheduler`` take ``EngineConfig`` whole, validated once when it
+    is made (before, ``Engine`` handed them 8 and 11 of its fields and the loop validated two again); the
+    check catches a part that takes a field by name."""
+    from vericache.engine.runner import ModelRunner
+    from vericache.engine.scheduler import Scheduler
+    from vericache.engine.step_loop import StepLoop
+
+    for part in (ModelRunner, StepLoop, Scheduler):
+        assert config_taken_apart(part) == [], part.__name__
+
+    class TakesApart:
+        def __init__(self, runner, prefill_chunk: int = 512, max_running: int = 64) -> None: ...
+
+    assert config_taken_apart(TakesApart) == ["prefill_chunk", "max_running", "no config parameter"]
 
 
 CACHE_METHODS = {"parts", "attend", "layered_parts", "attention_cost"}   # what a forward asks a cache

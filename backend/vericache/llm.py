@@ -9,7 +9,6 @@ import torch
 from vericache.compress.base import Compressor
 from vericache.engine.config import DEFAULTS
 from vericache.engine.engine import Engine
-from vericache.model.loader import load_model
 from vericache.model.tokenizer import Tokenizer
 from vericache.sampling import RequestOutput, SamplingParams
 
@@ -42,11 +41,13 @@ class LLM:
                  draft_weights: str = DEFAULTS.draft_weights, kv_dtype: str | torch.dtype | None = DEFAULTS.kv_dtype,
                  kernels: str | None = DEFAULTS.kernels, numerics: str | None = DEFAULTS.numerics,
                  **settings) -> None:
+        named = lambda x: dtype_name(x) if isinstance(x, torch.dtype) else x   # noqa: E731
         config = DEFAULTS.replace(model=model, mode=mode, compressor=compressor, draft_len=draft_len,
-                                  draft_weights=draft_weights, **settings)   # validated before the load
-        self.loaded = load_model(model, device=device, dtype=dtype, kv_dtype=kv_dtype, kernels=kernels,
-                                 numerics=numerics)
-        lm = self.loaded   # torch dtypes and devices are accepted above: the config names what was loaded
+                                  draft_weights=draft_weights, device=None if device is None else str(device),
+                                  dtype=named(dtype), kv_dtype=named(kv_dtype), kernels=kernels, numerics=numerics,
+                                  **settings)   # validated before the load
+        self.loaded = lm = config.load_model()
+        # the config names what was loaded (the device, dtypes, kernels and numerics its defaults chose)
         self.engine = Engine(lm, config.replace(device=str(lm.device), dtype=dtype_name(lm.dtype),
                                                 kv_dtype=dtype_name(lm.kv_dtype), kernels=lm.kernels,
                                                 numerics=lm.numerics), time_costs_now=False)

@@ -131,6 +131,7 @@ def _cmd_humaneval(args: argparse.Namespace) -> int:
     from vericache_lab.eval.humaneval import GRID, QUICK_GRID, plot_humaneval, run_humaneval
 
     configs = args.compressors.split(";") if args.compressors else (QUICK_GRID if args.grid == "quick" else GRID)
+    configs = [] if configs == ["none"] else configs   # full decoding alone (the no-context baseline)
     contexts = tuple(int(c) for c in args.contexts.split(","))
     rows = run_humaneval(args.model or "qwen2.5-coder-0.5b", contexts, configs, limit=args.limit,
                          max_tokens=args.max_tokens, checkpoint=args.checkpoint,
@@ -154,7 +155,8 @@ def _add_eval(sub) -> None:
     h.add_argument("--contexts", default="8000,16000", help="tokens of code before each problem, comma-separated")
     h.add_argument("--limit", type=int, default=None, help="the first N problems (quick runs)")
     h.add_argument("--max-tokens", type=int, default=384)
-    q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid)")
+    q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid); humaneval: "
+                   "'none' runs full decoding alone")
     q.add_argument("--n", type=int, default=20, help="cases per task (code, needle, tool)")
     q.add_argument("--context-min", type=int, default=2048)
     q.add_argument("--context-max", type=int, default=6144)

@@ -158,6 +158,9 @@ def _parse_field(name: str, text: str):
 
 
 DEFAULTS = EngineConfig()
+# the plainest engine: exact full decoding, drafts on the exact weights, no lookup proposals, no device
+# budget, the full KV where the model runs (a bare ``ModelRunner``/``StepLoop``, as unit tests build them)
+EXACT_FULL = EngineConfig(mode="full", draft_weights="fp32", lookup=False, device_budget_gb=None, tiered=False)
 
 
 ARG_GROUPS = ("model", "mode", "loop")

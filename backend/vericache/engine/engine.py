@@ -67,13 +67,8 @@ class Engine:
         if loaded is not None and c.numerics not in (None, loaded.numerics):
             raise ValueError(f"numerics {c.numerics!r} asked of a model loaded in {loaded.numerics!r} numerics")
         self.loaded = loaded if loaded is not None else c.load_model()
-        self.runner = ModelRunner(self.loaded, mode=c.mode, compressor=c.compressor, draft_len=c.draft_len,
-                                  prefill_chunk=c.prefill_chunk, draft_weights=c.draft_weights, lookup=c.lookup,
-                                  acceptance=c.acceptance)
-        self.tiered = c.is_tiered(self.loaded.device.type)
-        self.loop = StepLoop(self.runner, device_budget=c.device_budget, scheduler=c.scheduler, link=link,
-                             prefill_chunk=c.prefill_chunk, max_running=c.max_running,
-                             resident_layers=c.resident_layers, offload=self.tiered, prefix=prefix, verifier=verifier)
+        self.runner = ModelRunner(self.loaded, c)
+        self.loop = StepLoop(self.runner, c, link=link, prefix=prefix, verifier=verifier)
         if time_costs_now and drafts_in_rounds(c.mode):   # timed now, not in a request's path
             self.runner.build_drafts()
             # the first costs of "auto" draft lengths and of lookup proposals' sizes (a fixed draft length

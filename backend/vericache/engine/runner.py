@@ -14,16 +14,14 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from vericache.compress.base import Compressor
 from vericache.compress.registry import parse_compressor
 from vericache.drafting.round import DraftLengthPolicy
-from vericache.engine.config import DEFAULTS
+from vericache.engine.config import EXACT_FULL, EngineConfig
 from vericache.engine.options import (
     MODES,
     Intake,
     RequestOptions,
     ResolvedOptions,
-    check_mode,
     make_intake,
     resolve_options,
 )
@@ -32,7 +30,7 @@ from vericache.engine.scheduler import RowKind, StepPlan, StepResult
 from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
-from vericache.model.draft_weights import check_draft_weights, measured_choice
+from vericache.model.draft_weights import measured_choice
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams, Sequence
 
@@ -41,19 +39,18 @@ AUTO_DRAFT_KINDS = ("q8",)   # what "auto" measures beside the exact weights (no
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, mode: str = "full", compressor: str | Compressor = DEFAULTS.compressor,
-                 draft_len: int | str = DEFAULTS.draft_len, prefill_chunk: int = DEFAULTS.prefill_chunk,
-                 draft_weights: str = "fp32", lookup: bool = False, acceptance: str = "coupled") -> None:
-        """Built by ``Engine`` with ``EngineConfig``'s values; the defaults here are a bare runner's (exact
-        full decoding, as unit tests use it), not the product's. ``draft_weights``: what draft rows read, "fp32" (the exact weights), "q8" (integer dots on
-        the stored weights), "int8" or "int4" copies (``model.draft_weights``), or "auto": on CPU the
-        exact weights and "q8" (no copies), each step's draft rows on the one measured faster for their
-        count here (``DraftChoice``), on other devices fp32. Verification,
-        full and lossy rows always read the exact weights. ``lookup``: requests' default for prompt-lookup
-        proposals (``drafting.lookup``); ``acceptance``: how sampled drafts are accepted
-        (``sampling.ACCEPTANCE_RULES``)."""
-        check_mode(mode)
-        check_draft_weights(draft_weights)
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EXACT_FULL) -> None:
+        """``config``: the engine's (``Engine``), whole; this reads what runs the model and what a request
+        gets when it asks for nothing (mode, compressor, draft length, draft weights, lookup, acceptance,
+        prefill chunk). Its default, ``EXACT_FULL``, is a bare runner's (exact full decoding, as unit tests
+        use it), not the product's. ``draft_weights``: what draft rows read, "fp32" (the exact weights),
+        "q8" (integer dots on the stored weights), "int8" or "int4" copies (``model.draft_weights``), or
+        "auto": on CPU the exact weights and "q8" (no copies), each step's draft rows on the one measured
+        faster for their count here (``DraftChoice``), on other devices fp32. Verification, full and lossy
+        rows always read the exact weights."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        draft_weights = config.draft_weights
         if draft_weights == "auto" and loaded.device.type != "cpu":
             draft_weights = "fp32"
         if draft_weights != "fp32" and loaded.device.type != "cpu":
@@ -62,11 +59,11 @@ class ModelRunner:
         self.model = loaded.model
         self.cfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.prefill_chunk = prefill_chunk
-        self.mode = mode
-        self.compressor = parse_compressor(compressor)
-        self.policy = DraftLengthPolicy.from_arg(draft_len)
-        self.defaults = ResolvedOptions(mode, self.compressor, self.policy, lookup, acceptance)
+        self.prefill_chunk = config.prefill_chunk
+        self.mode = config.mode
+        self.compressor = parse_compressor(config.compressor)
+        self.policy = DraftLengthPolicy.from_arg(config.draft_len)
+        self.defaults = ResolvedOptions(config.mode, self.compressor, self.policy, config.lookup, config.acceptance)
         self.draft_weights = draft_weights
 
     def build_drafts(self) -> None:

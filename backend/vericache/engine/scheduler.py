@@ -36,6 +36,7 @@ from vericache.drafting.round import (
     finish_round,
     verify_for_drafter,
 )
+from vericache.engine.config import EngineConfig
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.remote_rounds import RemoteRounds
@@ -94,12 +95,12 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, loaded: LoadedModel, memory: KVMemory, requests: RequestTable, instruments: Instruments,
-                 schedule: str = "staggered", link=None, prefill_chunk: int = 512, max_running: int = 64,
-                 prefix=None, verifier=None) -> None:
-        """``loaded``: the model (compressors score prompts with it); the rest: the loop's parts."""
+                 config: EngineConfig, link=None, prefix=None, verifier=None) -> None:
+        """``loaded``: the model (compressors score prompts with it); ``config``: the engine's (its link
+        schedule, prefill chunk and running limit); the rest: the loop's parts."""
         self.loaded, self.memory, self.requests, self.instruments = loaded, memory, requests, instruments
-        self.prefill_chunk, self.max_running = prefill_chunk, max_running
-        self.offload = Offload(schedule, loaded, memory, requests, instruments, self.make_room,
+        self.prefill_chunk, self.max_running = config.prefill_chunk, config.max_running
+        self.offload = Offload(config.scheduler, loaded, memory, requests, instruments, self.make_room,
                                lambda r: self.planner.extend_waiting(r), link)
         self.planner = DraftPlanner(self.offload,   # every draft length
                                     lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments,

@@ -27,6 +27,7 @@ import time
 import torch
 
 from vericache.drafting.lookup import LookupIndex
+from vericache.engine.config import EXACT_FULL, EngineConfig
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import Intake, RequestOptions, ResolvedOptions
@@ -54,27 +55,29 @@ log = logging.getLogger("vericache.engine")
 
 
 class StepLoop:
-    def __init__(self, runner: ModelRunner, device_budget: int | None = None, host_budget: int | None = None,
-                 scheduler: str = "staggered", link=None, prefill_chunk: int = 512, max_running: int = 64,
-                 resident_layers: int = 0, offload: bool = True, prefix=None, verifier=None) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EXACT_FULL, *, link=None, prefix=None,
+                 verifier=None) -> None:
+        """``config``: the engine's, whole (validated when made): the device budget, whether the full KV
+        sits in a host tier (``is_tiered``) and how many of its layers stay, the link schedule, the
+        prefill chunk and the running limit. ``link``: the tiered KV's link (made when needed);
+        ``prefix`` / ``verifier``: the drafter side of remote prefix caching. The host tier is unlimited."""
         n_layers = runner.cfg.num_hidden_layers
-        if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or not (
-                0 <= resident_layers <= n_layers):
+        resident_layers = config.resident_layers
+        if resident_layers > n_layers:
             raise ValueError(f"resident_layers must be an integer in [0, {n_layers}], got {resident_layers!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.runner = runner
         # offload: vericache full KV in the host tier, brought over ``link`` for each verification;
         # the first ``resident_layers`` layers of it stay on the device (fewer bytes cross)
-        self.memory = KVMemory(runner.cfg, runner.loaded.device, runner.loaded.kv_dtype, device_budget,
-                               host_budget, offload, resident_layers, remote=verifier is not None)
+        self.memory = KVMemory(runner.cfg, runner.loaded.device, runner.loaded.kv_dtype, config.device_budget,
+                               None, config.is_tiered(runner.loaded.device.type), resident_layers,
+                               remote=verifier is not None)
         self.device, self.host = self.memory.device, self.memory.host
         self.instruments = Instruments()
         self.requests = RequestTable(self.memory.free, self.instruments)
         # admission, planning, update, preemption; it asks the offload policy (P1: when complete drafts'
         # full KV goes on the link) and the remote half (a prefix store's fetcher, a verifier elsewhere)
-        self.scheduler = Scheduler(runner.loaded, self.memory, self.requests, self.instruments, scheduler, link,
-                                   prefill_chunk, max_running, prefix, verifier)
+        self.scheduler = Scheduler(runner.loaded, self.memory, self.requests, self.instruments, config, link,
+                                   prefix, verifier)
         self.offload, self.remote = self.scheduler.offload, self.scheduler.remote
         self.prefix, self.verifier = prefix, verifier   # the server drains their events
         self.wake = threading.Event()  # set when a fetch or a verifier reply lands

@@ -100,9 +100,12 @@ def run_tests(problem: dict, completion: str, timeout_s: float = TEST_TIMEOUT_S,
 
 
 def context_ids(tokenizer, n_tokens: int) -> list[int]:
-    """``n_tokens`` of held-out source code ending at a line break (``bench.common.code_prompt``)."""
+    """``n_tokens`` of held-out source code ending at a line break (``bench.common.code_prompt``); none
+    for 0 (the problem alone: the baseline a long context is held against)."""
     from vericache_lab.bench.common import code_prompt
 
+    if n_tokens == 0:
+        return []
     ids = code_prompt(tokenizer, n_tokens)
     return ids + tokenizer.encode("\n\n\n")
 
@@ -110,13 +113,14 @@ def context_ids(tokenizer, n_tokens: int) -> list[int]:
 def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs: list[str] | None = None,
                   limit: int | None = None, max_tokens: int = 384, checkpoint: str | None = None,
                   log=print) -> list[dict]:
-    """The grid (``contexts`` x full, lossy and VeriCache over ``configs``) on the first ``limit`` problems;
-    one row per (context, configuration)."""
+    """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``configs=[]``: full decoding
+    alone) on the first ``limit`` problems; one row per (context, configuration). Context 0 is the
+    problem with nothing before it."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
 
     problems = load_problems(limit)
-    configs = configs or GRID
+    configs = GRID if configs is None else configs
     labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
     llm = LLM(model, device="cpu", dtype="float32")
     tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
@@ -136,9 +140,9 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
             if context > room:
                 raise ValueError(f"context {context} + problem + {max_tokens} new tokens exceed {model}'s "
                                  f"{limit_positions} positions")
-            ctx = ctx or context_ids(tok, context)
+            ctx = context_ids(tok, context) if ctx is None else ctx
             base = Engine(llm.loaded, mode="full", device_budget_gb=None)
-            if ctx_prefill is None:   # the context alone, once per context length
+            if ctx_prefill is None and ctx:   # the context alone, once per context length
                 ctx_prefill = base.shared_prefill(base.new_sequence(0, ctx, SamplingParams(max_tokens=1)))
                 log(f"context {context}: {len(ctx)} tokens prefilled once in {ctx_prefill.seconds:.0f} s")
             seq = lambda e: e.new_sequence(0, ctx + tail, SamplingParams(max_tokens=max_tokens, stop=STOPS))  # noqa: E731
@@ -187,14 +191,16 @@ def _row(context: int, label: str, problems: list[dict], done: dict) -> dict:
 
 
 def plot_humaneval(rows: list[dict], path: str) -> None:
-    """Per context: pass@1 against the KV kept (lossy falling, VeriCache on full's line), and below it the
-    share of completions identical to full decoding's (what a lossy cache changes even where tests pass)."""
+    """Per context: pass@1 against the KV kept (lossy falling, VeriCache on full's line; full's pass@1 with
+    no context, a context-0 row, dashed), and below it the share of completions identical to full
+    decoding's (what a lossy cache changes even where tests pass)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({r["context"] for r in rows})
+    baseline = next((r for r in rows if r["context"] == 0 and r["mode"] == "full"), None)   # no context
+    contexts = sorted({r["context"] for r in rows} - ({0} if len({r["context"] for r in rows}) > 1 else set()))
     fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 7), squeeze=False, sharex=True)
     for col, context in enumerate(contexts):
         here = [r for r in rows if r["context"] == context]
@@ -202,6 +208,8 @@ def plot_humaneval(rows: list[dict], path: str) -> None:
         for ax, key, name in ((axes[0][col], "pass_at_1", "HumanEval pass@1 (greedy)"),
                               (axes[1][col], "identical_to_full", "completions identical to full's")):
             ax.axhline(full[key], color="black", lw=1, label=f"full KV ({full[key]:.2f})")
+            if baseline is not None and key == "pass_at_1" and context:
+                ax.axhline(baseline[key], color="grey", lw=1, ls="--", label=f"full, no context ({baseline[key]:.2f})")
             for mode, marker, color in (("lossy", "x", "tab:red"), ("vericache", "o", "tab:green")):
                 pts = [r for r in here if r["mode"] == mode]
                 ax.scatter([r["kv_kept"] for r in pts], [r[key] for r in pts], marker=marker, color=color, label=mode)
