@@ -151,7 +151,7 @@ def test_partial_hit_missing_and_corrupt_blocks(llm, stored, prefix, redis_serve
     assert into_cache(llm, store, other) == ("partial", 3 * BT)
     # a corrupted block ends the lookup there: the caller recomputes from it
     h = store.hashes(prefix)
-    key = f"vc:{store.model_id}:{h[2]}:full"
+    key = store.key(h[2], "full")
     good = redis_server.client.get(key)
     try:
         bad = bytearray(good)

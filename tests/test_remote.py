@@ -179,7 +179,7 @@ def test_corrupt_and_missing_blocks_recompute_from_there(llm, mid, redis_server,
     h = store.hashes(prompts["stored"])
     spec = SPECS[0]
     from vericache.compress.registry import parse_compressor
-    keys = [f"vc:{mid}:{h[1]}:{parse_compressor(spec).spec()}", f"vc:{mid}:{h[1]}:full"]
+    keys = [store.key(h[1], parse_compressor(spec).spec()), store.key(h[1], "full")]
     saved = [redis_server.client.get(k) for k in keys]
     try:
         redis_server.client.set(keys[0], saved[0][:-100] + bytes(100))  # corrupt the drafter's block 1

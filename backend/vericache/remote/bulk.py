@@ -44,6 +44,12 @@ class BulkReader:
         self.auth = [unquote(x).encode() for x in (u.username, u.password) if x] if u.password else []
         self.timeout_s = timeout_s
 
+    def at(self, host: str, port: int) -> BulkReader:
+        """The same reader (credentials, db, timeout) for another node: a cluster's master."""
+        other = BulkReader.__new__(BulkReader)
+        other.__dict__.update(self.__dict__, address=(host, port))
+        return other
+
     def get_many(self, keys: list[str]) -> Iterator[bytearray | None]:
         """Each key's value (None when missing), in order, as it arrives. Raises OSError (socket.timeout
         included) when the server cannot be reached, ``RedisReplyError`` on an error reply."""

@@ -35,7 +35,7 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     elif args.action == "get":
         out = describe(store, _prompt_ids(args, loaded), args.compressor or [])
     elif args.action == "ls":
-        out = {"redis": store.version(), "model_id": store.model_id, "prefixes": store.ls()}
+        out = {"redis": store.version(), "model_id": store.model_id, "masters": store.masters(), "prefixes": store.ls()}
     else:
         if not args.id and not args.all:
             raise ValueError("prefix rm needs --id ID (from prefix ls) or --all")

@@ -1,13 +1,14 @@
 """The prefix KV store on Redis.
 
 Keys (``vc:`` namespace, per model id):
-  vc:<model>:<block hash>:full          the block's full K/V (``codec.pack``)
-  vc:<model>:<block hash>:<compressor>  the block's compressed form for that compressor spec
-  vc:<model>:index                      a hash: prefix id (its last block's hash) -> JSON of the
-                                        prefix (blocks, tokens, forms, bytes, created)
-Values carry a checksum; a block that is missing or fails it ends a lookup there (the caller
-recomputes from that block). Every get counts its bytes and seconds (``StoreStats``) so metrics and
-benches report what crossed the link.
+  vc:<model>:{<block hash>}:full          the block's full K/V (``codec.pack``)
+  vc:<model>:{<block hash>}:<compressor>  the block's compressed form for that compressor spec
+  vc:<model>:index                        a hash: prefix id (its last block's hash) -> JSON of the
+                                          prefix (blocks, tokens, forms, bytes, created)
+The braces are a Redis Cluster hash tag: on a cluster a block's forms share a slot and a prefix's
+blocks spread over the masters (``remote.shards``); one server ignores them. Values carry a checksum;
+a block that is missing or fails it ends a lookup there (the caller recomputes from that block). Every
+get counts its bytes and seconds (``StoreStats``) so metrics and benches report what crossed the link.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import torch
 
@@ -25,6 +27,7 @@ from vericache.remote.bulk import BulkReader, RedisReplyError
 from vericache.remote.chain import BLOCK_TOKENS, block_hashes
 from vericache.remote.codec import CorruptValue, pack, unpack
 from vericache.remote.forms import Form
+from vericache.remote.shards import Shards, connect
 
 READERS = ("bulk", "redis-py")
 FETCH_CONNECTIONS = 4   # connections one full-KV fetch is spread over (the verifier's open)
@@ -67,13 +70,6 @@ def _redis():
     return redis
 
 
-def _runs(n: int, parts: int) -> list[tuple[int, int]]:
-    """0 .. n-1 cut into at most ``parts`` contiguous (lo, hi) runs of nearly equal length."""
-    parts = max(1, min(parts, n))
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-
-
 class PrefixStore:
     def __init__(self, url: str, model_id: str, block_tokens: int = BLOCK_TOKENS, timeout_s: float = 10.0,
                  reader: str = "bulk", connections: int = FETCH_CONNECTIONS) -> None:
@@ -92,24 +88,47 @@ class PrefixStore:
         if reader == "bulk" and not url.startswith("redis://"):
             reader = "redis-py"   # TLS and unix sockets: redis-py's own connections
         self.url, self.model_id, self.block_tokens, self.reader = url, model_id, block_tokens, reader
-        self.client = _redis().Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.timeout_s = timeout_s
         self.bulk = BulkReader(url, timeout_s) if reader == "bulk" else None
+        self._shards: Shards | None = None   # connected at the first use (a store may start after us)
         self.stats = StoreStats()
 
+    @property
+    def shards(self) -> Shards:
+        """The store's nodes: one server or a cluster's masters, found at the first use (``StoreUnavailable``
+        while the URL's node cannot be reached)."""
+        if self._shards is None:
+            self._shards = Shards(self._call(connect, self.url, self.timeout_s, _redis()), self.bulk)
+        return self._shards
+
+    @property
+    def client(self):
+        """redis-py's client for the store: ``Redis``, or ``RedisCluster`` on a cluster."""
+        return self.shards.client
+
     def key(self, h: str, form: str) -> str:
-        """The Redis key of block ``h``'s ``form``."""
-        return f"vc:{self.model_id}:{h}:{form}"
+        """The Redis key of block ``h``'s ``form`` (``h`` a hash tag: see the module's docstring)."""
+        return f"vc:{self.model_id}:{{{h}}}:{form}"
 
     def _call(self, fn, *args):
+        errors = _redis().exceptions
         try:
             return fn(*args)
-        except _redis().exceptions.ConnectionError as exc:
+        except (errors.ConnectionError, errors.ClusterError, errors.RedisClusterException) as exc:
             raise StoreUnavailable(f"prefix store {self.url} unreachable: {exc}") from None
-        except _redis().exceptions.TimeoutError as exc:
+        except errors.TimeoutError as exc:
             raise StoreUnavailable(f"prefix store {self.url} timed out: {exc}") from None
 
     def version(self) -> str:
-        return self._call(self.client.info, "server")["redis_version"]
+        info = self._call(self.client.info, "server")
+        return info["redis_version"] if "redis_version" in info else next(iter(info.values()))["redis_version"]
+
+    def masters(self) -> list[str]:
+        """host:port of each node the prefixes are spread over: a cluster's masters, or the one server."""
+        if self.shards.cluster:
+            return [f"{host}:{port}" for host, port in self.shards.masters()]
+        u = urlparse(self.url)
+        return [f"{u.hostname}:{u.port or 6379}"] if u.hostname else [self.url]
 
     def hashes(self, token_ids: list[int]) -> list[str]:
         return block_hashes(self.model_id, token_ids, self.block_tokens)
@@ -207,59 +226,80 @@ class PrefixStore:
         want = [[full.layers, full.cfg.num_key_value_heads, bt, full.cfg.head_dim], str(full.dtype)]
         keys = [self.key(h, "full") for h in hashes]
         statuses: list[str | None] = [None] * len(keys)
-        errors: list[Exception] = []
 
         def dest(i: int, entries: list[dict]) -> list[memoryview] | None:
             if [e["name"] for e in entries] != ["k", "v"] or any([e["shape"], e["dtype"]] != want for e in entries):
                 return None
             return full.byte_views(i * bt, bt)
 
-        def fetch(lo: int, hi: int) -> None:   # blocks lo .. hi-1 on a connection of their own
-            replies = self.bulk.get_many_into(keys[lo:hi], lambda j, entries: dest(lo + j, entries))
+        def fetch(reader: BulkReader, idx: list[int]) -> None:   # blocks idx (ascending) on a connection of their own
+            replies = reader.get_many_into([keys[i] for i in idx], lambda j, entries: dest(idx[j], entries))
             try:
                 for j, status in enumerate(replies):
-                    statuses[lo + j] = status
+                    statuses[idx[j]] = status
                     if status != "ok":
                         break
-            except (OSError, RedisReplyError) as exc:
-                errors.append(exc)
             finally:
                 replies.close()
 
         t0 = time.perf_counter()
         full.begin(0, len(keys) * bt)    # every block's rows, received in place; cut to the good ones below
-        runs = _runs(len(keys), self.connections)
-        threads = [threading.Thread(target=fetch, args=run, daemon=True) for run in runs[1:]]
-        for t in threads:
-            t.start()
-        if runs:
-            fetch(*runs[0])
-        for t in threads:
-            t.join()
+        everything = list(range(len(keys)))
+        before = self.shards.owners(keys, everything)
+        errors = self.shards.fan_out(keys, everything, fetch, self.connections)   # per node, a few runs each
+        lost = [i for i, st in enumerate(statuses) if st is None]
+        if errors and self.shards.retry_moved(keys, lost, before):   # the failed node's replica took over
+            errors = self.shards.fan_out(keys, lost, fetch, self.connections)
         count = next((i for i, st in enumerate(statuses) if st != "ok"), len(statuses))
         full.truncate(count * bt)
-        if errors:   # a connection failed: the blocks after its last good one never arrived
+        if errors and not count:   # a node failed before its first block: nothing to keep
             raise StoreUnavailable(f"prefix store {self.url} unreachable: {errors[0]}")
-        stop = statuses[count] if count < len(keys) else None
-        reason = ("hit" if keys else "miss") if stop is None else "corrupt" if stop == "corrupt" else (
-            "miss" if count == 0 else "partial")
+        stop = statuses[count] if count < len(keys) else "end"   # why the leading good blocks end
+        reason = (("hit" if keys else "miss") if stop == "end" else "unavailable" if stop is None
+                  else "corrupt" if stop == "corrupt" else "miss" if count == 0 else "partial")
         seconds, nbytes = time.perf_counter() - t0, full.nbytes()
         self.stats.add("full", nbytes, seconds, count, len(hashes) - count, int(reason == "corrupt"))
         return Fetched([], nbytes, seconds, reason, count)
 
     def _values(self, keys: list[str]) -> Generator:
         """The keys' values in order, as they arrive: all GETs pipelined, read by ``bulk`` (the
-        default) or by redis-py."""
+        default; on a cluster each master's keys on a connection of their own, all at once) or by
+        redis-py."""
         try:
-            if self.reader == "bulk":
+            if self.reader == "bulk" and self.shards.cluster:
+                yield from self._cluster_values(keys)
+            elif self.reader == "bulk":
                 yield from self.bulk.get_many(keys)
             else:
                 pipe = self.client.pipeline(transaction=False)
                 for k in keys:
                     pipe.get(k)
                 yield from pipe.execute() if keys else []
-        except (OSError, RedisReplyError, _redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError) as exc:
+        except (OSError, RedisReplyError, _redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError,
+                _redis().exceptions.RedisClusterException) as exc:
             raise StoreUnavailable(f"prefix store {self.url} unreachable: {exc}") from None
+
+    def _cluster_values(self, keys: list[str]) -> Generator:
+        """``_values`` on a cluster: every master's GETs at once (one retry of a failed master's keys where
+        its replica has taken its slots); then the values in the keys' order, up to the first key that
+        did not arrive (raising its node's error there, as one server's reader does)."""
+        values: list = [None] * len(keys)
+        arrived = [False] * len(keys)
+
+        def read(reader: BulkReader, idx: list[int]) -> None:
+            for i, value in zip(idx, reader.get_many([keys[i] for i in idx])):
+                values[i], arrived[i] = value, True
+
+        everything = list(range(len(keys)))
+        before = self.shards.owners(keys, everything)
+        errors = self.shards.fan_out(keys, everything, read, 1)
+        lost = [i for i in everything if not arrived[i]]
+        if errors and self.shards.retry_moved(keys, lost, before):
+            errors = self.shards.fan_out(keys, lost, read, 1)
+        for i, value in enumerate(values):
+            if not arrived[i]:
+                raise errors[0] if errors else ConnectionError(f"no reply for {keys[i]}")
+            yield value
 
     # ------------------------------------------------------------------ admin
     def ls(self) -> list[dict]:

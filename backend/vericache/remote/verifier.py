@@ -108,6 +108,10 @@ class VerifierCore:
             try:   # each block is received straight into the session's cache (this thread)
                 got = self.store.get_full_into(prompt_ids, full, limit)
                 sess.fetch_bytes, sess.fetch_s = got.nbytes, got.seconds
+                if got.reason == "unavailable":   # a node failed mid-fetch: the blocks before its first are kept
+                    log.warning("session %s: the prefix store failed after %d of %d blocks; computing the rest",
+                                sess.id, got.count, limit)
+                    self._event("store_error", {"role": "verifier"})
                 self._event("prefix", {"link": "fast", "tier": "full", "bytes": got.nbytes, "seconds": got.seconds,
                                        "hit_blocks": got.count, "miss_blocks": limit - got.count})
             except StoreUnavailable as exc:
