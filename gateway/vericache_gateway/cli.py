@@ -43,7 +43,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--role", default="single", choices=["single", "drafter", "verifier"],
                     help="single: one engine; drafter: vericache requests verified by --verifier; "
                          "verifier: a gRPC verifier next to the prefix store (on --grpc-port)")
-    sv.add_argument("--verifier", default=None, help="grpc://host:port of the verifier (drafter role)")
+    sv.add_argument("--verifier", action="append", default=None,
+                    help="grpc://host:port of a verifier (drafter role); repeat for a pool: each prefix goes to one by "
+                         "rendezvous hashing, and a request whose verifier dies moves to the next")
     sv.add_argument("--prefix-store", default=None, help="redis://host:port of the prefix KV store")
     sv.add_argument("--prefix-link", default="local", help="label of the link to the store in metrics (slow, fast)")
     sv.add_argument("--store-prefixes", action="store_true",

@@ -227,11 +227,13 @@ class Engine:
 
     def take_events(self) -> dict[str, list]:
         """Events since the last call, for metrics: "phases" (start, end, kinds), "rounds" (labels,
-        drafted, accepted, swapped, lookup proposed, lookup kept), "rtts" (verifier round trips, s), "prefix" ((event, fields) of fetches)."""
+        drafted, accepted, swapped, lookup proposed, lookup kept), "rtts" (verifier round trips, s), "prefix" ((event,
+        fields) of the remote parts: fetches and store outages, verifier failovers)."""
         phases, rounds, rtts = self.loop.instruments.take_events()
-        prefix, events = self.loop.prefix, []
-        while prefix is not None and prefix.events:
-            events.append(prefix.events.pop(0))
+        events: list = []
+        for part in (self.loop.prefix, self.loop.verifier):
+            while part is not None and part.events:
+                events.append(part.events.pop(0))
         return {"phases": phases, "rounds": [(self._labels(rid), *r) for rid, *r in rounds], "rtts": rtts,
                 "prefix": events}
 

@@ -32,6 +32,7 @@ class VerifierClient:
         self._stream = self.channel.stream_stream(f"/{SERVICE}/Session")
         self._health = self.channel.unary_unary(f"/{SERVICE}/Health")
         self.wake = threading.Event()   # set whenever any session has a reply
+        self.events: list[tuple[str, dict]] = []   # none: one verifier has nowhere to fail over (``remote.pool``)
 
     def health(self, timeout_s: float = 2.0) -> dict:
         """The verifier's health reply; ``VerifierUnavailable`` when it does not answer in time."""

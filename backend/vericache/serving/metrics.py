@@ -64,7 +64,9 @@ class Metrics:
         self.prefix_fetch = h("prefix_fetch_seconds", "Seconds to fetch a prompt's stored blocks", extra=["link"])
         self.store_errors = c("prefix_store_errors", "Prefix store unreachable (the prompt was recomputed)")
         self.verifier_rtt = h("verifier_rtt_seconds", "Round trip of a draft to the remote verifier and back")
-        for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt,
+        self.verifier_failovers = c("verifier_failovers", "Sessions moved to the next verifier of a pool after theirs "
+                                    "stopped answering (the output unchanged)")
+        for metric in (self.prefix_hits, self.prefix_misses, self.store_errors, self.verifier_rtt, self.verifier_failovers,
                        self.full_step_tokens, self.guided_swaps, self.lookup_proposed, self.lookup_kept):
             self.lab(metric)  # exported (as zero) before the first event, so dashboards show them
         for kind in ("emulated", "pcie"):   # zero while the full KV is not tiered (the CPU's default)
@@ -117,6 +119,8 @@ def metrics_sink(m: Metrics):
             m.lab(m.store_errors).inc()
         elif event == "verifier_rtt":
             m.lab(m.verifier_rtt).observe(f["seconds"])
+        elif event == "verifier_failover":
+            m.lab(m.verifier_failovers).inc()
     return sink
 
 

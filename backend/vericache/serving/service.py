@@ -150,7 +150,7 @@ class BackgroundService:
                                    "proposed": proposed, "kept": kept, **labels})
         for rtt in events["rtts"]:
             self.metrics("verifier_rtt", {"seconds": rtt})
-        for event, fields in events["prefix"]:   # fetches and store outages (``remote.fetch``)
+        for event, fields in events["prefix"]:   # fetches, store outages, verifier failovers (``remote``)
             self.metrics(event, fields)
 
     def _add(self, intake: Intake, holder: dict, done: threading.Event) -> None:
