@@ -4,8 +4,12 @@ TCP stream to the same host (``remote.netprobe``), the ceiling. The cache is all
 or not: set THP_MEM_ALLOC_ENABLE=1 for PyTorch's huge-page allocations, as the bench does).
 
     python scripts/store_fetch_bench.py [--url redis://host:port] [--blocks 23] [--repeat 5] [--connections 1,4]
+    python scripts/store_fetch_bench.py --cluster [--blocks 23] [--repeat 5]
 
-Without --url it starts its own redis-server on 127.0.0.1 (loopback). Values are real codec blocks
+Without --url it starts its own redis-server on 127.0.0.1 (loopback). ``--cluster``: one redis-server and
+a 3-master, 3-replica Redis Cluster on loopback (``vericache_lab.redis_local``), the same prefix in
+both, the verifier's fetch (``get_full_into``, 4 connections) timed on each in turns: the cluster's
+rate over the single server's, measured in one run (issue 55's target: >= 1.5x). Values are real codec blocks
 of SmolLM2-135M's KV shape (256 positions: 11.8 MB each); the timed work is ``PrefixStore.get``
 into a session's cache, checksum included, over 1 and 4 connections (``--connections``). Prints Gbit/s
 per reader (best of --repeat).
@@ -22,6 +26,7 @@ import tempfile
 import time
 
 import torch
+
 from vericache.kv.full import FullKVCache
 from vericache.model.loader import load_model
 from vericache.remote.chain import BLOCK_TOKENS, block_hashes
@@ -41,6 +46,45 @@ def _redis(port: int, work: str) -> subprocess.Popen:
     raise RuntimeError("redis-server did not start")
 
 
+def _fill(store: PrefixStore, ids: list[int], shape: tuple) -> None:
+    for h in block_hashes(store.model_id, ids):
+        store.client.set(store.key(h, "full"), pack({"k": torch.randn(shape), "v": torch.randn(shape)}))
+
+
+def cluster_vs_single(blocks: int, repeat: int) -> None:
+    from vericache_lab.redis_local import LocalRedisCluster, free_port
+
+    port, work = free_port(), tempfile.mkdtemp()
+    single = _redis(port, work)
+    cluster = LocalRedisCluster(work)
+    try:
+        cfg = load_model("smollm2-135m", device="cpu", dtype="float32").config
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, BLOCK_TOKENS, cfg.head_dim)
+        ids = list(range(blocks * BLOCK_TOKENS + 1))
+        stores = {"one redis-server": PrefixStore(f"redis://127.0.0.1:{port}", "fetch-bench"),
+                  "3-master cluster": PrefixStore(cluster.url, "fetch-bench")}
+        for store in stores.values():
+            _fill(store, ids, shape)
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+        print(f"{blocks} blocks of {BLOCK_TOKENS} positions (SmolLM2-135M's KV); CPU {cpu}, {os.cpu_count()} cores; "
+              f"get_full_into over {stores['one redis-server'].connections} connections, best of {repeat} in turns")
+        best = dict.fromkeys(stores, float("inf"))
+        nbytes = 0
+        for _ in range(repeat):
+            for name, store in stores.items():
+                full = FullKVCache(cfg, "cpu", torch.float32, capacity=len(ids))
+                t0 = time.perf_counter()
+                got = store.get_full_into(ids, full, blocks)
+                best[name], nbytes = min(best[name], time.perf_counter() - t0), got.nbytes
+                assert got.count == blocks, got.reason
+        for name, seconds in best.items():
+            print(f"{name:20s} {nbytes * 8 / seconds / 1e9:6.2f} Gbit/s  ({nbytes / 1e6:.0f} MB in {seconds:.3f} s)")
+        print(f"cluster / single: {best['one redis-server'] / best['3-master cluster']:.2f}x")
+    finally:
+        single.terminate()
+        cluster.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url")
@@ -48,7 +92,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--connections", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4],
                     help="comma-separated connection counts for the into-the-rows reader (get_full_into)")
+    ap.add_argument("--cluster", action="store_true", help="a single server against a 3-master cluster, side by side")
     args = ap.parse_args()
+    if args.cluster:
+        return cluster_vs_single(args.blocks, args.repeat)
     server = None
     if args.url is None:
         with socket.socket() as s:
@@ -60,8 +107,7 @@ def main() -> None:
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, BLOCK_TOKENS, cfg.head_dim)
         ids = list(range(args.blocks * BLOCK_TOKENS + 1))
         store = PrefixStore(args.url, "fetch-bench")
-        for h in block_hashes("fetch-bench", ids):
-            store.client.set(store.key(h, "full"), pack({"k": torch.randn(shape), "v": torch.randn(shape)}))
+        _fill(store, ids, shape)
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         print(f"{args.url}, {args.blocks} blocks of {BLOCK_TOKENS} positions; CPU {cpu}, {os.cpu_count()} cores")
         from redis._parsers import _HiredisParser, _RESP2Parser

@@ -1,5 +1,5 @@
 """The prefix store on a real Redis Cluster (issue 55 item 1): three masters and three replicas on
-127.0.0.1 (``conftest.RedisClusterNodes``). The store's URL names one node and the cluster is found
+127.0.0.1 (``vericache_lab.redis_local.LocalRedisCluster``). The store's URL names one node and the cluster is found
 from it; a prefix's blocks spread over every master and come back whole, every master streaming its
 own; the compressed forms and both readers too; ls and rm across the cluster; a master that is gone
 when a fetch runs costs the blocks from its first one on (computed again, never a wrong one), and once
@@ -12,13 +12,13 @@ import pytest
 import redis
 import torch
 
-from conftest import RedisClusterNodes
 from test_remote import Verifier, drafter, run
 from vericache.compress.registry import parse_compressor
 from vericache.kv.full import FullKVCache
 from vericache.remote.prefixes import model_id, put_prompt
 from vericache.remote.store import PrefixStore
 from vericache.sampling import SamplingParams
+from vericache_lab.redis_local import LocalRedisCluster
 
 BT = 64   # small blocks: a 1,100-token prompt is 17 of them, so every master holds some
 SPECS = ["snapkv:ratio=0.125", "kivi:bits=2"]
@@ -26,7 +26,7 @@ SPECS = ["snapkv:ratio=0.125", "kivi:bits=2"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    nodes = RedisClusterNodes(tmp_path_factory.mktemp("cluster"))
+    nodes = LocalRedisCluster(tmp_path_factory.mktemp("cluster"))
     yield nodes
     nodes.stop()
 
@@ -105,7 +105,7 @@ def test_ls_and_rm_reach_every_master(llm, cluster, prefix, capsys):
 
 def test_a_dead_master_costs_its_blocks_and_its_replica_serves_them_after_failover(llm, tmp_path, prefix,
                                                                                    reference_kv):
-    nodes = RedisClusterNodes(tmp_path)
+    nodes = LocalRedisCluster(tmp_path)
     try:
         store = PrefixStore(nodes.url, model_id(llm.loaded) + "-failover", BT, timeout_s=2)
         entry = put_prompt(llm.engine, store, prefix, [])
@@ -134,7 +134,7 @@ def test_a_verifier_and_a_drafter_through_the_cluster_equal_full_decoding(llm, t
     """Real processes: ``vericache serve --role verifier --prefix-store redis://<one node>`` and a drafter
     here, both on the cluster. A stored prompt decodes as full decoding does with its blocks from the
     store; with a master killed just before a request, and again after the failover."""
-    nodes = RedisClusterNodes(tmp_path)
+    nodes = LocalRedisCluster(tmp_path)
     mid = model_id(llm.loaded)
     verifier = Verifier(free_port(), nodes.url)
     try:

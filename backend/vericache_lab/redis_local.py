@@ -1,0 +1,105 @@
+"""Redis on this machine for tests and benches: a Redis Cluster of real ``redis-server`` processes on
+127.0.0.1 (``LocalRedisCluster``), started, failed over and stopped."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedisCluster:
+    """A real Redis Cluster on 127.0.0.1: ``masters`` masters with one replica each (redis-server
+    --cluster-enabled, joined by ``redis-cli --cluster create``), no persistence, a one-second node
+    timeout so a killed master's replica takes over in a few seconds."""
+
+    def __init__(self, tmp_dir, masters: int = 3) -> None:
+        import redis
+
+        exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if exe is None or cli is None:
+            raise RuntimeError("a local Redis Cluster needs redis-server and redis-cli (apt-get install redis-server)")
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.n_masters = masters
+        for _ in range(2 * masters):
+            port, bus = free_port(), free_port()
+            node_dir = Path(tmp_dir) / f"node-{port}"
+            node_dir.mkdir()
+            self.procs[port] = subprocess.Popen(
+                [exe, "--port", str(port), "--cluster-port", str(bus), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for port in self.procs:
+            self._wait(lambda: redis.Redis(port=port).ping(), f"redis-server on port {port} did not start")
+        done = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
+                               "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-1000:]} {done.stderr[-1000:]}")
+        self.wait_ok()
+        # a replica takes over only with a recent copy of its master: wait for every link to be up
+        replicas = [n["port"] for n in self.nodes() if "slave" in n["flags"]]
+        self._wait(lambda: all(redis.Redis(port=p).info("replication").get("master_link_status") == "up"
+                               for p in replicas), "the replicas did not sync with their masters")
+        self.url = f"redis://127.0.0.1:{self.live()[0]}"
+
+    @staticmethod
+    def _wait(ready, why: str, timeout_s: float = 30.0) -> None:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                if ready():
+                    return
+            except Exception:   # not up yet (connection refused, cluster still forming)
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(why)
+            time.sleep(0.1)
+
+    def live(self) -> list[int]:
+        return [port for port, proc in self.procs.items() if proc.poll() is None]
+
+    def nodes(self) -> list[dict]:
+        """CLUSTER NODES as a live node sees it: port, role flags, whether it serves slots."""
+        import redis
+
+        out = []
+        for line in redis.Redis(port=self.live()[0]).execute_command("CLUSTER", "NODES").decode().splitlines():
+            f = line.split()
+            out.append({"port": int(f[1].split("@")[0].rsplit(":", 1)[1]), "flags": f[2].split(","),
+                        "slots": len(f) > 8})
+        return out
+
+    def masters(self) -> list[int]:
+        """Ports of the live masters serving slots."""
+        live = set(self.live())
+        return sorted(n["port"] for n in self.nodes() if "master" in n["flags"] and "fail" not in n["flags"]
+                      and n["slots"] and n["port"] in live)
+
+    def wait_ok(self) -> None:
+        """Until every live node reports the cluster ok with all its masters serving their slots (after a
+        master's death: once its replica has taken over)."""
+        import redis
+
+        def ok() -> bool:
+            return all(b"cluster_state:ok" in redis.Redis(port=p).execute_command("CLUSTER", "INFO")
+                       for p in self.live()) and len(self.masters()) == self.n_masters
+        self._wait(ok, "the cluster did not reach cluster_state:ok")
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
