@@ -187,3 +187,39 @@ def test_remote_costs_are_measured_at_the_bench_geometry(llm):
     for f in (c.decode_full, c.decode_comp, c.draft, c.verify):
         assert 0 < f(1) and 0 < f(2) and f(1.5) == pytest.approx((f(1) + f(2)) / 2)
     assert c.prefill > 0 and c.prefill_comp > 0
+
+
+def test_the_cluster_model_is_the_one_node_model_at_one_of_each_and_names_its_limits():
+    """``sim.remote_cluster`` at one drafter, one verifier and an unbounded store, its fast link at the
+    one-node model's fetch rate, predicts what ``predict_remote`` does; more drafters on one shard make
+    the store the limit (VeriCache's verifiers read the full KV through it too); more shards lift it and
+    the verifier's link or the rounds take over; more verifiers share the sessions."""
+    from vericache_lab.sim.remote_cluster import Cluster, predict_cluster
+    from vericache_lab.sim.remote_prefix import predict_remote
+
+    s = _setting()
+    one = predict_cluster(s, Cluster(1, 1, 1, 1e18, s.store_Bps), _costs(), _costs())
+    ref = predict_remote(s, _costs())
+    for mode in ref:
+        assert one[mode]["ttft_s"] == pytest.approx(ref[mode]["ttft_s"], rel=1e-12), mode
+        assert one[mode]["e2e_s"] == pytest.approx(ref[mode]["e2e_s"], rel=1e-12), mode
+    shard = 1e9   # bytes/s
+    crowded = predict_cluster(s, Cluster(16, 1, 1, shard, s.store_Bps), _costs(), _costs())
+    assert crowded["vericache"]["ttft_limit"] == "store" and crowded["full-remote"]["ttft_limit"] == "store"
+    spread = predict_cluster(s, Cluster(16, 1, 16, shard, s.store_Bps), _costs(), _costs())
+    assert spread["vericache"]["ttft_s"] < crowded["vericache"]["ttft_s"]
+    assert spread["vericache"]["ttft_limit"] == "verifier fast link"
+    pooled = predict_cluster(s, Cluster(16, 4, 16, shard, s.store_Bps), _costs(), _costs())
+    assert pooled["vericache"]["ttft_s"] < spread["vericache"]["ttft_s"]
+    assert pooled["vericache"]["tokens_per_s"] > spread["vericache"]["tokens_per_s"] > crowded["vericache"]["tokens_per_s"]
+
+
+def test_sim_remote_command_sweeps_and_plots(capsys, tmp_path):
+    plot = tmp_path / "remote.png"
+    assert main(["sim", "remote", "--drafters", "1,8", "--verifiers", "1,2", "--shards", "1,4", "--json",
+                 "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 2 * 2 * 2 * 3 and plot.stat().st_size > 10_000
+    assert {r["ttft_limit"] for r in rows} >= {"store", "slow link"}
+    assert main(["sim", "remote", "--shard-gbps", "0"]) != 0
+    assert "--shard-gbps must be > 0" in capsys.readouterr().err

@@ -59,7 +59,19 @@ def plot_sim(rows: list[dict], path: str) -> None:
 
 def add_sim_parser(sub) -> None:
 
-    p = sub.add_parser("sim", help="cost model: full / lossy / vericache-naive / -staggered / -resident on a GPU with PCIe")
+    p = sub.add_parser("sim", help="cost model: full / lossy / vericache-naive / -staggered / -resident on a GPU with "
+                                   "PCIe; `sim remote`: remote prefix caching with D drafters, V verifiers, S store shards")
+    p.add_argument("scenario", nargs="?", default="offload", choices=["offload", "remote"],
+                   help="offload (default): one GPU's host tier; remote: the prefix-caching scenario at cluster scale")
+    r = p.add_argument_group("sim remote")
+    r.add_argument("--drafters", type=ints, default=[1, 2, 4, 8, 16, 32, 64])
+    r.add_argument("--verifiers", type=ints, default=[1, 2, 4, 8])
+    r.add_argument("--shards", type=ints, default=[1, 4, 16])
+    r.add_argument("--requests-per-drafter", type=int, default=8)
+    r.add_argument("--prefix-tokens", type=int, default=32768, help="each request's stored prefix")
+    r.add_argument("--shard-gbps", type=float, default=10.0, help="one store shard's reply rate (one Redis thread)")
+    r.add_argument("--fast-gbps", type=float, default=100.0, help="a verifier's link to the store")
+    r.add_argument("--slow-gbps", type=float, default=10.0, help="a drafter's link")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     p.add_argument("--link", default="gen5", choices=sorted(PCIE))
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
@@ -121,6 +133,43 @@ def _cmd_remote_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_remote_cluster(args: argparse.Namespace) -> int:
+    """``vericache sim remote``: the prefix-caching scenario at cluster scale (``sim.remote_cluster``), on
+    --gpu with the first of --models (default llama3-70b), --prefix-tokens a request."""
+    from vericache_lab.report import markdown_table, record
+    from vericache_lab.sim.remote_cluster import plot_cluster, sweep
+    from vericache_lab.sim.remote_prefix import MODELS_24_70, RemoteSetting, costs_from_steps, gpu_costs
+
+    shapes = {**MODELS, **MODELS_24_70}
+    name = args.models.split(",")[0] if args.models != ",".join(MODELS) else "llama3-70b"
+    if name not in shapes:
+        raise ValueError(f"unknown model shape {name!r}; available: {', '.join(shapes)}")
+    for flag in ("shard_gbps", "fast_gbps", "slow_gbps", "requests_per_drafter", "prefix_tokens"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    model, prefix, tail, n = shapes[name], args.prefix_tokens, 256, args.requests_per_drafter
+    costs = gpu_costs(GPUS[args.gpu], model, prefix + tail, comp_ratio=args.ratio)
+    full = prefix * model.kv_bytes_per_token
+    s = RemoteSetting(n, prefix, tail, 256, args.slow_gbps * 1e9 / 8, 0.02, args.fast_gbps * 1e9 / 8, full,
+                      args.ratio * full, model.kv_bytes_per_token, args.acceptance_length, args.draft_len)
+    rows = sweep(s, args.shard_gbps * 1e9 / 8, args.fast_gbps * 1e9 / 8, costs_from_steps(costs, n, tail, args.draft_len),
+                 lambda sessions: costs_from_steps(costs, sessions, tail, args.draft_len),
+                 args.drafters, args.verifiers, args.shards)
+    title = (f"{name} on {args.gpu}, {prefix}-token prefixes, {n} requests a drafter; links: slow {args.slow_gbps:g}, "
+             f"fast {args.fast_gbps:g}, a shard {args.shard_gbps:g} Gbit/s (modelled, not measured)")
+    if args.plot:
+        plot_cluster(rows, args.plot, title)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    table = markdown_table(rows, ["drafters", "verifiers", "shards", "mode", "ttft_s", "e2e_s", "tokens_per_s",
+                                  "ttft_limit", "decode_limit"])
+    print(table + "\n\n" + title)
+    record(args.record, "Remote prefix caching at cluster scale (modelled, not measured)", table + "\n\n" + title,
+           args.argv)
+    return 0
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from vericache_lab.report import markdown_table
 
@@ -128,6 +177,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         return _cmd_calibrate(args)
     if args.remote_prefix:
         return _cmd_remote_prefix(args)
+    if args.scenario == "remote":
+        return _cmd_remote_cluster(args)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
     if bad:
