@@ -27,6 +27,9 @@ class OutOfBlocks(RuntimeError):
     """The pool cannot hold what was asked; the caller waits, preempts or refuses."""
 
 
+Owner = tuple[str, int]   # what holds blocks: (its kind: "kv", "full", "verify", request id)
+
+
 class BlockPool:
     def __init__(self, name: str, capacity_bytes: int, block_bytes: int = 64 * 1024) -> None:
         if capacity_bytes < block_bytes:
@@ -34,7 +37,7 @@ class BlockPool:
         self.name = name
         self.block_bytes = block_bytes
         self.total_blocks = capacity_bytes // block_bytes
-        self._owned: dict[object, int] = {}
+        self._owned: dict[Owner, int] = {}
         self._lock = threading.Lock()  # the link thread and the step loop both touch it
 
     def blocks_for(self, nbytes: int) -> int:
@@ -59,11 +62,11 @@ class BlockPool:
     def usage(self) -> float:
         return self.used_blocks / self.total_blocks
 
-    def can_fit(self, nbytes: int, owner: object | None = None) -> bool:
+    def can_fit(self, nbytes: int, owner: Owner | None = None) -> bool:
         have = self._owned.get(owner, 0) if owner is not None else 0
         return self.blocks_for(nbytes) - have <= self.free_blocks
 
-    def resize(self, owner: object, nbytes: int) -> None:
+    def resize(self, owner: Owner, nbytes: int) -> None:
         """Make ``owner`` hold exactly enough blocks for ``nbytes``; raises OutOfBlocks if they are not free."""
         with self._lock:
             need = self.blocks_for(nbytes)
@@ -76,11 +79,11 @@ class BlockPool:
             else:
                 self._owned.pop(owner, None)
 
-    def free(self, owner: object) -> None:
+    def free(self, owner: Owner) -> None:
         with self._lock:
             self._owned.pop(owner, None)
 
-    def owners(self) -> list[object]:
+    def owners(self) -> list[Owner]:
         return list(self._owned)
 
 
@@ -124,7 +127,7 @@ class KVMemory:
 
     def verify_buffer_bytes(self, req: Request) -> int:
         """Device bytes of the buffer a verification of ``req`` needs now: its streamed layers plus the draft."""
-        return self.streamed((req.kv.full.length + req.drafting.round.k + 1) * self.per_pos)
+        return self.streamed((req.kv.full_kv().length + req.drafting.round.k + 1) * self.per_pos)
 
     # ------------------------------------------------------------------ caches
     def allocate(self, req: Request) -> None:

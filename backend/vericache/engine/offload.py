@@ -86,8 +86,8 @@ class Offload:
         """Start verifying before the last layers land when, at the measured rates, they will land
         before the forward reaches them: r layers still in flight take r * t_link_layer, the forward
         spends (L - r) * t_verify_layer on the layers already there."""
-        streamed = req.drafting.transfer.dst.layers
-        done = req.drafting.transfer.layers_done()
+        streamed = req.drafting.on_link().dst.layers
+        done = req.drafting.on_link().layers_done()
         if done == streamed:
             return True
         if self.schedule.verifies_in_turn:
@@ -96,7 +96,7 @@ class Offload:
         rates = self.measured_rates()
         if rates is None or self.instruments.verify_layer_s <= 0 or ahead == 0:
             return False
-        link_layer_s = req.kv.full.nbytes() / self.cfg.num_hidden_layers / rates[0]
+        link_layer_s = req.kv.full_kv().nbytes() / self.cfg.num_hidden_layers / rates[0]
         return (streamed - done) * link_layer_s <= ahead * self.instruments.verify_layer_s
 
     # ------------------------------------------------------------------ what the loop tells it
@@ -122,9 +122,9 @@ class Offload:
                 return False  # no room for the buffer now; retry next step
         self.memory.device.resize(key, nbytes)
         first = self.memory.resident_layers
-        buf = FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype, capacity=req.kv.full.length + req.drafting.round.k + 1,
+        buf = FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype, capacity=req.kv.full_kv().length + req.drafting.round.k + 1,
                           layers=self.cfg.num_hidden_layers - first)
-        req.drafting.transfer = self.link.submit(req.kv.full, req.kv.full.length, buf, first_layer=first)
+        req.drafting.transfer = self.link.submit(req.kv.full_kv(), req.kv.full_kv().length, buf, first_layer=first)
         self.requests.set_state(req, State.TRANSFERRING)
         return True
 
@@ -134,7 +134,7 @@ class Offload:
         in_flight = self.requests.in_state(State.TRANSFERRING)
         if in_flight and not self.requests.in_state(State.PREFILL, State.DECODING) and not any(
                 not r.drafting.round.complete for r in self.requests.in_state(State.DRAFTING)):
-            min(in_flight, key=lambda r: r.id).drafting.transfer.wait_all()
+            min(in_flight, key=lambda r: r.id).drafting.on_link().wait_all()
 
     # ------------------------------------------------------------------ measured
     def measured_rates(self) -> tuple[float, float] | None:
@@ -153,7 +153,7 @@ class Offload:
             return 0
         rate, step_s = rates
         queued = sum(self.memory.verify_buffer_bytes(r) for r in self.requests.in_state(State.TRANSFERRING)
-                     if not r.drafting.transfer.ready())
+                     if not r.drafting.on_link().ready())
         return int(queued / rate / step_s)
 
     @property
@@ -165,7 +165,11 @@ class Offload:
 class Naive:
     verifies_in_turn = True   # nothing else runs meanwhile: verify layer by layer, one request at a time
     stretches = False
-    mean_groups = 0.0         # planned verification groups (``Grouped`` plans them)
+
+    @property
+    def mean_groups(self) -> float:
+        """Planned verification groups (``Grouped`` plans them; none here)."""
+        return 0.0
 
     def may_draft(self, off: Offload, req: Request) -> bool:
         """Naive: nobody drafts while verifications are pending (all draft, then all verify)."""
@@ -212,7 +216,7 @@ class Grouped(Staggered):
         transfers are still in flight (one group on the link while the others draft)."""
         for r in drafting:  # waiting for its group's turn, drafts mostly accepted: draft on (P2)
             off.extend(r)
-        on_link = {r.drafting.group for r in off.requests.in_state(State.TRANSFERRING) if not r.drafting.transfer.ready()}
+        on_link = {r.drafting.group for r in off.requests.in_state(State.TRANSFERRING) if not r.drafting.on_link().ready()}
         groups: dict[int, list[Request]] = {}
         for r in drafting:
             groups.setdefault(r.drafting.group, []).append(r)
@@ -231,7 +235,7 @@ class Grouped(Staggered):
         vc = off.requests.in_state(State.DRAFTING, State.TRANSFERRING)
         if rates is not None and vc:
             rate, step_s = rates
-            per_request_s = sum(off.memory.streamed(r.kv.full.nbytes()) for r in vc) / len(vc) / rate
+            per_request_s = sum(off.memory.streamed(r.kv.full_kv().nbytes()) for r in vc) / len(vc) / rate
             self.groups = group_count(len(vc), per_request_s, step_s, draft_len)
         self.plans[0] += self.groups
         self.plans[1] += 1

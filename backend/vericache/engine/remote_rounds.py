@@ -60,9 +60,9 @@ class RemoteRounds:
         got, req.remote.fetch = req.remote.fetch.result(), None
         if got.blocks:
             if not req.placement.draft_here:
-                n = req.kv.full.load_blocks(got.blocks)
+                n = req.kv.full_kv().load_blocks(got.blocks)
             else:
-                n = req.kv.draft.load_stored(got.blocks, self.prefix.store.block_tokens)
+                n = req.kv.draft_kv().load_stored(got.blocks, self.prefix.store.block_tokens)
             req.prefill.done_ids = req.remote.prefix_tokens = n
         req.remote.fetch_bytes, req.remote.fetch_s = got.nbytes, got.seconds
         return False
@@ -103,7 +103,7 @@ class RemoteRounds:
 
     def _verified(self, req: Request, m: int, token: int, k, v) -> None:
         rs = req.drafting.round
-        m = finish_round(req.seq, rs, req.position, req.kv.draft, targets=rs.drafts[:m] + [token], exact_kv=(k, v))
+        m = finish_round(req.seq, rs, req.position, req.kv.draft_kv(), targets=rs.drafts[:m] + [token], exact_kv=(k, v))
         self.requests.round_done(req, m)
         if req.seq.finished:
             self.requests.release(req, State.FINISHED)

@@ -99,6 +99,19 @@ class RequestKV:
     resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
     prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
 
+    def full_kv(self) -> FullKVCache:
+        """The full KV, which a placement with one (``Placement.full_here`` or offloaded) allocates; a
+        RuntimeError otherwise, which would be a bug in who asks."""
+        if self.full is None:
+            raise RuntimeError("this request holds no full KV (its placement has none)")
+        return self.full
+
+    def draft_kv(self) -> CompressedKVCache:
+        """The compressed cache, which a placement that drafts here allocates (RuntimeError otherwise)."""
+        if self.draft is None:
+            raise RuntimeError("this request holds no compressed cache (its placement drafts elsewhere)")
+        return self.draft
+
     def resident_bytes(self) -> int:
         """Bytes of every storage the caches hold (allocated capacity, not only valid positions), each
         storage counted once."""
@@ -127,6 +140,13 @@ class Drafting:
     lookup: LookupIndex | None = None          # with lookup proposals: its n-gram index
     group: int = 0                             # grouped schedule: the phase group of the current round
     transfer: Transfer | None = None           # offloaded: its full KV on the link for this round
+
+    def on_link(self) -> Transfer:
+        """The transfer of this round's full KV (offloaded requests between putting it on the link and
+        the verification): a RuntimeError where there is none, which would be a scheduling bug."""
+        if self.transfer is None:
+            raise RuntimeError("no transfer is in flight for this request")
+        return self.transfer
 
 
 @dataclass

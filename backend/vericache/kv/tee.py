@@ -48,6 +48,13 @@ class QueryRecorder:
     def begin(self, start: int, count: int) -> None:
         pass
 
+    def recorded(self) -> list[torch.Tensor]:
+        """Every layer's window, once a prefill has passed through each (ValueError before)."""
+        missing = [i for i, q in enumerate(self.queries) if q is None]
+        if missing:
+            raise ValueError(f"no queries recorded for layers {missing[:4]}: prefill through the recorder first")
+        return [q for q in self.queries if q is not None]
+
     def observe(self, layer: int, q: torch.Tensor) -> None:
         prev = self.queries[layer]
         recent = q if prev is None else torch.cat([prev, q], dim=1)

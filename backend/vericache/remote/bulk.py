@@ -16,7 +16,7 @@ import json
 import socket
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from urllib.parse import unquote, urlparse
 
 from vericache.remote.codec import MAGIC, CorruptValue, digest_of
@@ -56,11 +56,12 @@ class BulkReader:
         for conn in self._session(keys):
             yield conn.read()
 
-    def get_many_into(self, keys: list[str], dest: Callable[[int, list[dict]], list[memoryview]]
-                      ) -> Iterator[str]:
+    def get_many_into(self, keys: list[str], dest: Callable[[int, list[dict]], list[memoryview] | None]
+                      ) -> Generator[str, None, None]:
         """Each key's ``codec.pack`` value received straight into memory the caller owns: ``dest(i,
         entries)`` gets the value's tensor entries (name, dtype, shape, offset, nbytes) and returns
-        writable byte views covering its body in offset order (a KV cache's rows, say). Yields per key
+        writable byte views covering its body in offset order (a KV cache's rows, say), or None to
+        refuse the value (counted "corrupt"). Yields per key
         "ok", "missing" or "corrupt" (bad header or checksum: the views hold garbage). The checksum is
         computed on each piece as it lands, while it is still in the CPU's cache."""
         for i, conn in enumerate(self._session(keys)):
@@ -121,7 +122,7 @@ class _Replies:
             self._into(scratch[:k])
             n -= k
 
-    def read_codec_into(self, dest: Callable[[list[dict]], list[memoryview]]) -> str:
+    def read_codec_into(self, dest: Callable[[list[dict]], list[memoryview] | None]) -> str:
         """One bulk reply holding a ``codec.pack`` value, its body received into ``dest(entries)``'s views."""
         line = self._line()
         if line[:1] == b"-":

@@ -46,7 +46,7 @@ def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Te
     n_l, hkv = k.shape[:2]
     keep = None
     if comp.evicts:
-        per_block = min(comp.keep_budget(block_tokens), block_tokens)
+        per_block = min(comp.keep_budget(block_tokens) or block_tokens, block_tokens)
         positions = torch.arange(n, device=k.device).expand(n_l, hkv, n)
         w = min(q.shape[1] for q in queries)
         q = torch.stack([x[:, -w:] for x in queries]).flatten(0, 1).float()     # [L*Hq, w, D]
@@ -59,7 +59,8 @@ def compressed_forms(comp: Compressor, full: FullKVCache, queries: list[torch.Te
     forms = []
     for b in range(n_blocks):
         s, e = b * block_tokens, (b + 1) * block_tokens
-        tok, grp = {"k.tok.x": k[:, :, s:e], "v.tok.x": v[:, :, s:e]}, {}
+        tok = {"k.tok.x": k[:, :, s:e], "v.tok.x": v[:, :, s:e]}
+        grp: dict[str, torch.Tensor] = {}
         if layouts is not None:
             tok = {}
             for p, layout, x in zip("kv", layouts, (k[:, :, s:e], v[:, :, s:e])):

@@ -41,7 +41,7 @@ def put_prompt(engine, store: PrefixStore, token_ids: list[int], compressors: li
     for spec in compressors:
         comp = parse_compressor(spec)
         scores = comp.on_prefill(loaded.model, full, token_ids[: nb * bt], loaded.tokenizer)
-        forms[comp.spec()] = compressed_forms(comp, full, recorder.queries, nb, bt, scores)
+        forms[comp.spec()] = compressed_forms(comp, full, recorder.recorded(), nb, bt, scores)
     entry = store.put(token_ids[: nb * bt], forms)
     entry.pop("hashes", None)
     entry["seconds"] = round(time.perf_counter() - t0, 3)
@@ -50,9 +50,10 @@ def put_prompt(engine, store: PrefixStore, token_ids: list[int], compressors: li
 
 def describe(store: PrefixStore, token_ids: list[int], compressors: list[str]) -> dict:
     """What a prompt would hit: leading blocks per form, and (fetching them) bytes and integrity."""
-    out = {"prompt_tokens": len(token_ids), "whole_blocks": len(token_ids) // store.block_tokens, "forms": {}}
+    forms: dict[str, dict] = {}
+    out = {"prompt_tokens": len(token_ids), "whole_blocks": len(token_ids) // store.block_tokens, "forms": forms}
     for form in ["full"] + [parse_compressor(c).spec() for c in compressors]:
         got = store.get(token_ids, form)
-        out["forms"][form] = {"blocks": len(got.blocks), "tokens": len(got.blocks) * store.block_tokens,
+        forms[form] = {"blocks": len(got.blocks), "tokens": len(got.blocks) * store.block_tokens,
                               "bytes": got.nbytes, "seconds": round(got.seconds, 4), "status": got.reason}
     return out

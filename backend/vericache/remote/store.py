@@ -268,7 +268,7 @@ class PrefixStore:
         try:
             if self.reader == "bulk" and self.shards.cluster:
                 yield from self._cluster_values(keys)
-            elif self.reader == "bulk":
+            elif self.bulk is not None:   # the reader is "bulk"
                 yield from self.bulk.get_many(keys)
             else:
                 pipe = self.client.pipeline(transaction=False)

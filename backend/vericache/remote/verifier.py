@@ -230,7 +230,7 @@ class VerifierCore:
     def _opened(self, sess: Session, full: FullKVCache, token: int) -> None:
         """The prompt is in (called from the loop's update): store the prefix if asked, answer the open."""
         if sess.recorder is not None:
-            self._store_prefix(sess, full, sess.recorder.queries, sess.hit_tokens)
+            self._store_prefix(sess, full, sess.recorder.recorded(), sess.hit_tokens)
         with sess.lock:
             if not sess.closed:
                 sess.full = full
@@ -238,7 +238,10 @@ class VerifierCore:
 
     def _store_prefix(self, sess: Session, full: FullKVCache, queries: list, hit: int) -> None:
         """Put the prompt's whole blocks (full, and the drafter's compressor's form) when some were missing."""
-        bt = self.store.block_tokens
+        store = self.store
+        if store is None:
+            return
+        bt = store.block_tokens
         nb = (len(sess.prompt_ids) - 1) // bt
         if nb * bt <= hit:
             return
@@ -248,6 +251,6 @@ class VerifierCore:
             comp = parse_compressor(sess.compressor)
             forms[comp.spec()] = compressed_forms(comp, full, queries, nb, bt)
         try:
-            self.store.put(sess.prompt_ids[: nb * bt], forms)
+            store.put(sess.prompt_ids[: nb * bt], forms)
         except StoreUnavailable as exc:
             log.warning("could not store the prefix of session %s: %s", sess.id, exc)
