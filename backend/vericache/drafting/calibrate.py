@@ -77,8 +77,12 @@ def calibrate(loaded, repeats: int = 2, short: int = SHORT, long: int = LONG) ->
     if interpreted(loaded):
         return Calibration(np.zeros((0, 5)), np.zeros(0), None)
     model, cfg, dev = loaded.model, loaded.config, loaded.device
-    most_rows = max(max(CURVE_ROWS), max(r for _, r in SHAPES))
-    short = min(short, cfg.context_limit - most_rows)
+    # a small model's context (gpu-check's dry run: 60 positions) holds fewer rows: the curve stops there
+    curve_rows = [r for r in CURVE_ROWS if r <= cfg.context_limit // 2] or [1]
+    most_rows = max(max(curve_rows), max(r for _, r in SHAPES))
+    if cfg.context_limit < 2 * most_rows:   # too short to time attention apart from the weights
+        return Calibration(np.zeros((0, 5)), np.zeros(0), None)
+    short = max(min(short, cfg.context_limit - most_rows), 0)
     long = max(min(long, cfg.context_limit - most_rows), short)
     caches = [FullKVCache(cfg, dev, loaded.kv_dtype, capacity=long + most_rows)
               for _ in range(max(n for n, _ in SHAPES))]
@@ -98,23 +102,23 @@ def calibrate(loaded, repeats: int = 2, short: int = SHORT, long: int = LONG) ->
     for cache in caches:
         cache.begin(0, long)
         cache.fill_random()
-    for rows in CURVE_ROWS:
+    for rows in curve_rows:
         timed(short, 1, rows)
     for n, rows in SHAPES:
         timed(long, n, rows)
     x, y = np.array(features, dtype=np.float64), np.array(seconds)
-    costs = fit_calibration(x, y, lambda rows: caches[0].attention_cost(short, rows))
+    costs = fit_calibration(x, y, lambda rows: caches[0].attention_cost(short, rows), len(curve_rows))
     return Calibration(x, y, costs if costs.usable() else None)
 
 
-def fit_calibration(x: np.ndarray, seconds: np.ndarray, short_cost) -> StepCosts:
-    """The costs from a calibration's forwards (x as in ``Calibration``; the first ``len(CURVE_ROWS)``
+def fit_calibration(x: np.ndarray, seconds: np.ndarray, short_cost, n_curve: int = len(CURVE_ROWS)) -> StepCosts:
+    """The costs from a calibration's forwards (x as in ``Calibration``; the first ``n_curve``
     are the curve's, one sequence each at the short context). Each long forward of n sequences and R
     rows, less the curve's forward of R rows, leaves (n - 1) t_seq + (its K/V bytes and pairs less the
     curve forward's) priced at t_byte and t_pair: fitted by least squares, none negative. The curve then
     sheds the short forward's own sequence and attention (``short_cost(rows)``: its (K/V bytes, pairs)),
     so ``StepCosts.seconds`` adds them back once at any context."""
-    k = len(CURVE_ROWS)
+    k = n_curve
     curve_rows, curve_s = x[:k, 1].astype(int), seconds[:k]
     measured = WeightsCurve(tuple(int(r) for r in curve_rows), tuple(float(s) for s in curve_s))
     rest, terms = [], []
