@@ -3,7 +3,8 @@
 from it; a prefix's blocks spread over every master and come back whole, every master streaming its
 own; the compressed forms and both readers too; ls and rm across the cluster; a master that is gone
 when a fetch runs costs the blocks from its first one on (computed again, never a wrong one), and once
-its replica has taken over they come from the replica; a verifier process and a drafter fetching
+its replica has taken over they come from the replica; a master that stops answering mid-reply never
+hangs a fetch nor gives a wrong block (its replica serves the rest once promoted); a verifier process and a drafter fetching
 through the cluster decode what full decoding does, a master killed between their requests included."""
 
 from __future__ import annotations
@@ -160,4 +161,66 @@ def test_a_verifier_and_a_drafter_through_the_cluster_equal_full_decoding(llm, t
         assert stats["prefix_tokens"] == 512
     finally:
         verifier.stop()
+        nodes.stop()
+
+
+def test_a_master_that_stops_answering_mid_fetch_never_hangs_nor_gives_a_wrong_block(tmp_path):
+    """A master SIGSTOPped while its replies are streaming (blocks of SmolLM2's KV shape, 5.9 MB each, far
+    beyond the sockets' buffers): its connection times out, the slot map is read again, and once the
+    cluster has promoted its replica (a one-second node timeout) its blocks are read there in the same
+    fetch; whatever ends the fetch, it ends within the timeouts and every kept block is the stored one."""
+    import os
+    import signal
+    import time
+
+    from vericache.config import ModelConfig
+    from vericache.model.registry import resolve_model
+    from vericache.remote.chain import block_hashes
+    from vericache.remote.codec import pack
+
+    cfg = ModelConfig.from_file(resolve_model("smollm2-135m") / "config.json")
+    nodes = LocalRedisCluster(tmp_path)
+    stopped: list[int] = []
+    try:
+        bt, nb = 256, 12
+        ids = list(range(nb * bt + 1))
+        store = PrefixStore(nodes.url, "stop-test", bt, timeout_s=2)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, bt, cfg.head_dim)
+        gen = torch.Generator().manual_seed(0)
+        blocks = [{"k": torch.randn(shape, generator=gen).half(), "v": torch.randn(shape, generator=gen).half()}
+                  for _ in range(nb)]
+        for h, b in zip(block_hashes("stop-test", ids, bt), blocks):
+            store.client.set(store.key(h, "full"), pack(b))
+        for port in nodes.masters():
+            redis.Redis(port=port).execute_command("WAIT", 1, 5000)
+        keys = [store.key(h, "full") for h in store.hashes(ids)]
+        owner = {i: port for i, (_, port) in store.shards.owners(keys, list(range(nb))).items()}
+        url_port = int(nodes.url.rsplit(":", 1)[1])
+        victim = next(owner[i] for i in sorted(owner) if owner[i] not in (owner[0], url_port))
+        full = FullKVCache(cfg, "cpu", torch.float16, capacity=len(ids))
+        receive = full.byte_views
+
+        def views(start: int, n: int):   # the victim's first block is landing: stop it there
+            if owner[start // bt] == victim and not stopped:
+                os.kill(nodes.procs[victim].pid, signal.SIGSTOP)
+                stopped.append(start // bt)
+            return receive(start, n)
+
+        full.byte_views = views
+        t0 = time.perf_counter()
+        got = store.get_full_into(ids, full, nb)
+        assert stopped and time.perf_counter() - t0 < 30
+        assert got.reason in ("hit", "unavailable") and full.length == got.count * bt
+        assert all(torch.equal(full.k[:, :, i * bt:(i + 1) * bt], blocks[i]["k"])
+                   and torch.equal(full.v[:, :, i * bt:(i + 1) * bt], blocks[i]["v"]) for i in range(got.count))
+        nodes.kill(victim)
+        nodes.wait_ok()
+        again = FullKVCache(cfg, "cpu", torch.float16, capacity=len(ids))
+        got = store.get_full_into(ids, again, nb)
+        assert got.reason == "hit" and got.count == nb and torch.equal(again.k[:, :, : nb * bt],
+                                                                       torch.cat([b["k"] for b in blocks], dim=2))
+    finally:
+        for proc in nodes.procs.values():   # a stopped process must be continued to be killed cleanly
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
         nodes.stop()
