@@ -27,9 +27,8 @@ SPECS = ["snapkv:ratio=0.125", "kivi:bits=2"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    nodes = LocalRedisCluster(tmp_path_factory.mktemp("cluster"))
-    yield nodes
-    nodes.stop()
+    with LocalRedisCluster(tmp_path_factory.mktemp("cluster")) as nodes:   # stopped after the module
+        yield nodes
 
 
 @pytest.fixture(scope="module")

@@ -99,6 +99,12 @@ class LocalRedisCluster:
         self.procs[port].kill()
         self.procs[port].wait()
 
+    def __enter__(self) -> LocalRedisCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.kill()
