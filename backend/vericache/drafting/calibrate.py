@@ -33,6 +33,7 @@ import torch
 
 from vericache.drafting.cost import StepCosts, nonnegative_lstsq
 from vericache.kv.full import FullKVCache
+from vericache.model.draft_weights import interpolate_rows
 from vericache.timing import best_seconds
 
 SHORT = 256                              # positions where a forward is its weights
@@ -49,13 +50,7 @@ class WeightsCurve:
     seconds: tuple[float, ...]
 
     def __call__(self, n_rows: int) -> float:
-        xs, ys = self.rows, self.seconds
-        if n_rows <= xs[0]:
-            return ys[0]
-        for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:]):
-            if n_rows <= x1:
-                return y0 + (y1 - y0) * (n_rows - x0) / (x1 - x0)
-        return ys[-1] * n_rows / xs[-1]
+        return interpolate_rows(self.rows, self.seconds, n_rows)
 
 
 @dataclass(frozen=True)

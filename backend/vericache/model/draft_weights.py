@@ -152,7 +152,7 @@ class DraftChoice:
 
     def seconds_at(self, kind: str, n_rows: int) -> float:
         """One forward's matmuls on ``kind`` ("auto": the faster kind) at ``n_rows`` rows."""
-        return _interpolate(self.rows, self.seconds[self.kind_for(n_rows) if kind == "auto" else kind], n_rows)
+        return interpolate_rows(self.rows, self.seconds[self.kind_for(n_rows) if kind == "auto" else kind], n_rows)
 
 
 def measured_choice(model) -> DraftChoice:
@@ -163,7 +163,9 @@ def measured_choice(model) -> DraftChoice:
     return model.draft_choice
 
 
-def _interpolate(xs: tuple[int, ...], ys: list[float], x: int) -> float:
+def interpolate_rows(xs: tuple[int, ...], ys: list[float] | tuple[float, ...], x: int) -> float:
+    """Seconds at ``x`` rows from seconds ``ys`` measured at ``xs``: linear between, proportional to rows
+    beyond the last (the draft choice's and the calibration's weights curve)."""
     if x <= xs[0]:
         return ys[0]
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):

@@ -73,16 +73,6 @@ class VerifierPool:
     def session(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> PooledSession:
         return PooledSession(self, self.order(prompt_ids), prompt_ids, max_tokens, compressor)
 
-    def health(self, timeout_s: float = 2.0) -> dict[str, dict | str]:
-        """Each verifier's health reply, or why it did not answer."""
-        out: dict[str, dict | str] = {}
-        for url, client in self.clients.items():
-            try:
-                out[url] = client.health(timeout_s)
-            except VerifierUnavailable as exc:
-                out[url] = str(exc)
-        return out
-
     def close(self) -> None:
         for client in self.clients.values():
             client.close()

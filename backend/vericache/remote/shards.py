@@ -45,10 +45,7 @@ class Shards:
 
     def __init__(self, client, bulk: BulkReader | None) -> None:
         self.client, self.bulk = client, bulk
-
-    @property
-    def cluster(self) -> bool:
-        return is_cluster(self.client)
+        self.cluster = is_cluster(client)
 
     def groups(self, keys: list[str]) -> list[tuple[BulkReader, list[int]]]:
         """(reader, indices into ``keys``) per node holding some of them, in the keys' order within each;
