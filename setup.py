@@ -42,9 +42,12 @@ def kernel_build():
         print("setup.py: torch is not importable here, so this wheel carries no compiled kernels (they compile at "
               "first use); `make wheel` (pip wheel --no-build-isolation) builds one that does", file=sys.stderr)
         return [], {}
-    # kernels/__init__ and linear_op import the CPU-feature reader by its name (it needs nothing but the
-    # standard library): registered under that name first, the import finds it without vericache/__init__
+    # kernels/__init__ and linear_op import the CPU-feature reader and the layouts by their names (they need
+    # nothing but the standard library): registered under those names first, the imports find them without
+    # vericache/__init__
     sys.modules.setdefault("vericache.kernels.cpu", kernel_module("cpu"))
+    sys.modules.setdefault("vericache.kernels.layouts", kernel_module("layouts"))
+    sys.modules["vericache.kernels.layouts"].check_headers()   # the numbers both sides pass by position agree
     kernels, linear_op, prebuilt = (kernel_module(n) for n in ("__init__", "linear_op", "prebuilt"))
     HERE, PACKED_CFLAGS, PACKED_SOURCES = kernels.HERE, kernels.PACKED_CFLAGS, kernels.PACKED_SOURCES
     ISA_FLAGS, compile_linear = linear_op.ISA_FLAGS, linear_op.compile_linear

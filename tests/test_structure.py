@@ -395,14 +395,13 @@ def test_every_cache_is_declared_against_the_kv_protocol():
     assert cache_capability_probes({"x.py": "ok = hasattr(c, 'layered_parts')\n"}) == ["x.py:1 hasattr(c, 'layered_parts')"]
 
 
-KERNEL_CONSTANTS = {"TOKEN_GROUPS", "CHANNEL_GROUPS", "FP8", "DENSE"}   # the store kinds
+KERNEL_CONSTANTS = {"TOKEN_GROUPS", "CHANNEL_GROUPS", "FP8", "DENSE", "FORMATS", "BLOCK", "PART_INTS", "PART_TENSORS"}
 
 
-def test_store_kinds_and_cpu_flags_are_defined_once():
-    """Issue 54, item 6 in part: the store kinds are assigned in ``kernels/store_kinds.py`` only (the C++
-    op's DENSE is the same number), and /proc/cpuinfo is read in ``kernels/cpu.py`` only."""
-    from vericache.kernels import store_kinds
-
+def test_kernel_numbers_and_cpu_flags_are_defined_once():
+    """Issue 54, item 6: the numbers the kernels are handed by position (store kinds, a part's layout, the
+    GGUF formats) are assigned in ``kernels/layouts.py`` only, and /proc/cpuinfo is read in
+    ``kernels/cpu.py`` only."""
     assigned, readers = [], []
     for path in library_files():
         text = path.read_text()
@@ -413,10 +412,48 @@ def test_store_kinds_and_cpu_flags_are_defined_once():
             assigned += [f"{where}:{n}" for n in names if n in KERNEL_CONSTANTS]
         if "/proc/cpuinfo" in text and not text.startswith('"""What this CPU can run'):
             readers.append(where)
-    assert sorted(assigned) == sorted(f"backend/vericache/kernels/store_kinds.py:{n}" for n in KERNEL_CONSTANTS)
+    assert sorted(assigned) == sorted(f"backend/vericache/kernels/layouts.py:{n}" for n in KERNEL_CONSTANTS)
     assert readers == []
-    cpp = (PACKAGES["vericache"] / "kernels" / "packed_attention.cpp").read_text()
-    assert re.search(r"constexpr int DENSE = (\d+);", cpp).group(1) == str(store_kinds.DENSE)
+
+
+def test_the_kernels_headers_and_the_python_layouts_agree_and_a_change_to_one_side_fails(tmp_path):
+    """Issue 54, item 6: ``layouts.h``/``gguf_blocks.h`` and ``kernels/layouts.py`` agree (what every
+    build checks first), and the check catches a header changed alone: a part's tensors reordered, a
+    store kind renumbered, a format's block size, an implicit enum value; the packed op's arguments come
+    in the layout's order."""
+    import shutil
+
+    import pytest
+    import torch
+
+    from vericache.kernels import layouts
+    from vericache.kv.packed import KeyPart, op_args
+
+    assert layouts.differences() == []
+    layouts.check_headers()
+    cases = [("layouts.h", "K_SCALE = 1, K_ZERO = 2", "K_ZERO = 1, K_SCALE = 2", "part tensors"),
+             ("layouts.h", "FP8 = 2, DENSE = 3", "FP8 = 3, DENSE = 2", "store kinds"),
+             ("gguf_blocks.h", "{4, 2, 2, 18,", "{4, 2, 2, 20,", "block bytes"),
+             ("layouts.h", "V_GROUP = 8, PART_INTS = 9", "V_GROUP = 8, EXTRA = 9, PART_INTS = 10", "part ints")]
+    for name, old, new, what in cases:
+        folder = tmp_path / what.replace(" ", "_")
+        folder.mkdir()
+        for header in ("layouts.h", "gguf_blocks.h"):
+            shutil.copy(layouts.HERE / header, folder / header)
+        text = (folder / name).read_text()
+        assert old in text, (name, old)
+        (folder / name).write_text(text.replace(old, new))
+        with pytest.raises(RuntimeError, match=what):
+            layouts.check_headers(folder)
+    with pytest.raises(ValueError, match="no explicit value"):
+        layouts.header_enum("enum E { A = 0, B };", "E")
+    k = torch.zeros(2, 4, 8)
+    ints, tensors = op_args(3, KeyPart(k=k, v=k + 1, n=4, diag=1), 8)
+    assert len(ints) == len(layouts.PART_INTS) and len(tensors) == len(layouts.PART_TENSORS)
+    named = dict(zip(layouts.PART_INTS, ints))
+    assert named == {"seq": 3, "n_keys": 4, "diag": 1, "k_kind": layouts.DENSE, "k_bits": 0, "k_group": 0,
+                     "v_kind": layouts.DENSE, "v_bits": 0, "v_group": 0}
+    assert tensors[layouts.PART_TENSORS.index("v_rows")] is not None and tensors[layouts.PART_TENSORS.index("v_rows")][0, 0, 0] == 1
 
 
 MODE_NAMES = {"full", "lossy", "vericache"}

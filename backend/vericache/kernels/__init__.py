@@ -31,7 +31,7 @@ from vericache.kernels.cpu import flags_line
 
 HERE = Path(__file__).parent
 PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "quant_format.h",
-                  HERE / "exp_neg.h", HERE / "row_ops.h"]
+                  HERE / "exp_neg.h", HERE / "row_ops.h", HERE / "layouts.h"]
 # exact, reproducible IEEE arithmetic: explicit fma only, no reassociation
 PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
@@ -60,7 +60,9 @@ def load_extension(name: str, sources: list[Path], cflags: list[str], verbose: b
     except ImportError:
         pass
     from vericache.kernels.build import load_guarded
+    from vericache.kernels.layouts import check_headers
 
+    check_headers()   # the numbers both sides pass by position agree (else a RuntimeError naming them)
     cpp = [str(s) for s in sources if s.suffix == ".cpp"]
     build = _build_dir(cflags, sources)
     try:

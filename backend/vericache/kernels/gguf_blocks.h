@@ -12,13 +12,14 @@
 
 namespace vc_gguf {
 
+// the formats by number: layouts.py's FORMATS (checked before any build)
 enum Fmt { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 3, Q4_1 = 4, Q5_0 = 5, Q5_1 = 6, Q8_0 = 7, Q4_K = 8, Q5_K = 9, Q6_K = 10 };
 
 // elements per block and bytes per block, by format
 inline int block_elems(int f) { return f <= BF16 ? 1 : (f >= Q4_K ? 256 : 32); }
 inline int block_bytes(int f) {
-  static const int b[] = {4, 2, 2, 18, 20, 22, 24, 34, 144, 176, 210};
-  return b[f];
+  static const int BLOCK_BYTES[] = {4, 2, 2, 18, 20, 22, 24, 34, 144, 176, 210};   // layouts.py's BLOCK
+  return BLOCK_BYTES[f];
 }
 
 VC_INLINE float half_to_float(uint16_t h) {

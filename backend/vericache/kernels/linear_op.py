@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from vericache.kernels.cpu import cpu_flags
+from vericache.kernels.layouts import BLOCK, FORMATS, check_headers
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "linear_q8.cpp"]
@@ -39,15 +40,10 @@ ISA_CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "
 # exact, reproducible IEEE arithmetic: explicit fma only, no contraction, no reassociation
 CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
-# GGUF (ggml) type names -> the op's format codes; bytes per block and elements per block
-FORMATS = {"F32": 0, "F16": 1, "BF16": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q5_1": 6, "Q8_0": 7,
-           "Q4_K": 8, "Q5_K": 9, "Q6_K": 10}
 # formats with integer codes: the q8 numerics' integer dot products (``LinearOp.q8``); F32/F16/BF16
 # weights run the fp32 op in either numerics
 Q8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NUMERICS = ("q8", "fp32")
-BLOCK = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32),
-         "Q5_1": (24, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
 def supported_isas() -> list[str]:
@@ -88,6 +84,7 @@ def _build(isa: str, verbose: bool = False) -> Path:
 def compile_linear(isa: str, out: Path, verbose: bool = False) -> Path:
     """g++ builds the ``isa`` variant to ``out`` (through a temp file renamed at the end, so concurrent
     builders never load a half-written library). No compiler: a RuntimeError saying so."""
+    check_headers()
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = ["g++", *CFLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(tmp)]
     if verbose:

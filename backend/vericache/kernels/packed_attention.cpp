@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "exp_neg.h"
+#include "layouts.h"
 #include "quant_format.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -39,7 +40,6 @@ using namespace vc_quant;
 using namespace vc_exp;
 constexpr int BLK = 64;          // keys per block (one score vector per query row)
 constexpr int SPLIT = 8 * BLK;   // keys per work item
-constexpr int DENSE = 3;         // part kind: dense rows (fp32, fp16, bf16)
 constexpr float NEG = -1e30f;    // "no key seen yet": finite, so exp(NEG - m) is exactly 0
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -479,24 +479,27 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   }
 }
 
+// The part whose ints start at ints[at] and tensors at ts[tat] (layouts.h: PartInt, PartTensor).
 Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c10::optional<at::Tensor>>& ts,
                size_t tat, int64_t H, int64_t G, int64_t D) {
+  using namespace vc_layout;
+  const int64_t* in = ints.data() + at;
+  const c10::optional<at::Tensor>* t = ts.data() + tat;
   Part p{};
-  if (ts[tat + 7].has_value()) {
-    const at::Tensor& seen = *ts[tat + 7];
+  if (t[SEEN].has_value()) {
+    const at::Tensor& seen = *t[SEEN];
     TORCH_CHECK(seen.scalar_type() == at::kFloat && seen.dim() == 2 && seen.size(0) == H * G &&
-                seen.size(1) >= ints[at + 1] && seen.stride(1) == 1,
-                "seen: fp32 [", H * G, ", >= ", ints[at + 1], "] with a contiguous last dim, got ", seen.sizes());
+                seen.size(1) >= in[N_KEYS] && seen.stride(1) == 1,
+                "seen: fp32 [", H * G, ", >= ", in[N_KEYS], "] with a contiguous last dim, got ", seen.sizes());
     p.seen = seen.data_ptr<float>();
     p.seen_h = seen.stride(0);
   }
-  p.seq = ints[at]; p.n = ints[at + 1]; p.diag = ints[at + 2];
-  const int64_t k_kind = ints[at + 3], v_kind = ints[at + 6];
-  p.dense = k_kind == DENSE;
-  TORCH_CHECK((v_kind == DENSE) == p.dense, "a part's keys and values are both dense or both quantized");
+  p.seq = in[SEQ]; p.n = in[N_KEYS]; p.diag = in[DIAG];
+  p.dense = in[K_KIND] == DENSE;
+  TORCH_CHECK((in[V_KIND] == DENSE) == p.dense, "a part's keys and values are both dense or both quantized");
   if (p.dense) {
-    const at::Tensor& k = *ts[tat];
-    const at::Tensor& v = *ts[tat + 3];
+    const at::Tensor& k = *t[K_ROWS];
+    const at::Tensor& v = *t[V_ROWS];
     const auto st = k.scalar_type();
     for (const at::Tensor* x : {&k, &v}) {
       TORCH_CHECK((st == at::kFloat || st == at::kHalf || st == at::kBFloat16) && x->scalar_type() == st &&
@@ -509,9 +512,9 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
     p.k = (const char*)k.data_ptr(); p.v = (const char*)v.data_ptr();
     p.k_h = k.stride(0) * es; p.k_t = k.stride(1) * es; p.v_h = v.stride(0) * es; p.v_t = v.stride(1) * es;
   } else {
-    p.kf = make_format(k_kind, ints[at + 4], ints[at + 5], *ts[tat], *ts[tat + 1], ts[tat + 2], ts[tat + 6]);
-    p.vf = make_format(v_kind, ints[at + 7], ints[at + 8], *ts[tat + 3], *ts[tat + 4], ts[tat + 5], ts[tat + 6]);
-    TORCH_CHECK(ts[tat]->size(0) == H && ts[tat]->size(1) >= p.n && ts[tat + 3]->size(1) >= p.n,
+    p.kf = make_format(in[K_KIND], in[K_BITS], in[K_GROUP], *t[K_ROWS], *t[K_SCALE], t[K_ZERO], t[POS]);
+    p.vf = make_format(in[V_KIND], in[V_BITS], in[V_GROUP], *t[V_ROWS], *t[V_SCALE], t[V_ZERO], t[POS]);
+    TORCH_CHECK(t[K_ROWS]->size(0) == H && t[K_ROWS]->size(1) >= p.n && t[V_ROWS]->size(1) >= p.n,
                 "quantized part: codes must hold ", p.n, " tokens for each of the ", H, " heads");
   }
   return p;
@@ -519,8 +522,9 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 
 }  // namespace
 
-// seq_lens [S]; part_ints: 9 per part (seq, n, diag, k kind/bits/group, v kind/bits/group);
-// part_tensors: 8 per part (k or k codes, k scale, k zero, v or v codes, v scale, v zero, pos, seen:
+// seq_lens [S]; part_ints: PART_INTS per part (layouts.h's PartInt: seq, n, diag, k kind/bits/group, v
+// kind/bits/group); part_tensors: PART_TENSORS per part (PartTensor: k or k codes, k scale, k zero, v or v
+// codes, v scale, v zero, pos, seen:
 // an optional output [Hq, >= n] fp32: per query head, log softmax over keys j < n of the max over the
 // head's rows that see j of their scaled score: an estimate of how much the verified rows attended to
 // j, in logs; about -1e30 where no row sees j).
@@ -531,16 +535,18 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), S = (int64_t)seq_lens.size();
   TORCH_CHECK(hkv > 0 && Hq % hkv == 0, "query heads ", Hq, " are not a multiple of KV heads ", hkv);
   TORCH_CHECK(D <= MAX_D && D % 8 == 0, "head dim must be a multiple of 8 and <= 256, got ", D);
-  TORCH_CHECK(part_ints.size() % 9 == 0 && part_tensors.size() == part_ints.size() / 9 * 8,
-              "9 ints and 8 tensors per part");
-  const int64_t G = Hq / hkv, P = (int64_t)part_ints.size() / 9;
+  using vc_layout::PART_INTS;
+  using vc_layout::PART_TENSORS;
+  TORCH_CHECK(part_ints.size() % PART_INTS == 0 && part_tensors.size() == part_ints.size() / PART_INTS * PART_TENSORS,
+              PART_INTS, " ints and ", PART_TENSORS, " tensors per part");
+  const int64_t G = Hq / hkv, P = (int64_t)part_ints.size() / PART_INTS;
   std::vector<int64_t> row0(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + seq_lens[s];
   TORCH_CHECK(row0[S] == N, "seq_lens sum to ", row0[S], " but q has ", N, " rows");
 
   std::vector<Part> parts;
   for (int64_t i = 0; i < P; ++i) {
-    parts.push_back(make_part(part_ints, 9 * i, part_tensors, 8 * i, hkv, G, D));
+    parts.push_back(make_part(part_ints, PART_INTS * i, part_tensors, PART_TENSORS * i, hkv, G, D));
     TORCH_CHECK(parts.back().seq >= 0 && parts.back().seq < S, "part ", i, ": sequence ", parts.back().seq,
                 " out of range");
   }

@@ -1,5 +1,5 @@
 // Quantized K/V as stored (kv/quantized.py's layouts): the formats and a row dequantizer, shared by
-// packed_attention.cpp.
+// packed_attention.cpp. The kinds (layouts.h's StoreKind):
 //   0 TOKEN_GROUPS   codes [H, C, D*bits/8] u8, scale/zero [H, C, D/group] fp16 (per token, channel groups)
 //   1 CHANNEL_GROUPS codes [H, C, D*bits/8] u8, scale/zero [H, NG, D] fp16; token t uses the row of
 //                    group pos[h, t] / group (KIVI keys: per channel over groups of tokens)
@@ -11,7 +11,13 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "layouts.h"
+
 namespace vc_quant {
+
+using vc_layout::CHANNEL_GROUPS;
+using vc_layout::FP8;
+using vc_layout::TOKEN_GROUPS;
 
 constexpr int MAX_D = 256;
 
@@ -19,7 +25,7 @@ struct Format {
   int kind, bits, group;
   const uint8_t* codes; int64_t code_h, code_t;          // strides in bytes
   const at::Half* scale; const at::Half* zero; int64_t sc_h, sc_t;  // strides in elements
-  const int32_t* pos; int64_t pos_h;                      // kind 1 only (nullptr: pos = t)
+  const int32_t* pos; int64_t pos_h;                      // CHANNEL_GROUPS only (nullptr: pos = t)
 };
 
 inline Format make_format(int64_t kind, int64_t bits, int64_t group, const at::Tensor& codes, const at::Tensor& scale,
@@ -31,13 +37,13 @@ inline Format make_format(int64_t kind, int64_t bits, int64_t group, const at::T
   f.codes = codes.data_ptr<uint8_t>(); f.code_h = codes.stride(0); f.code_t = codes.stride(1);
   f.scale = scale.data_ptr<at::Half>(); f.sc_h = scale.stride(0); f.sc_t = scale.stride(1);
   f.zero = nullptr;
-  if (kind != 2) {
+  if (kind != FP8) {
     TORCH_CHECK(zero.has_value() && zero->scalar_type() == at::kHalf && zero->strides() == scale.strides(),
                 "zero: fp16 laid out like scale");
     f.zero = zero->data_ptr<at::Half>();
   }
   f.pos = nullptr; f.pos_h = 0;
-  if (kind == 1 && pos.has_value()) {
+  if (kind == CHANNEL_GROUPS && pos.has_value()) {
     TORCH_CHECK(pos->scalar_type() == at::kInt && pos->stride(1) == 1, "pos: int32 rows");
     f.pos = pos->data_ptr<int32_t>(); f.pos_h = pos->stride(0);
   }
@@ -146,7 +152,7 @@ inline __m512 codes16(const uint8_t* c, int chunk) {
 
 template <int BITS>
 inline void dequant64(const Format& f, const uint8_t* c, int64_t h, int64_t t, Affine& a, float* __restrict out) {
-  if (f.kind == 0) {
+  if (f.kind == TOKEN_GROUPS) {
     const at::Half* s = f.scale + h * f.sc_h + t * f.sc_t;
     const at::Half* z = f.zero + h * f.sc_h + t * f.sc_t;
     const int shift = __builtin_ctz((unsigned)f.group);
@@ -168,7 +174,7 @@ inline void dequant64(const Format& f, const uint8_t* c, int64_t h, int64_t t, A
 }
 
 inline bool dequant_row64(const Format& f, int64_t h, int64_t t, Affine& a, float* __restrict out) {
-  if (f.kind == 2 || (f.kind == 0 && f.group < 16)) return false;
+  if (f.kind == FP8 || (f.kind == TOKEN_GROUPS && f.group < 16)) return false;
   const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
   switch (f.bits) {
     case 2: dequant64<2>(f, c, h, t, a, out); return true;
@@ -192,7 +198,7 @@ inline __m256 codes8(const uint8_t* c, int chunk) {
 
 template <int BITS>
 inline void dequant64(const Format& f, const uint8_t* c, int64_t h, int64_t t, Affine& a, float* __restrict out) {
-  if (f.kind == 0) {
+  if (f.kind == TOKEN_GROUPS) {
     const at::Half* s = f.scale + h * f.sc_h + t * f.sc_t;
     const at::Half* z = f.zero + h * f.sc_h + t * f.sc_t;
     const int shift = __builtin_ctz((unsigned)f.group);
@@ -214,7 +220,7 @@ inline void dequant64(const Format& f, const uint8_t* c, int64_t h, int64_t t, A
 }
 
 inline bool dequant_row64(const Format& f, int64_t h, int64_t t, Affine& a, float* __restrict out) {
-  if (f.kind == 2 || (f.kind == 0 && f.group < 8)) return false;
+  if (f.kind == FP8 || (f.kind == TOKEN_GROUPS && f.group < 8)) return false;
   const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
   switch (f.bits) {
     case 2: dequant64<2>(f, c, h, t, a, out); return true;
@@ -230,7 +236,7 @@ inline void dequant_row(const Format& f, const float* fp8_lut, int64_t h, int64_
   if (d == 64 && dequant_row64(f, h, t, a, out)) return;
 #endif
   const uint8_t* c = f.codes + h * f.code_h + t * f.code_t;
-  if (f.kind == 2) {
+  if (f.kind == FP8) {
     const float s = (float)f.scale[h * f.sc_h + t * f.sc_t];
 #if defined(__AVX2__) && defined(__F16C__)
     return fp8_row(c, s, d, out);
@@ -245,7 +251,7 @@ inline void dequant_row(const Format& f, const float* fp8_lut, int64_t h, int64_
 #pragma omp simd
     for (int j = 0; j < d; ++j) out[j] = (float)c[j];
   }
-  if (f.kind == 0) {
+  if (f.kind == TOKEN_GROUPS) {
     const at::Half* s = f.scale + h * f.sc_h + t * f.sc_t;
     const at::Half* z = f.zero + h * f.sc_h + t * f.sc_t;
     for (int g = 0; g < d / f.group; ++g) {

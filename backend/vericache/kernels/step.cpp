@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "layouts.h"
 #include "row_ops.h"
 
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
@@ -182,8 +183,9 @@ struct SeqCache {               // one sequence's cache in the step (tensors wit
 }  // namespace
 
 // tokens: [N] int64; cos, sin: [N, D] fp32; logits_rows: [M] int64 indices into N, ascending;
-// per sequence: cache_ints (slot, number of parts, then 9 ints per part as kv.packed.op_args) and
-// cache_tensors (k, v, queries, then 8 per part, each with a leading layer dim). Returns logits [M, V].
+// per sequence: cache_ints (slot, number of parts, then PART_INTS ints per part as kv.packed.op_args) and
+// cache_tensors (k, v, queries, then PART_TENSORS per part, each with a leading layer dim; layouts.h).
+// Returns logits [M, V].
 at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
                         const std::vector<int64_t>& seq_lens, int64_t n_draft, const at::Tensor& logits_rows,
                         const std::vector<int64_t>& cache_ints,
@@ -217,8 +219,8 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
     TORCH_CHECK(c.k.dim() == 4 && c.k.size(0) == L && c.k.size(1) == Hkv && c.k.size(3) == D &&
                 c.slot + seq_lens[s] <= c.k.size(2) && c.v.sizes() == c.k.sizes(),
                 "sequence ", s, ": cache K/V [", L, ", ", Hkv, ", >= ", c.slot + seq_lens[s], ", ", D, "] expected");
-    at += 2 + 9 * c.n_parts;
-    tat += 3 + 8 * c.n_parts;
+    at += 2 + vc_layout::PART_INTS * c.n_parts;
+    tat += 3 + vc_layout::PART_TENSORS * c.n_parts;
     caches.push_back(c);
   }
   TORCH_CHECK(at == cache_ints.size() && tat == cache_tensors.size(), "cache descriptions do not match the sequences");
@@ -273,10 +275,11 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
       c.v.select(0, l).narrow(1, c.slot, t).copy_(v_view.narrow(1, r0, t));
       if (c.queries.has_value()) observe(c.queries->select(0, l), q_view.narrow(1, r0, t));
       for (int64_t p = 0; p < c.n_parts; ++p) {
-        const size_t i0 = c.ints_at + 9 * p, t0 = c.tensors_at + 8 * p;
-        ints.push_back(s);
-        ints.insert(ints.end(), cache_ints.begin() + i0 + 1, cache_ints.begin() + i0 + 9);
-        for (size_t j = t0; j < t0 + 8; ++j)
+        const size_t i0 = c.ints_at + vc_layout::PART_INTS * p, t0 = c.tensors_at + vc_layout::PART_TENSORS * p;
+        const size_t first = ints.size();
+        ints.insert(ints.end(), cache_ints.begin() + i0, cache_ints.begin() + i0 + vc_layout::PART_INTS);
+        ints[first + vc_layout::SEQ] = s;   // the part's sequence: its index in this call
+        for (size_t j = t0; j < t0 + vc_layout::PART_TENSORS; ++j)
           tensors.push_back(cache_tensors[j].has_value() ? c10::optional<at::Tensor>(cache_tensors[j]->select(0, l))
                                                          : c10::nullopt);
       }

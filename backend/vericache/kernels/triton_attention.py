@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vericache.kernels.store_kinds import CHANNEL_GROUPS, DENSE, FP8, TOKEN_GROUPS
+from vericache.kernels.layouts import CHANNEL_GROUPS, DENSE, FP8, TOKEN_GROUPS
 
 SPLIT = 64   # keys per split: fixed, so where a split starts never depends on the batch
 

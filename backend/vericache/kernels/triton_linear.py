@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-FORMATS = ("F32", "F16", "BF16", "Q8_0", "Q4_1")
+TRITON_FORMATS = ("F32", "F16", "BF16", "Q8_0", "Q4_1")
 CODES = {"F16": 0, "BF16": 1, "Q8_0": 2, "Q4_1": 3, "F32": 4}
 KT = 32                      # the K tile: one quantized block; the order of the tiles is the K order
 BLOCK_M, BLOCK_N = 16, 32    # fixed tile shape: only how many tiles there are depends on M
@@ -85,8 +85,8 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """x [M, K] fp32 @ W^T for a ``kernels.linear_op.StoredWeight`` W [n, K] stored as F16, BF16, Q8_0 or
     Q4_1 (its bytes as GGUF keeps them); returns y [M, n] fp32."""
     fmt, n, k = weight.fmt, weight.n, weight.k
-    if fmt not in FORMATS:
-        raise ValueError(f"the Triton linear takes {', '.join(FORMATS)} weights, got {fmt!r}")
+    if fmt not in TRITON_FORMATS:
+        raise ValueError(f"the Triton linear takes {', '.join(TRITON_FORMATS)} weights, got {fmt!r}")
     if k % KT:
         raise ValueError(f"k must be a multiple of {KT}, got k={k}")
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache.kernels import packed_kernels
-from vericache.kernels.store_kinds import CHANNEL_GROUPS, DENSE
+from vericache.kernels.layouts import CHANNEL_GROUPS, DENSE, PART_INTS, PART_TENSORS
 from vericache.kv.attention import Part, attend_all, attend_causal, merge
 
 
@@ -66,16 +66,20 @@ class LayeredParts:
 
 
 def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The op's 9 ints and 8 tensors for one part."""
-    diag = -1 if p.diag is None else p.diag
+    """One part's ints and tensors for the native op, named and put in the op's order (``layouts``'
+    PART_INTS and PART_TENSORS; unnamed tensors are None)."""
+    ints = {"seq": seq, "n_keys": p.n, "diag": -1 if p.diag is None else p.diag}
+    tensors: dict[str, torch.Tensor | None] = {"pos": p.pos, "seen": p.seen}
     if p.layouts is None:
-        return [seq, p.n, diag, DENSE, 0, 0, DENSE, 0, 0], [p.k, None, None, p.v, None, None, None, p.seen]
-    ints, tensors = [seq, p.n, diag], []
-    for layout, fields in zip(p.layouts, (p.k, p.v)):
-        table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]
-        ints += [layout.kind, layout.bits, layout.group_size(d)]
-        tensors += [fields["tok"]["codes"], table["scale"], table.get("zero")]
-    return ints, [*tensors, p.pos, p.seen]
+        ints |= {"k_kind": DENSE, "k_bits": 0, "k_group": 0, "v_kind": DENSE, "v_bits": 0, "v_group": 0}
+        tensors |= {"k_rows": p.k, "v_rows": p.v, "pos": None}
+    else:
+        for side, layout, fields in zip("kv", p.layouts, (p.k, p.v)):
+            table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]
+            ints |= {f"{side}_kind": layout.kind, f"{side}_bits": layout.bits, f"{side}_group": layout.group_size(d)}
+            tensors |= {f"{side}_rows": fields["tok"]["codes"], f"{side}_scale": table["scale"],
+                        f"{side}_zero": table.get("zero")}
+    return [ints[name] for name in PART_INTS], [tensors.get(name) for name in PART_TENSORS]
 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],

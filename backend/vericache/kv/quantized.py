@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.kernels.store_kinds import CHANNEL_GROUPS, FP8, TOKEN_GROUPS
+from vericache.kernels.layouts import CHANNEL_GROUPS, FP8, TOKEN_GROUPS
 from vericache.kv.attention import Part, attend_all
 
 E4M3_MAX = 448.0

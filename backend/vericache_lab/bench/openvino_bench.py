@@ -20,7 +20,7 @@ import torch
 
 from vericache_lab.bench.llama_cpp_bench import gguf_path
 
-BLOCK = 32   # its KV block size on the CPU: eviction sizes are multiples of it
+KV_BLOCK = 32   # its KV block size on the CPU: eviction sizes are multiples of it
 
 
 def unavailable() -> str | None:
@@ -39,7 +39,7 @@ def variants(keep: int | None, context: int) -> dict[str, dict]:
     ``context``) its own eviction keeping as many, in whole blocks."""
     out = {"OpenVINO GenAI (defaults: u8 KV)": {}, "OpenVINO GenAI (f16 KV)": {"kv": "f16"}}
     if keep is not None:
-        budget = max(BLOCK * round(keep / BLOCK), 6 * BLOCK)   # above its start (1) + recent (4) blocks
+        budget = max(KV_BLOCK * round(keep / KV_BLOCK), 6 * KV_BLOCK)   # above its start (1) + recent (4) blocks
         out[f"OpenVINO GenAI (its eviction, {budget} of {context} tokens kept; lossy)"] = {"evict": budget}
     return out
 
@@ -52,7 +52,7 @@ def _pipeline(gguf, threads: int, kv: str | None = None, evict: int | None = Non
     sc.cache_size = 4   # GB of KV blocks: 8 x 8K of SmolLM2 in f16 is 1.5 GB
     if evict is not None:
         sc.use_cache_eviction = True
-        sc.cache_eviction_config = ov_genai.CacheEvictionConfig(BLOCK, 4 * BLOCK, evict, ov_genai.AggregationMode.NORM_SUM)
+        sc.cache_eviction_config = ov_genai.CacheEvictionConfig(KV_BLOCK, 4 * KV_BLOCK, evict, ov_genai.AggregationMode.NORM_SUM)
     props = {"INFERENCE_NUM_THREADS": threads}
     if kv is not None:
         props["KV_CACHE_PRECISION"] = kv

@@ -1,0 +1,23 @@
+// The numbers the Python side hands the packed op by position: one definition here, and one in
+// kernels/layouts.py (the Python names), which checks that the two agree before any build of the kernels.
+//
+// A part of a sequence's cache (kv/packed.py's KeyPart) crosses into C++ as PART_INTS ints and
+// PART_TENSORS optional tensors, in the orders below; a step's parts one after another.
+#pragma once
+
+namespace vc_layout {
+
+// How a part's K or V rows are stored (layouts.py's store kinds; quant_format.h's layouts)
+enum StoreKind { TOKEN_GROUPS = 0, CHANNEL_GROUPS = 1, FP8 = 2, DENSE = 3 };
+
+// a part's ints: its sequence, its keys per KV head, its causal diagonal (-1: seen whole), then for K and
+// for V: the store kind, bits a code and group size
+enum PartInt { SEQ = 0, N_KEYS = 1, DIAG = 2, K_KIND = 3, K_BITS = 4, K_GROUP = 5, V_KIND = 6, V_BITS = 7,
+               V_GROUP = 8, PART_INTS = 9 };
+
+// a part's tensors: K (dense rows or codes) with its scale and zero, V alike, the positions of KIVI's
+// channel groups, and the optional attention-seen output
+enum PartTensor { K_ROWS = 0, K_SCALE = 1, K_ZERO = 2, V_ROWS = 3, V_SCALE = 4, V_ZERO = 5, POS = 6, SEEN = 7,
+                  PART_TENSORS = 8 };
+
+}  // namespace vc_layout
