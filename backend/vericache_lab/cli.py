@@ -15,20 +15,21 @@ from vericache.model.registry import DEFAULT_MODEL
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from vericache_lab.demo import DEMO_COMPRESSOR, DEMO_PROBLEM, run_demo
+    from vericache_lab.demo import DEMO_COMPRESSOR, run_demo
 
     run_demo(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, context=args.context,
-             compressor=args.compressor or DEMO_COMPRESSOR, problem_id=args.problem or DEMO_PROBLEM)
+             compressor=args.compressor or DEMO_COMPRESSOR, problem_id=args.problem)
     return 0
 
 
 def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="the Quickstart demo: full vs lossy vs VeriCache on the real model")
     add_model_args(d)
-    d.add_argument("--context", type=int, default=4096, help="prompt length of each task, in tokens")
+    d.add_argument("--context", type=int, default=None, help="each task's context, in tokens (default: the "
+                   "model's demo: 4096; 8000 for qwen2.5-coder-0.5b)")
     d.add_argument("--compressor", default=None, help="default: the demo's (SnapKV keeping 1/8)")
     d.add_argument("--problem", default=None, help="task 3's HumanEval problem, HumanEval/0 .. HumanEval/163 "
-                   "(default: the demo's)")
+                   "(default: the model's demo: HumanEval/2; HumanEval/9 for qwen2.5-coder-0.5b)")
     d.set_defaults(func=_cmd_demo)
 
 
