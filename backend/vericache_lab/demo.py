@@ -65,11 +65,9 @@ def humaneval_task(tok, problem_id: str, context: int) -> tuple[dict, list[int]]
 def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
              context: int | None = None, compressor: str = DEMO_COMPRESSOR, kv_dtype: str | None = None,
              problem_id: str | None = None) -> dict:
-    """The three tasks at ``context`` tokens, full vs lossy vs VeriCache (``context`` and ``problem_id``
-    default to the model's ``demo_settings``)."""
+    """The three tasks, full vs lossy vs VeriCache (``context``, ``problem_id``: the model's ``demo_settings``)."""
     settings = demo_settings(model)
-    context = settings.context if context is None else context
-    problem_id = problem_id or settings.problem
+    context, problem_id = context or settings.context, problem_id or settings.problem
     llm = LLM(model, device=device, dtype=dtype, kv_dtype=kv_dtype)
     tok = llm.tokenizer
     needle = lt.needle_tasks(tok, 1, context - 64, context, seed=3)[0]
@@ -119,10 +117,15 @@ def run_demo(model: str = DEFAULT_MODEL, device: str | None = None, dtype: str |
         kept = sum(o.stats.get("compression_ratio", 1.0) for o in outs[mode]) / len(prompts)
         print(f"{mode:>9} {speed[mode]:6.1f} {speed[mode] / speed['full']:6.2f}x {kept:7.1%}  "
               f"{right + ': ' + _first_line(ans.text):<38} {parses:<15} {tested:<16} {notes}")
-    for task, head in ((1, code.head), (2, problem["prompt"])):
+    print_completions(outs, code.head, problem["prompt"])
+    return outs
+
+
+def print_completions(outs: dict, code_head: str, problem_prompt: str) -> None:
+    """Tasks 2 and 3 as VeriCache completed them, and as the lossy cache did where it drifted."""
+    for task, head in ((1, code_head), (2, problem_prompt)):
         for mode in ("vericache", "lossy"):
             if mode == "lossy" and outs["lossy"][task].token_ids == outs["full"][task].token_ids:
                 continue
             print(f"\n---- task {task + 1}, {mode} completion{' (== full KV)' if mode == 'vericache' else ' (drifted)'} ----")
             print(head + (outs[mode][task].text if task == 1 else he.cut_at_stops(outs[mode][task].text)))
-    return outs

@@ -30,14 +30,15 @@ class ReconstructionScoringCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1 (all >= P)
-        if self.own_k[layer] is None:
-            self.own_k[layer], self.own_v[layer] = k, v
+        own_k, own_v = self.own_k[layer], self.own_v[layer]
+        if own_k is None or own_v is None:
+            own_k, own_v = k, v
         else:
-            self.own_k[layer] = torch.cat([self.own_k[layer], k], dim=1)
-            self.own_v[layer] = torch.cat([self.own_v[layer], v], dim=1)
+            own_k, own_v = torch.cat([own_k, k], dim=1), torch.cat([own_v, v], dim=1)
+        self.own_k[layer], self.own_v[layer] = own_k, own_v
         ctx_k, ctx_v = self.ctx.layer_views(layer, self.p)                               # [Hkv, P, D]
-        keys = torch.cat([ctx_k, self.own_k[layer]], dim=1)                              # [Hkv, S, D]
-        vals = torch.cat([ctx_v, self.own_v[layer]], dim=1)
+        keys = torch.cat([ctx_k, own_k], dim=1)                                          # [Hkv, S, D]
+        vals = torch.cat([ctx_v, own_v], dim=1)
         hq, t, d = q.shape
         hkv, s, _ = keys.shape
         qg = q.view(hkv, hq // hkv, t, d)

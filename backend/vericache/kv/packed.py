@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -50,6 +51,23 @@ class KeyPart:
         if self.n < 0 or (self.diag is not None and self.diag < 0):
             raise ValueError(f"a part needs n >= 0 and diag >= 0 or None, got n={self.n}, diag={self.diag}")
 
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [Hkv, >= n, D] of a dense part (ValueError for a quantized one)."""
+        if self.layouts is not None or not isinstance(self.k, torch.Tensor) or not isinstance(self.v, torch.Tensor):
+            raise ValueError("a quantized part has no dense K/V")
+        return self.k, self.v
+
+    def stored(self) -> tuple[dict, dict]:
+        """K's and V's stored fields of a quantized part (ValueError for a dense one)."""
+        if self.layouts is None or not isinstance(self.k, dict) or not isinstance(self.v, dict):
+            raise ValueError("a dense part has no stored fields")
+        return self.k, self.v
+
+
+class QueryObserver(Protocol):
+    """A cache told how many queries its observation window took in a step (a compressed cache's)."""
+    def observed(self, t: int) -> None: ...
+
 
 @dataclass
 class LayeredParts:
@@ -62,7 +80,7 @@ class LayeredParts:
     slot: int
     parts: list[KeyPart]
     queries: torch.Tensor | None = None
-    observer: object | None = None
+    observer: QueryObserver | None = None
 
 
 def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -71,10 +89,11 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
     ints = {"seq": seq, "n_keys": p.n, "diag": -1 if p.diag is None else p.diag}
     tensors: dict[str, torch.Tensor | None] = {"pos": p.pos, "seen": p.seen}
     if p.layouts is None:
+        k, v = p.dense()
         ints |= {"k_kind": DENSE, "k_bits": 0, "k_group": 0, "v_kind": DENSE, "v_bits": 0, "v_group": 0}
-        tensors |= {"k_rows": p.k, "v_rows": p.v, "pos": None}
+        tensors |= {"k_rows": k, "v_rows": v, "pos": None}
     else:
-        for side, layout, fields in zip("kv", p.layouts, (p.k, p.v)):
+        for side, layout, fields in zip("kv", p.layouts, p.stored()):
             table = fields["grp"] if layout.kind == CHANNEL_GROUPS else fields["tok"]
             ints |= {f"{side}_kind": layout.kind, f"{side}_bits": layout.bits, f"{side}_group": layout.group_size(d)}
             tensors |= {f"{side}_rows": fields["tok"]["codes"], f"{side}_scale": table["scale"],
@@ -107,10 +126,10 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
         return packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
     record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0
-    for t, seq_parts in zip(seq_lens, parts):
-        qs = q[:, start : start + t]
+    for rows, seq_parts in zip(seq_lens, parts):
+        qs = q[:, start : start + rows]
         outs.append(merge([r for p in seq_parts for r in torch_part(qs, p)]))
-        start += t
+        start += rows
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
@@ -130,8 +149,8 @@ def seen_scores(q: torch.Tensor, p: KeyPart) -> torch.Tensor:
     if p.layouts is not None:
         raise ValueError("seen scores are recorded over dense parts (a full cache) only")
     hq, t, d = q.shape
-    hkv = p.k.shape[0]
-    keys = p.k[:, : p.n].float().repeat_interleave(hq // hkv, dim=0)                # [Hq, n, D]
+    k, _ = p.dense()
+    keys = k[:, : p.n].float().repeat_interleave(hq // k.shape[0], dim=0)          # [Hq, n, D]
     scores = torch.matmul(q.float() * (1.0 / math.sqrt(d)), keys.transpose(1, 2))   # [Hq, T, n]
     if p.diag is not None:
         visible = torch.arange(p.n, device=q.device)[None] <= torch.arange(t, device=q.device)[:, None] + p.diag
@@ -145,15 +164,16 @@ def torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
     if p.layouts is not None:
         from vericache.kv.quantized import attend_quantized
 
-        return [attend_quantized(q, p.layouts, p.k, p.v, p.n, p.pos)] if p.n else []
-    if p.k.dtype != q.dtype:   # a half-size full KV: widened here (the CPU op widens block by block)
-        p = KeyPart(p.k[:, : p.n].to(q.dtype), p.v[:, : p.n].to(q.dtype), p.n, p.diag)
+        return [attend_quantized(q, p.layouts, *p.stored(), p.n, p.pos)] if p.n else []
+    k, v = p.dense()
+    if k.dtype != q.dtype:   # a half-size full KV: widened here (the CPU op widens block by block)
+        k, v = k[:, : p.n].to(q.dtype), v[:, : p.n].to(q.dtype)
     if p.diag is None:
-        return [attend_all(q, p.k[:, : p.n], p.v[:, : p.n])] if p.n else []
+        return [attend_all(q, k[:, : p.n], v[:, : p.n])] if p.n else []
     t, s = q.shape[1], p.diag
     if p.n != s + t:
         raise ValueError(f"a causal part over {p.n} keys for {t} queries at {s}: only n = diag + T is supported here")
     if t == 1:
-        return [attend_all(q, p.k[:, : p.n], p.v[:, : p.n])]
-    own = attend_causal(q, p.k[:, s : s + t], p.v[:, s : s + t])
-    return [attend_all(q, p.k[:, :s], p.v[:, :s]), own] if s else [own]
+        return [attend_all(q, k[:, : p.n], v[:, : p.n])]
+    own = attend_causal(q, k[:, s : s + t], v[:, s : s + t])
+    return [attend_all(q, k[:, :s], v[:, :s]), own] if s else [own]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from vericache.model.llama import Transformer
 from vericache.model.loader import LoadedModel, parse_dtype, parse_kernels, parse_kv_dtype, prepare
 from vericache.model.tokenizer import Tokenizer
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     # Meta-Llama-3-8B's config.json (the shapes and RoPE; no weights)
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
