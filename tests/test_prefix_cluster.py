@@ -117,12 +117,14 @@ def test_a_dead_master_costs_its_blocks_and_its_replica_serves_them_after_failov
         victim = owner[min(i for i in owner if owner[i] not in (owner[0], url_port))]   # nor block 0's master
         first_lost = min(i for i in owner if owner[i] == victim)
         nodes.kill(victim)             # gone before the cluster notices: the slot map still names it
+        assert store.match(prefix) == first_lost   # the blocks before the dead master's first one are matched
         full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
         got = store.get_full_into(prefix, full)
         assert got.reason == "unavailable" and got.count == first_lost and full.length == first_lost * BT
         assert same_rows(full, reference_kv, full.length)       # what was kept is exact; the rest is computed
         nodes.wait_ok()                # the victim's replica now serves its slots
         assert victim not in nodes.masters()
+        assert store.match(prefix) == entry["blocks"]
         again = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
         got = store.get_full_into(prefix, again)
         assert got.reason == "hit" and got.count == entry["blocks"] and same_rows(again, reference_kv, again.length)

@@ -28,16 +28,16 @@ class LocalRedisCluster:
         if exe is None or cli is None:
             raise RuntimeError("a local Redis Cluster needs redis-server and redis-cli (apt-get install redis-server)")
         self.procs: dict[int, subprocess.Popen] = {}
+        self.commands: dict[int, list[str]] = {}   # each node's command line: ``restart`` runs it again
         self.n_masters = masters
         for _ in range(2 * masters):
             port, bus = free_port(), free_port()
             node_dir = Path(tmp_dir) / f"node-{port}"
             node_dir.mkdir()
-            self.procs[port] = subprocess.Popen(
-                [exe, "--port", str(port), "--cluster-port", str(bus), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.commands[port] = [exe, "--port", str(port), "--cluster-port", str(bus), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled",
+                                   "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"]
+            self.procs[port] = subprocess.Popen(self.commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for port in self.procs:
             self._wait(lambda: redis.Redis(port=port).ping(), f"redis-server on port {port} did not start")
         done = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
@@ -48,9 +48,15 @@ class LocalRedisCluster:
         self.wait_ok()
         # a replica takes over only with a recent copy of its master: wait for every link to be up
         replicas = [n["port"] for n in self.nodes() if "slave" in n["flags"]]
-        self._wait(lambda: all(redis.Redis(port=p).info("replication").get("master_link_status") == "up"
-                               for p in replicas), "the replicas did not sync with their masters")
+        self.wait_synced(replicas)
         self.url = f"redis://127.0.0.1:{self.live()[0]}"
+
+    def wait_synced(self, replicas: list[int]) -> None:
+        """Until each of ``replicas`` (ports) has its link to its master up (a full copy received)."""
+        import redis
+
+        self._wait(lambda: all(redis.Redis(port=p).info("replication").get("master_link_status") == "up"
+                               for p in replicas), f"the replicas {replicas} did not sync with their masters")
 
     @staticmethod
     def _wait(ready, why: str, timeout_s: float = 30.0) -> None:
@@ -98,6 +104,18 @@ class LocalRedisCluster:
     def kill(self, port: int) -> None:
         self.procs[port].kill()
         self.procs[port].wait()
+
+    def restart(self, port: int) -> None:
+        """A killed node started again on its port and folder: its nodes.conf makes it rejoin, as a replica
+        of the master that took its slots; returns once it has synced with that master."""
+        import redis
+
+        if self.procs[port].poll() is None:
+            raise ValueError(f"node {port} is running; kill it first")
+        self.procs[port] = subprocess.Popen(self.commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait(lambda: redis.Redis(port=port).info("replication").get("role") == "slave",
+                   f"node {port} did not rejoin as a replica")
+        self.wait_synced([port])
 
     def __enter__(self) -> LocalRedisCluster:
         return self

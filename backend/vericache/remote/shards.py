@@ -54,13 +54,51 @@ class Shards:
             raise ValueError("shards are read by the bulk reader only")
         if not self.cluster:
             return [(self.bulk, list(range(len(keys))))] if keys else []
-        from redis.crc import key_slot
-
         by_node: dict[tuple[str, int], list[int]] = {}
         for i, key in enumerate(keys):
-            node = self.client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+            node = self.node_of(key)
             by_node.setdefault((node.host, int(node.port)), []).append(i)
         return [(self.bulk.at(host, port), idx) for (host, port), idx in by_node.items()]
+
+    def node_of(self, key: str):
+        """The cluster node (redis-py's ``ClusterNode``) that holds ``key`` by the current slot map."""
+        from redis.crc import key_slot
+
+        return self.client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+
+    def exists(self, keys: list[str]) -> list[bool | None]:
+        """Whether each key is stored, asked of the master holding it (one pipeline a master); None for
+        the keys of a master that did not answer, asked once more where the slot map, read again, names
+        another master for them (its replica promoted). Cluster only."""
+        import redis
+
+        found: list[bool | None] = [None] * len(keys)
+
+        def ask(indices: list[int]) -> bool:   # False where some master failed
+            by_node: dict[str, tuple[object, list[int]]] = {}
+            for i in indices:
+                node = self.node_of(keys[i])
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+            answered = True
+            for node, ids in by_node.values():
+                try:
+                    pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+                    for i in ids:
+                        pipe.exists(keys[i])
+                    for i, n in zip(ids, pipe.execute()):
+                        found[i] = bool(n)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        redis.exceptions.ResponseError):   # gone, or MOVED: its slots have another master
+                    answered = False
+            return answered
+
+        if not ask(list(range(len(keys)))):
+            lost = [i for i, f in enumerate(found) if f is None]
+            before = {i: self.node_of(keys[i]).name for i in lost}
+            self.refresh()
+            if any(self.node_of(keys[i]).name != before[i] for i in lost):
+                ask(lost)
+        return found
 
     def owners(self, keys: list[str], indices: list[int]) -> dict[int, tuple[str, int]]:
         """The node (host, port) that holds each of ``keys[i]``, i in ``indices``, by the current slot map."""

@@ -164,10 +164,16 @@ class PrefixStore:
         hashes = self.hashes(token_ids)
         if not hashes:
             return 0
-        pipe = self.client.pipeline(transaction=False)
-        for h in hashes:
-            pipe.exists(self.key(h, form))
-        found = self._call(pipe.execute)
+        keys = [self.key(h, form) for h in hashes]
+        if self.shards.cluster:   # each master asked on its own: a failed one ends the match at its first block
+            found = self._call(self.shards.exists, keys)
+            if found[0] is None:
+                raise StoreUnavailable(f"prefix store {self.url} unreachable: the master of {keys[0]} did not answer")
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            found = self._call(pipe.execute)
         n = 0
         while n < len(found) and found[n]:
             n += 1
