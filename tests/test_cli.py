@@ -23,19 +23,24 @@ def test_generate_json_runs_the_default_real_model(smollm):
     assert out["prompt_tokens"] == len(api.prompt_token_ids)
 
 
-def test_errors_are_one_line_without_traceback(tmp_path):
+def test_errors_are_one_line_without_traceback(tmp_path, capsys):
+    """Bad input: exit 2 and one line on stderr, before any model loads (a process, then the same entry
+    point in-process for the rest: each is the same ``main``)."""
+    from vericache.cli import main
+
+    r = run("generate", "--prompt", "x", "--max-tokens", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "max_tokens must be >= 1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     for args, needle in [
-        (("generate", "--prompt", "x", "--max-tokens", "0"), "max_tokens must be >= 1"),
         (("generate", "--prompt", "x", "--temperature", "-1"), "temperature must be >= 0"),
         (("generate", "--prompt", ""), "empty"),
         (("generate", "--prompt", "x", "--model", str(tmp_path / "nope")), "nope"),
         (("generate", "--prompt", "x", "--top-p", "2"), "top_p"),
     ]:
-        r = run(*args)
-        assert r.returncode != 0
-        assert "Traceback" not in r.stderr
-        assert needle in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        capsys.readouterr()
+        assert main(list(args)) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_prompt_file(tmp_path):

@@ -98,10 +98,12 @@ def _add_models(sub) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from vericache import LLM, SamplingParams
+    from vericache.llm import checked_prompts
 
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt or --prompt-file")
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    checked_prompts(prompt)   # bad input fails before the model loads
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mode=args.mode, compressor=args.compressor,

@@ -61,17 +61,24 @@ class LLM:
                  progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
         """Complete ``prompts`` together; ``progress(done, total)``: prompt tokens prefilled so far, after
         each step that prefilled (a long prompt prefills ``prefill_chunk`` tokens a step)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts must be a non-empty string or list of strings, got {prompts!r:.80}")
+        prompts = checked_prompts(prompts)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        seqs = []
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str) or not p:
-                raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
-            seqs.append(self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params))
+        seqs = [self.engine.new_sequence(self._next_id + i, self.tokenizer.encode(p), params)
+                for i, p in enumerate(prompts)]
         self._next_id += len(prompts)
         return self.engine.generate(seqs, progress=progress)
+
+
+def checked_prompts(prompts: str | list[str]) -> list[str]:
+    """``prompts`` as a list of non-empty strings (ValueError naming the first that is not): asked before
+    anything is loaded by a caller that can (the CLI)."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"prompts must be a non-empty string or list of strings, got {prompts!r:.80}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompt {i} is empty or not a string: {p!r:.80}")
+    return prompts
