@@ -118,6 +118,7 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     problem with nothing before it."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
+    from vericache_lab.bench.common import cached_prefill
 
     problems = load_problems(limit)
     configs = GRID if configs is None else configs
@@ -142,8 +143,8 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                                  f"{limit_positions} positions")
             ctx = context_ids(tok, context) if ctx is None else ctx
             base = Engine(llm.loaded, mode="full", device_budget_gb=None)
-            if ctx_prefill is None and ctx:   # the context alone, once per context length
-                ctx_prefill = base.shared_prefill(base.new_sequence(0, ctx, SamplingParams(max_tokens=1)))
+            if ctx_prefill is None and ctx:   # the context alone, once per context length ($VERICACHE_PREFILL_CACHE)
+                ctx_prefill = cached_prefill(base, base.new_sequence(0, ctx, SamplingParams(max_tokens=1)))
                 log(f"context {context}: {len(ctx)} tokens prefilled once in {ctx_prefill.seconds:.0f} s")
             seq = lambda e: e.new_sequence(0, ctx + tail, SamplingParams(max_tokens=max_tokens, stop=STOPS))  # noqa: E731
             shared = base.shared_prefill(seq(base), prefix=ctx_prefill)
