@@ -164,3 +164,28 @@ def test_repeated_modes_keep_each_modes_median_run():
     assert median_rows(runs[:2]) == runs[:2]                      # run once: the rows as they were
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         run_batch("tiny", 1, 10, 2, ["full"], "snapkv", repeats=0)
+
+
+def test_a_prefill_kept_in_the_cache_folder_comes_back_equal_and_each_prompt_has_its_own(llm, tmp_path, monkeypatch):
+    """``$VERICACHE_PREFILL_CACHE``: the first run stores the exact prefill, the next loads it (same K/V,
+    logits and queries, no forward run), and another prompt is not answered from it."""
+    import torch
+
+    from vericache import SamplingParams
+    from vericache.engine.engine import Engine
+    from vericache_lab.bench.common import cached_prefill
+
+    monkeypatch.setenv("VERICACHE_PREFILL_CACHE", str(tmp_path))
+    base = Engine(llm.loaded, mode="full", device_budget_gb=None)
+    ids = llm.tokenizer.encode("def add(a, b):\n    return a + b\n" * 8)
+    first = cached_prefill(base, base.new_sequence(0, ids, SamplingParams(max_tokens=4)))
+    assert len(list(tmp_path.glob("prefill-*.pt"))) == 1
+    monkeypatch.setattr(base, "shared_prefill", lambda seq, **kw: pytest.fail("ran a prefill the cache holds"))
+    again = cached_prefill(base, base.new_sequence(0, ids, SamplingParams(max_tokens=4)))
+    n = first.prompt_len
+    assert again.prompt_len == n and torch.equal(again.logits, first.logits)
+    assert torch.equal(again.full.k[:, :, :n], first.full.k[:, :, :n])
+    monkeypatch.undo()
+    monkeypatch.setenv("VERICACHE_PREFILL_CACHE", str(tmp_path))
+    other = cached_prefill(base, base.new_sequence(0, ids[:-3], SamplingParams(max_tokens=4)))
+    assert other.prompt_len == n - 3 and len(list(tmp_path.glob("prefill-*.pt"))) == 2
