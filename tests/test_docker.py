@@ -179,9 +179,21 @@ def compose_command() -> list[str] | None:
     return ["docker", "compose"] if done.returncode == 0 else None
 
 
+def compose_health(cmd: list[str], env: dict) -> dict[str, str | None]:
+    """service -> its health ("healthy", "starting", ...), or "exited N" for a container that has stopped."""
+    ids = subprocess.run([*cmd, "ps", "-q"], env=env, capture_output=True, text=True).stdout.split()
+    if not ids:
+        return {}
+    return {c["Config"]["Labels"]["com.docker.compose.service"]:
+            c["State"].get("Health", {}).get("Status") if c["State"]["Running"] else f"exited {c['State']['ExitCode']}"
+            for c in json.loads(docker("inspect", *ids).stdout)}
+
+
 def test_the_compose_stack_runs_healthy_and_prometheus_scrapes_it(images):
-    """`docker compose --profile remote up` on images built here: gateway, Triton, Redis and the verifier
-    healthy, and Prometheus (Debian's package on the same base) scraping the gateway's vericache_* series."""
+    """`docker compose --profile remote up` on images built here: gateway, Triton, a 3-master 3-replica
+    Redis Cluster (formed by a one-shot that exits 0), two verifiers and a drafter healthy; the drafter's
+    greedy text (verified remotely) equals the gateway's, its prompt's blocks are stored across the three
+    masters, and Prometheus (Debian's package on the same base) scrapes the gateway's vericache_* series."""
     import httpx
 
     compose = compose_command()
@@ -194,28 +206,45 @@ def test_the_compose_stack_runs_healthy_and_prometheus_scrapes_it(images):
     cmd = [*compose, "-p", "vericachetest", "-f", str(ROOT / "docker" / "compose.yaml"), "--profile", "remote"]
     env = {**os.environ, "VERICACHE_BASE": base, "VERICACHE_TORCH_SOURCE": "wheels"}
     try:
-        up = subprocess.run([*cmd, "up", "-d"], env=env, capture_output=True, text=True, timeout=300)
+        up = subprocess.run([*cmd, "up", "-d"], env=env, capture_output=True, text=True, timeout=600)
         assert up.returncode == 0, up.stderr[-3000:]
-        services = {"gateway", "triton", "redis", "verifier", "prometheus"}
-        end, health = time.monotonic() + 600, {}   # five services starting at once on 2 cores
+        services = {"gateway", "triton", "verifier-1", "verifier-2", "drafter", "prometheus",
+                    *(f"redis-{n}" for n in range(1, 7))}
+        end, health = time.monotonic() + 900, {}   # five engines starting at once on 2 cores
+
+        def ready(health: dict) -> bool:
+            return (health.get("redis-cluster") == "exited 0"
+                    and all(health.get(s) == "healthy" for s in services))
+
         while time.monotonic() < end:
-            ids = subprocess.run([*cmd, "ps", "-q"], env=env, capture_output=True, text=True).stdout.split()
-            health = {c["Config"]["Labels"]["com.docker.compose.service"]: c["State"].get("Health", {}).get("Status")
-                      for c in json.loads(docker("inspect", *ids).stdout)} if ids else {}
-            if set(health) == services and all(h == "healthy" for h in health.values()):
+            health = compose_health(cmd, env)
+            if ready(health):
                 break
-            assert "unhealthy" not in health.values(), health
-            time.sleep(2)
-        assert set(health) == services and all(h == "healthy" for h in health.values()), health
-        r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=60,
-                       json={"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 8})
-        assert r.status_code == 200, r.text
+            assert "unhealthy" not in health.values() and health.get("redis-cluster", "exited 0") in (
+                None, "exited 0"), health
+            time.sleep(3)
+        assert ready(health), health
+        # a prompt of three 256-token blocks: the verifier it is placed on stores them (--store-prefixes)
+        prompt = "".join(f"def f{i}(x):\n    return x * {i} + {i + 1}\n\n" for i in range(48)) + PROMPT
+        texts = {}
+        for name, port in (("gateway", 8000), ("drafter", 8010)):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                           json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, (name, r.text)
+            texts[name] = r.json()["choices"][0]["text"]
+        assert texts["drafter"] == texts["gateway"] and texts["gateway"], texts
+        ls = subprocess.run([*cmd, "exec", "-T", "verifier-1", "vericache", "prefix", "ls", "--redis",
+                             "redis://redis-1:6379", "--json"], env=env, capture_output=True, text=True, timeout=300)
+        assert ls.returncode == 0, ls.stderr[-3000:]
+        listed = json.loads(ls.stdout.strip().splitlines()[-1])
+        assert len(set(listed["masters"])) == 3 and all(m.startswith("redis-") for m in listed["masters"]), listed
+        assert listed["prefixes"], listed
         query = "http://127.0.0.1:9090/api/v1/query?query=vericache_generation_tokens_total"
         end, scraped = time.monotonic() + 60, 0.0
-        while time.monotonic() < end and scraped < 8:
+        while time.monotonic() < end and scraped < 16:
             result = httpx.get(query, timeout=5).json()["data"]["result"]
             scraped = sum(float(x["value"][1]) for x in result)
             time.sleep(2)
-        assert scraped >= 8      # the 8 tokens just generated, scraped by Prometheus from the gateway
+        assert scraped >= 16     # the 8 + 8 tokens just generated, scraped from the gateway and the drafter
     finally:
         subprocess.run([*cmd, "down", "-v", "-t", "30"], env=env, capture_output=True, timeout=120)
