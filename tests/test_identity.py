@@ -1,10 +1,11 @@
 """Losslessness: VeriCache output == full-KV output, token for token, for every compressor.
 
-The matrix: every method (and a composition) x batch {1, 4 of mixed lengths} x draft
-length {1, 8, 32, auto}, over prompts that include >= 1K-token code contexts and a
-retrieval task. Weights fp32 (see docs/DESIGN.md for the bf16 near-tie caveat); every identity test
-runs with the full KV in fp16 (the CPU's default) and in fp32: identity is to full decoding with the
-same KV dtype.
+The matrix: every method (and a composition) x batch {1, 4 of mixed lengths} x draft length {1, 8, 32,
+auto} x the full KV in fp16 (the CPU's default) or fp32 (identity is to full decoding with the same KV
+dtype), over prompts that include >= 1K-token code contexts and a retrieval task, weights fp32 (see
+docs/DESIGN.md for the bf16 near-tie caveat). It runs as an all-pairs design (``all_pairs``): every
+(method, draft length) once, the batch and KV dtype chosen so that every pair of values of any two axes
+occurs; 36 cases where the product is 144 (a test checks the covering).
 """
 
 from __future__ import annotations
@@ -36,18 +37,38 @@ def registered(settings: dict[str, str], skip: frozenset = frozenset()) -> list[
 # aggressive settings, so that the drafter really is lossy
 COMPRESSORS = registered({"kivi": "bits=2", "int8": "window=8", "fp8": "window=8"})
 DRAFT_LENS = [1, 8, 32, "auto"]
+BATCHES = [1, 4]
+DRAFT_WEIGHTS = ["q8", "int8", "int4", "auto"]
 MAX_TOKENS = 24
 KV_DTYPES = ["float16", "float32"]
 
 
-@pytest.fixture(scope="session", params=KV_DTYPES)
-def kv_loaded(request, llm):
-    """The test model with its full KV in each dtype (the session's ``llm`` holds the default, fp16)."""
+def all_pairs(first: list, second: list, *binary: list) -> list[tuple]:
+    """Every (first, second) value pair once, with up to two more axes of two values each chosen so that
+    each pair of values of any two axes occurs in some case (with two more, ``second`` needs >= 3 values)."""
+    picks = ((lambda i, j: (i + j) % 2), (lambda i, j: (i + j // 2) % 2))
+    return [(a, b, *(axis[pick(i, j)] for axis, pick in zip(binary, picks))) for i, a in enumerate(first)
+            for j, b in enumerate(second)]
+
+
+@pytest.fixture(scope="session")
+def loaded_kv(llm):
+    """kv dtype -> the test model with its full KV in it (the session's ``llm`` holds the default, fp16)."""
     from vericache.model.loader import load_model
 
-    if llm.loaded.kv_dtype == getattr(torch, request.param):
-        return llm.loaded
-    return load_model("tiny", device="cpu", dtype="float32", kv_dtype=request.param)
+    models = {str(llm.loaded.kv_dtype).removeprefix("torch."): llm.loaded}
+
+    def get(kv_dtype: str):
+        if kv_dtype not in models:
+            models[kv_dtype] = load_model("tiny", device="cpu", dtype="float32", kv_dtype=kv_dtype)
+        return models[kv_dtype]
+    return get
+
+
+@pytest.fixture(scope="session", params=KV_DTYPES)
+def kv_loaded(request, loaded_kv):
+    """The test model with its full KV in each dtype, for the tests run in both."""
+    return loaded_kv(request.param)
 
 
 @pytest.fixture(scope="session")
@@ -65,11 +86,31 @@ def identity_prompts(llm, code_prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def full_reference(kv_loaded, identity_prompts) -> list[list[int]]:
-    runner = Engine(kv_loaded, mode="full")
-    params = SamplingParams(max_tokens=MAX_TOKENS)
-    return [runner.generate([runner.new_sequence(i, p, params)], "full")[0].token_ids
-            for i, p in enumerate(identity_prompts)]
+def references(loaded_kv, identity_prompts):
+    """kv dtype -> full decoding's tokens for each identity prompt, alone, with the full KV in it."""
+    done: dict[str, list[list[int]]] = {}
+
+    def get(kv_dtype: str) -> list[list[int]]:
+        if kv_dtype not in done:
+            runner, params = Engine(loaded_kv(kv_dtype), mode="full"), SamplingParams(max_tokens=MAX_TOKENS)
+            done[kv_dtype] = [runner.generate([runner.new_sequence(i, p, params)], "full")[0].token_ids
+                              for i, p in enumerate(identity_prompts)]
+        return done[kv_dtype]
+    return get
+
+
+def test_the_identity_matrix_covers_every_pair_of_values():
+    """The all-pairs design leaves no pair of two axes' values untried (and is smaller than the product)."""
+    from itertools import combinations, product
+
+    for axes in ([COMPRESSORS, DRAFT_LENS, BATCHES, KV_DTYPES], [COMPRESSORS, DRAFT_WEIGHTS, KV_DTYPES]):
+        cases = all_pairs(*axes)
+        for x, y in combinations(range(len(axes)), 2):
+            assert {(c[x], c[y]) for c in cases} == set(product(axes[x], axes[y])), (x, y)
+        assert len(cases) == len(axes[0]) * len(axes[1]) < len(list(product(*axes)))
+    cases = all_pairs(COMPRESSORS, DRAFT_LENS, BATCHES, KV_DTYPES)
+    broken = [(a, b, BATCHES[0], d) for a, b, _, d in cases]   # the batch never varied
+    assert {(c[1], c[2]) for c in broken} != set(product(DRAFT_LENS, BATCHES))
 
 
 def _run(loaded, spec, draft_len, prompts, mode="vericache"):
@@ -78,12 +119,10 @@ def _run(loaded, spec, draft_len, prompts, mode="vericache"):
     return runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(prompts)])
 
 
-@pytest.mark.parametrize("draft_len", DRAFT_LENS)
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("spec", COMPRESSORS)
-def test_vericache_equals_full(kv_loaded, identity_prompts, full_reference, spec, batch, draft_len):
-    outs = _run(kv_loaded, spec, draft_len, identity_prompts[:batch])
-    for out, ref in zip(outs, full_reference):
+@pytest.mark.parametrize("spec,draft_len,batch,kv_dtype", all_pairs(COMPRESSORS, DRAFT_LENS, BATCHES, KV_DTYPES))
+def test_vericache_equals_full(loaded_kv, identity_prompts, references, spec, draft_len, batch, kv_dtype):
+    outs = _run(loaded_kv(kv_dtype), spec, draft_len, identity_prompts[:batch])
+    for out, ref in zip(outs, references(kv_dtype)):
         assert out.token_ids == ref
         st = out.stats
         assert st["mode"] == "vericache" and st["compressor"] == parse_compressor(spec).spec()
@@ -92,14 +131,15 @@ def test_vericache_equals_full(kv_loaded, identity_prompts, full_reference, spec
             assert st["drafted_tokens"] <= st["rounds"] * draft_len
 
 
-@pytest.mark.parametrize("weights", ["q8", "int8", "int4", "auto"])
-@pytest.mark.parametrize("spec", COMPRESSORS)
-def test_vericache_with_quantized_draft_weights_equals_full(kv_loaded, identity_prompts, full_reference, spec, weights):
-    """Drafts on int8 or int4 weights (and compressed KV), verification on the exact ones: still the full output."""
-    runner = Engine(kv_loaded, mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
+@pytest.mark.parametrize("spec,weights,kv_dtype", all_pairs(COMPRESSORS, DRAFT_WEIGHTS, KV_DTYPES))
+def test_vericache_with_quantized_draft_weights_equals_full(loaded_kv, identity_prompts, references, spec, weights,
+                                                            kv_dtype):
+    """Drafts on int8 or int4 weights (and compressed KV), verification on the exact ones: still the full
+    output (every method x every weights form, each KV dtype with both)."""
+    runner = Engine(loaded_kv(kv_dtype), mode="vericache", compressor=spec, draft_len="auto", draft_weights=weights)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outs = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
-    assert [o.token_ids for o in outs] == full_reference
+    assert [o.token_ids for o in outs] == references(kv_dtype)
     assert all(o.stats["rounds"] > 0 for o in outs)
 
 
