@@ -65,6 +65,11 @@ class Compressor:
         """Verification-guided trades into the store (``drafting.guide``): an eviction method's field."""
         return False
 
+    @property
+    def swaps(self) -> int:
+        """Tokens a KV head a guided store may trade a round: an eviction method's field (0 here)."""
+        return 0
+
     def keep_budget(self, total_tokens: int) -> int | None:
         """How many tokens (per KV head) to keep of ``total_tokens``; None = keep all."""
         return None

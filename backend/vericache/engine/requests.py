@@ -131,6 +131,12 @@ class PrefillProgress:
     done_ids: int = 0                     # tokens already in the caches
     complete: bool = False                # remote drafter: prefill done, the verifier's first token awaited
 
+    def shared_prefill(self) -> SharedPrefill:
+        """The exact prefill this request loads (RuntimeError where it computes its own)."""
+        if self.shared is None:
+            raise RuntimeError("this request has no shared prefill to load")
+        return self.shared
+
 
 @dataclass
 class Drafting:
@@ -148,6 +154,12 @@ class Drafting:
             raise RuntimeError("no transfer is in flight for this request")
         return self.transfer
 
+    def lookup_index(self) -> LookupIndex:
+        """Its n-gram index (requests with lookup proposals; RuntimeError otherwise)."""
+        if self.lookup is None:
+            raise RuntimeError("this request drafts without lookup proposals")
+        return self.lookup
+
 
 @dataclass
 class RemoteParts:
@@ -160,6 +172,12 @@ class RemoteParts:
     verifier_hit_tokens: int = 0                # prompt positions the verifier had stored
     fetch_bytes: int = 0
     fetch_s: float = 0.0
+
+    def serving(self) -> Served:
+        """The verifier role's side of it (a verifier session; RuntimeError for any other request)."""
+        if self.served is None:
+            raise RuntimeError("this request is not a verifier session")
+        return self.served
 
 
 @dataclass

@@ -73,7 +73,7 @@ class StepPlan:
     run in one forward so the weights are read once per step whatever the mix."""
     rows: list[Row] = field(default_factory=list)
 
-    def add(self, req: Request, kind: RowKind, tokens: list[int], start: int, cache: object,
+    def add(self, req: Request, kind: RowKind, tokens: list[int], start: int, cache: KVCache,
             logits_for: str = "last") -> None:
         self.rows.append(Row(req, kind, tokens, start, cache, logits_for))
 
@@ -132,26 +132,28 @@ class Scheduler:
     def plan(self) -> StepPlan:
         plan = StepPlan()
         for r in self.requests.in_state(State.TRANSFERRING):
-            if r.drafting.transfer.error:
-                self.requests.fail(r, f"transfer failed: {r.drafting.transfer.error}")
+            transfer = r.drafting.on_link()
+            if transfer.error:
+                self.requests.fail(r, f"transfer failed: {transfer.error}")
             elif self.offload.can_verify(r):
-                if not r.drafting.transfer.ready():
+                if not transfer.ready():
                     self.instruments.early_verifies += 1
                 tokens = [r.last_token] + r.drafting.round.drafts
                 plan.add(r, RowKind.VERIFY, tokens, r.position,
-                         self._verify_cache(r, StreamedKV(r.drafting.transfer, r.kv.resident), len(tokens)), "all")
+                         self._verify_cache(r, StreamedKV(transfer, r.kv.resident), len(tokens)), "all")
         budget = self.prefill_chunk
         for r in self.requests.in_state(State.PREFILL):
             if budget > 0 and not r.prefill.complete:
                 budget -= self._plan_prefill(r, plan, budget)
         for r in self.requests.in_state(State.DECODING):
-            plan.add(r, RowKind.DECODE, [r.last_token], r.position, r.kv.draft if r.placement.draft_here else r.kv.full)
+            plan.add(r, RowKind.DECODE, [r.last_token], r.position,
+                     r.kv.draft_kv() if r.placement.draft_here else r.kv.full_kv())
         for r in self.requests.in_state(State.DRAFTING):
             self._plan_round(r, plan)
         for r in self.requests.in_state(State.SERVING):   # a verifier session: the drafter's next round
-            if r.remote.served.inbox:
-                start, tokens, _ = r.remote.served.inbox[0]
-                plan.add(r, RowKind.VERIFY, tokens, start, r.kv.full, "all")
+            if r.remote.serving().inbox:
+                start, tokens, _ = r.remote.serving().inbox[0]
+                plan.add(r, RowKind.VERIFY, tokens, start, r.kv.full_kv(), "all")
         return plan
 
     def _plan_round(self, r: Request, plan: StepPlan) -> None:
@@ -160,11 +162,11 @@ class Scheduler:
         if not rs.started:  # a new round
             rs.start(self.planner.new_round(r))
             if rs.k and r.placement.verifies_in_place:
-                catch_up(r.kv.draft, r.kv.full, r.position)   # plain full steps may have left the drafter behind
+                catch_up(r.kv.draft_kv(), r.kv.full_kv(), r.position)   # plain full steps may have left the drafter behind
         if not rs.complete and (not offloaded or self.offload.may_draft(r)):
             tok = rs.drafts[-1] if rs.drafts else r.last_token
             proposal = self.planner.proposal(r)
-            plan.add(r, RowKind.DRAFT, [tok] + proposal, r.position + len(rs.drafts), r.kv.draft,
+            plan.add(r, RowKind.DRAFT, [tok] + proposal, r.position + len(rs.drafts), r.kv.draft_kv(),
                      "all" if proposal else "last")
         elif rs.complete and r.placement.verifies_in_place:  # else: the link (Offload) or the network (RemoteRounds)
             tokens = [r.last_token] + rs.drafts
@@ -193,24 +195,29 @@ class Scheduler:
             return 0
         ids = req.prefill_ids
         n = min(budget, len(ids) - req.prefill.done_ids, req.remote.served.chunk if req.remote.served else budget)
-        full = req.kv.prefill_buf or req.kv.full
+        cache: KVCache
         if req.remote.served is not None and req.remote.served.recorder is not None:   # the store wants the last queries
-            cache = TeeCache(full, req.remote.served.recorder)
+            cache = TeeCache(self._prefill_full(req), req.remote.served.recorder)
         elif not req.placement.draft_here:
-            cache = full
+            cache = self._prefill_full(req)
         elif not req.placement.full_here:
-            cache = req.kv.draft
+            cache = req.kv.draft_kv()
         else:   # one prefill fills both
-            cache = TeeCache(full, req.kv.draft)
+            cache = TeeCache(self._prefill_full(req), req.kv.draft_kv())
         chunk = ids[req.prefill.done_ids : req.prefill.done_ids + n]
         last = req.prefill.done_ids + n == len(ids)
         plan.add(req, RowKind.PREFILL, chunk, req.prefill.done_ids, cache, "last" if last else "none")
         return n
 
+    @staticmethod
+    def _prefill_full(req: Request) -> FullKVCache:
+        """Where its prompt's full K/V are written: the device buffer of a host-tier request, else its full KV."""
+        return req.kv.prefill_buf or req.kv.full_kv()
+
     def _load_shared_prefill(self, req: Request) -> None:
         """Take the prompt's exact prefill (made once, elsewhere) and compress it: prefill work, so it
         is recorded as a "load" interval, which benches leave out of decode time."""
-        t0, shared = time.perf_counter(), req.prefill.shared
+        t0, shared = time.perf_counter(), req.prefill.shared_prefill()
         if req.kv.draft is not None:
             req.kv.draft.load_prefill(shared.reset(req.seq), shared.queries)
         req.prefill.done_ids = shared.prompt_len
@@ -241,7 +248,7 @@ class Scheduler:
         """The prompt (and any recomputed output) is in the caches: compress, pick the first token."""
         seq, n = req.seq, req.prefill.done_ids
         if req.kv.prefill_buf is not None:  # home to the host tier
-            req.kv.full.load(req.kv.prefill_buf, n)
+            req.kv.full_kv().load(req.kv.prefill_buf, n)
         if req.kv.draft is not None:
             comp = req.opts.compressor
             # a prompt partly loaded from the prefix store has no whole-prompt context here
@@ -253,11 +260,11 @@ class Scheduler:
             # cache the draft cache takes the prompt's K/V from it
             req.kv.draft.commit(n, source=context)
         if req.kv.resident is not None:  # the resident layers go up once
-            req.kv.resident.load(req.kv.prefill_buf or req.kv.full, n)
+            req.kv.resident.load(self._prefill_full(req), n)
         req.kv.prefill_buf = None
         if req.placement.session:  # a verifier session: the drafter appends the first token, not us
             self.requests.set_state(req, State.SERVING)
-            req.remote.served.opened(seq.choose(logits))
+            req.remote.serving().opened(seq.choose(logits))
             return
         if req.placement.remote:  # the first token is the verifier's (exact), not the drafter's
             req.prefill.complete = True
@@ -272,7 +279,7 @@ class Scheduler:
     def _after_prefill(self, req: Request, row: Row, logits, argmax) -> None:
         req.prefill.done_ids += len(row.tokens)
         if logits is not None:
-            self._finish_prefill(req, logits[0], req.kv.prefill_buf or req.kv.full)
+            self._finish_prefill(req, logits[0], req.kv.prefill_buf or req.kv.full)   # none: a lossy request
 
     def _after_decode(self, req: Request, row: Row, logits, argmax) -> None:
         if req.kv.draft is not None:  # lossy: the drafter's own K/V are final
@@ -282,28 +289,29 @@ class Scheduler:
         req.seq.append(argmax[0] if params.greedy else req.seq.choose(logits[0]))
 
     def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
-        req.measured.draft_bytes_read += req.kv.draft.nbytes()
+        req.measured.draft_bytes_read += req.kv.draft_kv().nbytes()
         req.drafting.round.draft_steps += 1
         if len(row.tokens) == 1:
             add_draft(req.seq, req.drafting.round, logits[0], argmax[0], req.opts.acceptance)
         else:   # a lookup proposal, checked by the drafter in one step
             kept = add_checked_proposal(req.seq, req.drafting.round, row.tokens[1:], logits, argmax, req.opts.acceptance)
-            req.drafting.lookup.record(len(row.tokens) - 1, kept)
+            req.drafting.lookup_index().record(len(row.tokens) - 1, kept)
 
     def _after_verify(self, req: Request, row: Row, logits, argmax) -> None:
         if req.remote.served is not None:   # the verifier role: the drafter's round, answered over the network
             _, _, reply = req.remote.served.inbox.popleft()
-            reply(verify_for_drafter(req.kv.full, row.start, row.tokens[1:], argmax))
+            reply(verify_for_drafter(req.kv.full_kv(), row.start, row.tokens[1:], argmax))
             return
         write_back, view = None, row.cache.cache if isinstance(row.cache, SeenRecorder) else row.cache
         if isinstance(view, StreamedKV):
             write_back = lambda s, e: self._write_back(req, view, s, e)  # noqa: E731
-        req.measured.verify_bytes_read += req.kv.full.nbytes()
-        m = finish_round(req.seq, req.drafting.round, req.position, req.kv.draft, logits=logits, targets=argmax,
-                         full=req.kv.full, write_back=write_back, rule=req.opts.acceptance)
+        full, draft = req.kv.full_kv(), req.kv.draft_kv()
+        req.measured.verify_bytes_read += full.nbytes()
+        m = finish_round(req.seq, req.drafting.round, req.position, draft, logits=logits, targets=argmax,
+                         full=full, write_back=write_back, rule=req.opts.acceptance)
         swapped = 0
         if isinstance(row.cache, SeenRecorder):   # the drafter's store takes what the verifier attended to
-            swapped = guide_store(req.kv.draft, req.kv.full, row.cache.seen, row.start + len(row.tokens),
+            swapped = guide_store(draft, full, row.cache.seen, row.start + len(row.tokens),
                                   req.opts.compressor.swaps, self.guide_select)
         self.requests.round_done(req, m, swapped)
         if req.state == State.TRANSFERRING:
@@ -313,10 +321,11 @@ class Scheduler:
 
     def _write_back(self, req: Request, view: StreamedKV, start: int, keep: int) -> None:
         """The verified positions, written on the device, back to the host tier."""
-        req.kv.full.begin(start, keep - start)
-        req.kv.full.overwrite(view.buf, start, keep, first_layer=self.memory.resident_layers)
+        full = req.kv.full_kv()
+        full.begin(start, keep - start)
+        full.overwrite(view.buf, start, keep, first_layer=self.memory.resident_layers)
         if req.kv.resident is not None:  # the resident layers were written on the device
-            req.kv.full.overwrite(req.kv.resident, start, keep)
+            full.overwrite(req.kv.resident, start, keep)
             req.kv.resident.truncate(keep)
 
     # ------------------------------------------------------------------ memory: charge, preempt

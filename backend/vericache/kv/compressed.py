@@ -238,13 +238,16 @@ class CompressedKVCache(KVCache):
         self.q_seen += t
 
     # ------------------------------------------------------------------ commits and compression
-    def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor]) -> None:
+    def load_prefill(self, full: FullKVCache, queries: list[torch.Tensor | None]) -> None:
         """Take an exact prefill made elsewhere: ``full``'s positions (into the residual, which grows
         for the while) and each layer's last queries [Hq, >=window, D] (what ``observe`` would have
         kept). ``commit`` then compresses them."""
         n = full.length
         if self.length or self.committed:
             raise ValueError("load_prefill needs an empty cache")
+        missing = [layer for layer, q in enumerate(queries) if q is None]
+        if missing:
+            raise ValueError(f"the prefill holds no queries for layers {missing}")
         self.residual.load(full, n)
         for layer, q in enumerate(queries):
             self.observe(layer, q)
