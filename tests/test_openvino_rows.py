@@ -14,7 +14,7 @@ def test_the_variants_keep_what_our_compressor_keeps_in_whole_blocks():
                           "OpenVINO GenAI (its eviction, 992 of 8000 tokens kept; lossy)"]
     assert rows["OpenVINO GenAI (f16 KV)"] == {"kv": "f16"} and list(rows.values())[2] == {"evict": 992}
     assert openvino_bench.variants(20, 300)[next(k for k in openvino_bench.variants(20, 300) if "eviction" in k)] == {
-        "evict": 6 * openvino_bench.BLOCK}                                     # never below its start + recent blocks
+        "evict": 6 * openvino_bench.KV_BLOCK}                                     # never below its start + recent blocks
     assert len(openvino_bench.variants(None, 4000)) == 2                        # a quantizer evicts nothing: no eviction row
 
 
