@@ -137,15 +137,19 @@ def test_the_forward_gives_a_sequence_the_same_logits_alone_in_chunks_and_in_a_b
 
 
 def test_the_real_model_keeps_its_blocks_and_is_batch_invariant(smollm):
-    """SmolLM2's matrices stay Q4_1/Q8_0 blocks (resident weights about the file's size, not 540 MB of
-    fp32) and its logits are the same bits alone and batched."""
+    """SmolLM2's matrices stay Q4_1/Q8_0 blocks (about the file's size, not 540 MB of fp32) plus, where
+    the build has a panel path, their panels (~1.1-1.3 bytes a code), and its logits are the same bits
+    alone and batched."""
     from vericache.model.exact_linear import exact_linears, resident_weight_bytes
 
     model = smollm.loaded.model
     fmts = {lin.weight.fmt for lin in exact_linears(model)}
     assert fmts == {"Q4_1", "Q8_0"}
-    assert model.embed_exact is not None and model.embed_exact.weight is model.head_exact.weight
-    assert resident_weight_bytes(model) < 110e6
+    assert model.embed_exact is not None and model.embed_exact.weight.data is model.head_exact.weight.data
+    codes = sum(lin.weight.n * lin.weight.k for lin in exact_linears(model))
+    panels = sum(lin.weight.panels.numel() for lin in exact_linears(model) if lin.weight.panels is not None)
+    assert panels == 0 if smollm.loaded.model.head_exact.op.isa == "portable" else 1.0 < panels / codes < 1.4
+    assert resident_weight_bytes(model) - panels < 110e6
     vocab = smollm.loaded.config.vocab_size
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (9, 4, 13)]
@@ -200,23 +204,46 @@ def q8_reference(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", Q8_FORMATS)
 def test_q8_numerics_give_a_row_the_same_bits_in_every_call_thread_count_and_build(ops, fmt):
     """The q8 numerics: row i alone, inside calls of 1-512 rows (the direct few-row path and the panel
-    path), 1 and 2 threads, every build this CPU runs: one result, within 2% of x W^T."""
+    path, its panels decoded in the call or packed once by any build), 1 and 2 threads, every build this
+    CPU runs: one result, within 2% of x W^T."""
     w, ref = weight_and_reference(fmt, 52, 512, seed=4)
     x = torch.randn(512, 512, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(52)
+    packed = {isa: op.pack(w) for isa, op in ops.items()}
     first = None
     for isa, op in ops.items():
         y = op.q8(x, w, bias)
         first = y if first is None else first
         assert torch.equal(bits(y), bits(first)), f"{isa} differs from {next(iter(ops))}"
-        for m in (1, 2, 3, 4, 5, 17, 64, 511):
-            for threads in (1, 2):
-                assert torch.equal(bits(op.q8(x[:m], w, bias, threads=threads)), bits(y[:m])), (isa, m, threads)
+        for weight in (w, *packed.values()):
+            for m in (1, 2, 3, 4, 5, 17, 64, 511):
+                for threads in (1, 2):
+                    assert torch.equal(bits(op.q8(x[:m], weight, bias, threads=threads)), bits(y[:m])), (isa, m, threads)
         for i in (0, 9, 300, 511):
             assert torch.equal(bits(op.q8(x[i : i + 1], w, bias)), bits(y[i : i + 1])), (isa, i)
     exact = x @ ref.T
     err = ((first - bias - exact).norm() / exact.norm()).item()
     assert 0 < err < 0.02, err
+
+
+def test_packed_panels_are_what_many_row_calls_read(ops):
+    """A build with a panel path packs a weight's codes once (~1.1-1.3 bytes a code); calls of more than
+    three rows read those bytes, so panels that disagree with the blocks change the result (the check
+    above would catch a wrong packing), and calls of one row read the blocks themselves."""
+    w, _ = weight_and_reference("Q5_0", 32, 256, seed=3)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2))
+    for isa, op in ops.items():
+        p = op.pack(w)
+        if isa == "portable":   # its scalar loop reads the blocks: nothing to pack
+            assert p.panels is None
+            continue
+        assert 1.0 < p.panels.numel() / (32 * 256) < 1.4, p.panels.numel()
+        broken = StoredWeight(w.fmt, w.data, w.n, w.k, panels=p.panels.clone())
+        broken.panels[:64] ^= 0x05                            # a few codes of the first outputs' first block
+        assert not torch.equal(bits(op.q8(x, broken)), bits(op.q8(x, w))), isa
+        assert torch.equal(bits(op.q8(x[:1], broken)), bits(op.q8(x[:1], w))), isa
+    with pytest.raises(ValueError, match="panels"):
+        StoredWeight(w.fmt, w.data, w.n, w.k, panels=torch.zeros(4, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -271,3 +298,20 @@ def test_a_float_weight_quantizes_to_the_gguf_q8_0_blocks():
     assert ((back - w).abs() <= w.abs().amax() / 127).all()
     with pytest.raises(ValueError, match=r"k divisible by 32, got \(4, 48\)"):
         StoredWeight.q8_0(torch.randn(4, 48))
+
+
+def test_the_amx_build_is_offered_only_where_linux_grants_the_tiles(monkeypatch):
+    """AMX tiles need the kernel's leave (arch_prctl): where it is refused the amx build is not offered
+    and asking for it is a clear error, so the avx512vnni build runs instead."""
+    from vericache.kernels import cpu, linear_op
+
+    monkeypatch.setattr(linear_op, "amx_permitted", lambda: False)
+    assert "amx" not in linear_op.supported_isas()
+    with pytest.raises(RuntimeError, match="AMX"):
+        LinearOp("amx")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    cpu.amx_permitted.cache_clear()
+    try:
+        assert cpu.amx_permitted() is False        # no tiles on this CPU: nothing asked of the kernel
+    finally:
+        cpu.amx_permitted.cache_clear()

@@ -273,7 +273,9 @@ void rows_tile(int mt, const float* const* xs, const float* panel, int64_t kp, c
 extern "C" {
 
 const char* vc_linear_isa() {
-#if defined(__AVX512VNNI__)
+#if defined(__AMX_INT8__)
+  return "amx";
+#elif defined(__AVX512VNNI__)
   return "avx512vnni";
 #elif defined(__AVX512F__)
   return "avx512";

@@ -16,12 +16,12 @@ import functools
 import hashlib
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from vericache.kernels.cpu import cpu_flags
+from vericache.kernels.cpu import amx_permitted, cpu_flags
 from vericache.kernels.layouts import BLOCK, FORMATS, check_headers
 
 HERE = Path(__file__).parent
@@ -29,12 +29,16 @@ SOURCES = [HERE / "linear.cpp", HERE / "linear_q8.cpp"]
 HEADERS = [HERE / "gguf_blocks.h"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
+    # the q8 numerics' many-row calls as AMX tile multiplies (same bits; the tiles need the kernel's leave)
+    "amx": [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
     "avx512vnni": [*_AVX512, "-mavx512vnni"],   # the q8 numerics' integer dots in one `dpbusd` (same bits)
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "portable": ["-march=x86-64", "-mtune=generic"],
 }
-ISA_CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_vnni"},
+ISA_CPU_FLAGS = {"amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_vnni", "amx_tile",
+                          "amx_int8"},
+                 "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_vnni"},
                  "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
                  "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 # exact, reproducible IEEE arithmetic: explicit fma only, no contraction, no reassociation
@@ -47,9 +51,10 @@ NUMERICS = ("q8", "fp32")
 
 
 def supported_isas() -> list[str]:
-    """The variants this CPU can run, widest first (an AVX-512 machine runs the AVX2 build too)."""
+    """The variants this CPU can run, widest first (an AVX-512 machine runs the AVX2 build too; the amx
+    build only where Linux also grants this process the tiles' state)."""
     flags = cpu_flags()
-    return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
+    return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags and (isa != "amx" or amx_permitted())]
 
 
 @functools.cache
@@ -103,11 +108,13 @@ def compile_linear(isa: str, out: Path, verbose: bool = False) -> Path:
 @dataclass(frozen=True)
 class StoredWeight:
     """A weight matrix [n, k] as stored: ``data`` uint8 [n, row_bytes] blocks of ``fmt`` (a GGUF type
-    name), or for F32/F16/BF16 the [n, k] tensor itself."""
+    name), or for F32/F16/BF16 the [n, k] tensor itself. ``panels``: the same codes laid out for the q8
+    op's many-row path (``LinearOp.pack``), or None: those calls decode the blocks each time."""
     fmt: str
     data: torch.Tensor
     n: int
     k: int
+    panels: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -120,6 +127,9 @@ class StoredWeight:
                              f"bytes, got {tuple(self.data.shape)} {self.data.dtype}")
         if not self.data.is_contiguous():
             raise ValueError("stored weight data must be contiguous")
+        if self.panels is not None and (self.panels.dtype != torch.uint8 or self.panels.dim() != 1
+                                        or not self.panels.is_contiguous()):
+            raise ValueError("a weight's panels are one contiguous uint8 tensor (LinearOp.pack)")
 
     @property
     def row_bytes(self) -> int:
@@ -166,10 +176,17 @@ class LinearOp:
         self.isa = isa or best_isa()
         if self.isa not in ISA_FLAGS:
             raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISA_FLAGS)}")
+        if self.isa == "amx" and not amx_permitted():
+            raise RuntimeError("this CPU or kernel gives no AMX tiles to this process (arch_prctl refused): "
+                               "use the avx512vnni build")
         self.lib = ctypes.CDLL(str(_build(self.isa, verbose)))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.lib.vc_linear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
         self.lib.vc_linear_q8.argtypes = self.lib.vc_linear.argtypes
+        self.lib.vc_linear_q8_packed.argtypes = [ctypes.c_int, ptr, ptr, *self.lib.vc_linear.argtypes[2:]]
+        self.lib.vc_q8_panel_bytes.argtypes = [ctypes.c_int, i64, i64]
+        self.lib.vc_q8_panel_bytes.restype = i64
+        self.lib.vc_q8_pack.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self.lib.vc_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
         self.lib.vc_linear_isa.restype = ctypes.c_char_p
         assert self.lib.vc_linear_isa().decode() == self.isa
@@ -178,7 +195,8 @@ class LinearOp:
                  threads: int | None = None) -> torch.Tensor:
         """x: [M, k] fp32 -> [M, n] fp32, exact and batch-invariant (other float dtypes are computed in
         fp32 and cast back)."""
-        return self._run(self.lib.vc_linear, x, weight, bias, threads)
+        return self._run(functools.partial(self.lib.vc_linear, FORMATS[weight.fmt], weight.data.data_ptr()),
+                         x, weight, bias, threads)
 
     def q8(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
            threads: int | None = None) -> torch.Tensor:
@@ -187,7 +205,23 @@ class LinearOp:
         bits in every build, as ``__call__`` is; F32/F16/BF16 weights run ``__call__``."""
         if weight.fmt not in Q8_FORMATS:
             return self(x, weight, bias, threads)
-        return self._run(self.lib.vc_linear_q8, x, weight, bias, threads)
+        return self._run(functools.partial(self.lib.vc_linear_q8_packed, FORMATS[weight.fmt], weight.data.data_ptr(),
+                                           None if weight.panels is None else weight.panels.data_ptr()),
+                         x, weight, bias, threads)
+
+    def pack(self, weight: StoredWeight, threads: int | None = None) -> StoredWeight:
+        """``weight`` with its panels for the q8 op (uint8, ~1.1-1.3 bytes a code): rows of verification,
+        prefill and batches then read them instead of decoding every block in each call, the same bits.
+        Unchanged where this build reads blocks directly (portable) or the format has no integer codes."""
+        size = self.lib.vc_q8_panel_bytes(FORMATS[weight.fmt], weight.n, weight.k) if weight.fmt in Q8_FORMATS else 0
+        if size <= 0:
+            return weight
+        panels = torch.empty(size, dtype=torch.uint8)
+        rc = self.lib.vc_q8_pack(FORMATS[weight.fmt], weight.data.data_ptr(), weight.row_bytes, weight.n, weight.k,
+                                 panels.data_ptr(), threads or torch.get_num_threads())
+        if rc:
+            raise ValueError(f"cannot pack {weight.fmt} [{weight.n}, {weight.k}]")
+        return replace(weight, panels=panels)
 
     def numerics(self, name: str):
         """The op of numerics ``name``: ``q8`` or ``fp32`` (``__call__``)."""
@@ -211,7 +245,7 @@ class LinearOp:
             if bias.shape != (weight.n,):
                 raise ValueError(f"bias must be [{weight.n}], got {tuple(bias.shape)}")
         y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
-        rc = fn(FORMATS[weight.fmt], weight.data.data_ptr(), weight.row_bytes, weight.n, weight.k,
+        rc = fn(weight.row_bytes, weight.n, weight.k,
                 xf.data_ptr(), xf.stride(0), x.shape[0], bias.data_ptr() if bias is not None else None,
                 y.data_ptr(), weight.n, threads or torch.get_num_threads())
         if rc:

@@ -288,35 +288,63 @@ void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, int
   for (int i = 0; i < MT; ++i) store_outputs(acc[i], ys[m0 + i], n0, valid, bias);
 }
 
-// Many rows: 8 weight rows decoded so a 32-byte vector holds codes 4t..4t+3 of each of the 8 rows
-struct Panel {
-  int64_t nb = 0;
-  std::vector<uint8_t> u;       // [G, nb, 8 steps t, 8 rows, 4 codes]
-  std::vector<float> ws, wm;    // [G, nb, 8 rows]
-  std::vector<int16_t> sc;      // [G, nb, 2 halves, 16]: Q6_K's scale of each int16 pair
-  void resize(int64_t groups, int64_t blocks) {
-    nb = blocks;
-    u.resize(groups * nb * 256);
-    ws.resize(groups * nb * 8);
-    wm.resize(groups * nb * 8);
-    sc.resize(groups * nb * 32);
-  }
+// Many rows: 8 weight rows decoded so a 32-byte vector holds codes 4t..4t+3 of each of the 8 rows. A work
+// item's 16 rows are G = 2 such groups side by side, so a 64-byte line holds codes 4t..4t+3 of all 16
+// (an AMX tile row). Its panel is laid out part after part in one buffer, so the same bytes
+// come either from a decode in the call or from a model's panels packed once at load (``vc_q8_pack``:
+// verification rows and batches then read 1 byte a code instead of decoding every weight each call)
+constexpr int64_t G = 2;   // groups of 8 weight rows a work item (its 16 outputs)
+
+template <int F>
+struct PanelLayout {
+  static constexpr int64_t U = 256, WS = 32, WM = has_min(F) ? 32 : 0, SC = F == Q6_K ? 64 : 0;
+  static constexpr int64_t per_block = U + WS + WM + SC;   // bytes a group's block
+};
+
+struct Panel {                  // a view: u [nb, 8 steps t, G, 8 rows, 4 codes], ws/wm [nb, G, 8 rows] fp32,
+  int64_t nb = 0;               // sc [nb, G, 2 halves, 16] int16 (Q6_K's scale of each int16 pair)
+  const uint8_t* u = nullptr;
+  const float *ws = nullptr, *wm = nullptr;   // wm: formats with a min only
+  const int16_t* sc = nullptr;                // Q6_K only
 };
 
 template <int F>
-void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, Panel& P) {
+Panel panel_at(const uint8_t* base, int64_t nb) {
+  using L = PanelLayout<F>;
+  const int64_t n = G * nb;
+  Panel P;
+  P.nb = nb;
+  P.u = base;
+  P.ws = (const float*)(base + n * L::U);
+  P.wm = L::WM ? (const float*)(base + n * (L::U + L::WS)) : nullptr;
+  P.sc = L::SC ? (const int16_t*)(base + n * (L::U + L::WS + L::WM)) : nullptr;
+  return P;
+}
+
+// Rows n0 .. n0 + rows (<= 8 G) of W, the last repeated up to a multiple of 8, into a panel at ``out``
+// (a group past the rows is left as it is: its outputs are never stored)
+template <int F>
+void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t nb, uint8_t* out) {
+  using L = PanelLayout<F>;
+  const int64_t n = G * nb;
+  uint8_t* pu = out;
+  float* pws = (float*)(out + n * L::U);
+  float* pwm = (float*)(out + n * (L::U + L::WS));
+  int16_t* psc = (int16_t*)(out + n * (L::U + L::WS + L::WM));
   for (int64_t r = 0; r < (rows + 7) / 8 * 8; ++r) {
     const int64_t g = r / 8, j = r % 8;
     const uint8_t* row = w + (n0 + (r < rows ? r : rows - 1)) * row_bytes;
-    for (int64_t b = 0; b < P.nb; ++b) {
+    for (int64_t b = 0; b < nb; ++b) {
       alignas(32) uint8_t u[32];
       int32_t sc;
-      const int64_t gb = g * P.nb + b;
-      decode_block<F>(row, b, u, &P.ws[gb * 8 + j], &P.wm[gb * 8 + j], &sc);
-      for (int t = 0; t < 8; ++t) std::memcpy(&P.u[(gb * 8 + t) * 32 + 4 * j], u + 4 * t, 4);
-      if (F == Q6_K)   // only its madd multipliers differ from 1
+      float wm;
+      const int64_t gb = b * G + g;
+      decode_block<F>(row, b, u, &pws[gb * 8 + j], &wm, &sc);
+      if (L::WM) pwm[gb * 8 + j] = wm;
+      for (int t = 0; t < 8; ++t) std::memcpy(&pu[((b * 8 + t) * G + g) * 32 + 4 * j], u + 4 * t, 4);
+      if (L::SC)   // only its madd multipliers differ from 1
         for (int h = 0; h < 2; ++h)
-          P.sc[gb * 32 + 16 * h + 2 * j] = P.sc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
+          psc[gb * 32 + 16 * h + 2 * j] = psc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
     }
   }
 }
@@ -339,7 +367,7 @@ VC_INLINE void panel_steps(const uint8_t* pu, const int8_t* const* ab, int t0, c
     }
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
-      const __m256i c = _mm256_loadu_si256((const __m256i*)(pu + t * 32));
+      const __m256i c = _mm256_loadu_si256((const __m256i*)(pu + t * 32 * G));
       const __m256i u = kind_of(F) == UNSIGNED ? c : _mm256_sign_epi8(c, c);
 #pragma GCC unroll 4
       for (int i = 0; i < MT; ++i) {
@@ -373,12 +401,12 @@ void panel_tile(const Panel& P, int64_t g0, const QActs& X, int64_t m0, float* c
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* ab[MT];
     for (int i = 0; i < MT; ++i) ab[i] = X.a.data() + ((m0 + i) * nb + b) * 32;
-    const int64_t gb = g0 * nb + b;
+    const int64_t gb = b * G + g0;
     __m256i si[MT][1];
     for (int i = 0; i < MT; ++i) si[i][0] = _mm256_setzero_si256();
     for (int t0 = 0; t0 < 8; t0 += T16)
-      panel_steps<F, MT, 1, T16>(&P.u[gb * 256], ab, t0, &P.sc[gb * 32], 0, si);
-    const __m256 ws = _mm256_loadu_ps(&P.ws[gb * 8]), wm = _mm256_loadu_ps(&P.wm[gb * 8]);
+      panel_steps<F, MT, 1, T16>(P.u + b * 256 * G + 32 * g0, ab, t0, P.sc ? P.sc + gb * 32 : nullptr, 0, si);
+    const __m256 ws = _mm256_loadu_ps(P.ws + gb * 8), wm = P.wm ? _mm256_loadu_ps(P.wm + gb * 8) : _mm256_setzero_ps();
     for (int i = 0; i < MT; ++i) acc[i] = combine<F>(acc[i], si[i][0], ws, wm, X, m0 + i, b);
   }
   const int64_t left = valid - 8 * g0;
@@ -387,12 +415,99 @@ void panel_tile(const Panel& P, int64_t g0, const QActs& X, int64_t m0, float* c
 }
 
 constexpr int64_t DIRECT_ROWS = 3;   // up to this many rows read the blocks directly
-constexpr int64_t NB = 16;           // weight rows a work item
+constexpr int64_t NB = 8 * G;        // weight rows a work item
 constexpr int MT = 2;                // rows of x a panel tile
 
+#if defined(__AMX_INT8__) && defined(__AVX512F__)
+// AMX (the amx build): 16 rows of x and an item's 16 outputs a tile, one block of 32 codes a tile
+// multiply: C[16 x 16] int32 = A[16 rows x 32 activations] . B[8 steps x 16 outputs x 4 codes], B being
+// the panel's 64-byte lines as they lie. C is the contract's s for 16 x 16 pairs, exact like every other
+// build's, and the combine is the same fp32 chain in 16-lane vectors. Q6_K multiplies each half block
+// (16 codes, its own integer scale) apart and sums sc0 C0 + sc1 C1 in int32, as madd does.
+#define VC_HAS_AMX 1
+constexpr int64_t AMX_ROWS = 16;   // rows of x a tile (the activations are padded to a multiple)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles (ldtilecfg is per thread): 0, 1 C (Q6_K: a half each); 2 A, 3 B; 4, 5 A's halves and
+// 6, 7 B's halves (Q6_K)
+void load_tiles() {
+  TileConfig c;
+  const int shape[8][2] = {{16, 64}, {16, 64}, {16, 32}, {8, 64}, {16, 16}, {16, 16}, {4, 64}, {4, 64}};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = (uint8_t)shape[t][0];
+    c.colsb[t] = (uint16_t)shape[t][1];
+  }
+  _tile_loadconfig(&c);
+}
+
+template <int F>
+void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64_t n0, int64_t valid,
+              const float* bias) {
+  const int64_t nb = X.nb, K = 32 * nb;
+  alignas(64) int32_t c0[AMX_ROWS][16], c1[AMX_ROWS][16];
+  alignas(64) int32_t sc[2][16];
+  for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+    const int64_t rows = std::min(AMX_ROWS, M - m0);   // the rest of the tile: padding, not combined
+    __m512 acc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* a = X.a.data() + m0 * K + 32 * b;
+      const uint8_t* u = P.u + b * 256 * G;
+      _tile_zero(0);
+      if (F == Q6_K) {
+        _tile_zero(1);
+        _tile_loadd(4, a, K);
+        _tile_loadd(5, a + 16, K);
+        _tile_loadd(6, u, 64);
+        _tile_loadd(7, u + 256, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 5, 7);
+        _tile_stored(1, c1, 64);
+        for (int n = 0; n < 16; ++n)   // the panel's int16 pairs: output n's scale of each half
+          for (int h = 0; h < 2; ++h) sc[h][n] = P.sc[(b * G + n / 8) * 32 + 16 * h + 2 * (n % 8)];
+      } else {
+        _tile_loadd(2, a, K);
+        _tile_loadd(3, u, 64);
+        if (kind_of(F) == UNSIGNED) _tile_dpbsud(0, 2, 3);   // signed activations . unsigned codes
+        else _tile_dpbssd(0, 2, 3);
+      }
+      _tile_stored(0, c0, 64);
+      const __m512 ws = _mm512_loadu_ps(P.ws + b * 16);
+      const __m512 wm = has_min(F) ? _mm512_loadu_ps(P.wm + b * 16) : _mm512_setzero_ps();
+      for (int i = 0; i < rows; ++i) {
+        __m512i si = _mm512_load_si512(c0[i]);
+        if (F == Q6_K)
+          si = _mm512_add_epi32(_mm512_mullo_epi32(si, _mm512_load_si512(sc[0])),
+                                _mm512_mullo_epi32(_mm512_load_si512(c1[i]), _mm512_load_si512(sc[1])));
+        const int64_t x = (m0 + i) * nb + b;
+        if (offset_of(F)) si = _mm512_sub_epi32(si, _mm512_set1_epi32(offset_of(F) * X.sa[x]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(ws, _mm512_set1_ps(X.dx[x])), acc[i]);
+        if (has_min(F)) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(X.ds[x]), acc[i]);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      alignas(64) float t[16];
+      _mm512_store_ps(t, acc[i]);
+      for (int64_t j = 0; j < valid; ++j) ys[m0 + i][n0 + j] = bias ? t[j] + bias[n0 + j] : t[j];
+    }
+  }
+}
+#endif
+
+// The bytes of a work item's panel (its NB rows) and of a matrix's packed panels (``vc_q8_pack``)
+template <int F>
+int64_t item_panel_bytes(int64_t nb) { return G * nb * PanelLayout<F>::per_block; }
+
+// Output rows n0 .. n0 + nb. ``packed``: the matrix's panels packed at load (null: decode them here into
+// ``scratch``, one item's bytes)
 template <int F>
 void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_t n_total, const QActs& X, int64_t M,
-             float* const* ys, const float* bias, Panel& P) {
+             float* const* ys, const float* bias, const uint8_t* packed, uint8_t* scratch) {
   if (M <= DIRECT_ROWS) {
     for (int64_t n = n0; n < n0 + nb; n += 8) {
       const int valid = (int)std::min<int64_t>(8, n0 + nb - n);
@@ -404,25 +519,39 @@ void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_
     }
     return;
   }
-  decode_panel<F>(w, row_bytes, n0, nb, P);
+  const uint8_t* base = packed ? packed + n0 / NB * item_panel_bytes<F>(X.nb) : scratch;
+  if (!packed) decode_panel<F>(w, row_bytes, n0, nb, X.nb, scratch);
+  const Panel P = panel_at<F>(base, X.nb);
+#if defined(VC_HAS_AMX)
+  amx_item<F>(P, X, M, ys, n0, nb, bias);
+  return;
+#endif
   int64_t m = 0;
   for (; m + MT <= M; m += MT)
-    for (int64_t g = 0; g < NB / 8; ++g) panel_tile<F, MT, 1>(P, g, X, m, ys, n0, nb, bias);
+    for (int64_t g = 0; g < G; ++g) panel_tile<F, MT, 1>(P, g, X, m, ys, n0, nb, bias);
   for (; m < M; ++m)
-    for (int64_t g = 0; g < NB / 8; ++g) panel_tile<F, 1, 1>(P, g, X, m, ys, n0, nb, bias);
+    for (int64_t g = 0; g < G; ++g) panel_tile<F, 1, 1>(P, g, X, m, ys, n0, nb, bias);
 }
+
+// W [N, K] -> its panels, item after item (``item_panel_bytes`` each), for ``q8_item``'s ``packed``
+template <int F>
+void pack_panels(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb, uint8_t* out, int threads) {
+  const int64_t items = (N + NB - 1) / NB, bytes = item_panel_bytes<F>(nb);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t it = 0; it < items; ++it)
+    decode_panel<F>(w, row_bytes, it * NB, std::min(NB, N - it * NB), nb, out + it * bytes);
+}
+#define VC_HAS_PANELS 1
 #else
 // The contract in scalar code: the portable build, and the reference every other build matches
-struct Panel {
-  int64_t nb = 0;
-  void resize(int64_t, int64_t blocks) { nb = blocks; }
-};
-
 constexpr int64_t NB = 16, DIRECT_ROWS = 0;
 
 template <int F>
+int64_t item_panel_bytes(int64_t) { return 0; }   // no panels: the scalar loop reads the blocks
+
+template <int F>
 void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_t n_total, const QActs& X, int64_t M,
-             float* const* ys, const float* bias, Panel&) {
+             float* const* ys, const float* bias, const uint8_t*, uint8_t*) {
   for (int64_t n = n0; n < n0 + nb; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (int64_t m = 0; m < M; ++m) {
@@ -451,7 +580,7 @@ void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_
 
 template <int F>
 void q8_linear(const uint8_t* w, int64_t row_bytes, int64_t N, const QActs& X, int64_t M, const float* bias,
-               float* y, int64_t ldy, int threads) {
+               float* y, int64_t ldy, int threads, const uint8_t* packed) {
   const int64_t items = (N + NB - 1) / NB;
   std::vector<float*> ys(M);
   for (int64_t m = 0; m < M; ++m) ys[m] = y + m * ldy;
@@ -459,33 +588,84 @@ void q8_linear(const uint8_t* w, int64_t row_bytes, int64_t N, const QActs& X, i
   // who computes an output)
 #pragma omp parallel num_threads(threads)
   {
-    Panel P;   // only the many-row path reads one
-    if (M > DIRECT_ROWS) P.resize(NB / 8, X.nb);
+    // the many-row path without packed panels decodes each item's into this (16-byte aligned floats)
+    std::vector<float> scratch(M > DIRECT_ROWS && !packed ? (item_panel_bytes<F>(X.nb) + 3) / 4 : 0);
+#if defined(VC_HAS_AMX)
+    if (M > DIRECT_ROWS) load_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t n0 = it * NB;
-      q8_item<F>(w, row_bytes, n0, std::min(NB, N - n0), N, X, M, ys.data(), bias, P);
+      q8_item<F>(w, row_bytes, n0, std::min(NB, N - n0), N, X, M, ys.data(), bias, packed,
+                 (uint8_t*)scratch.data());
     }
+#if defined(VC_HAS_AMX)
+    if (M > DIRECT_ROWS) _tile_release();
+#endif
   }
 }
 
 }  // namespace
 
+// The fp32 combine over every format's codes, dispatched on the format
+#define VC_Q8_FORMATS(CALL)                                                                                      \
+  switch (fmt) {                                                                                               \
+    case Q4_0: CALL(Q4_0); break;                                                                              \
+    case Q4_1: CALL(Q4_1); break;                                                                              \
+    case Q5_0: CALL(Q5_0); break;                                                                              \
+    case Q5_1: CALL(Q5_1); break;                                                                              \
+    case Q8_0: CALL(Q8_0); break;                                                                              \
+    case Q4_K: CALL(Q4_K); break;                                                                              \
+    case Q5_K: CALL(Q5_K); break;                                                                              \
+    default: CALL(Q6_K); break;                                                                                \
+  }
+
 extern "C" {
 
+// Bytes of W [N, K]'s packed panels in this build (0: the build has no panel path; -1: not a q8 format)
+int64_t vc_q8_panel_bytes(int fmt, int64_t N, int64_t K) {
+  if (!integer_format(fmt) || K % block_elems(fmt) || N <= 0) return -1;
+  int64_t per_item = 0;
+#define VC_ITEM_BYTES(F) per_item = item_panel_bytes<F>(K / 32)
+  VC_Q8_FORMATS(VC_ITEM_BYTES)
+#undef VC_ITEM_BYTES
+  return (N + NB - 1) / NB * per_item;
+}
+
+// W's panels into ``out`` (vc_q8_panel_bytes of them): what every many-row call would decode, once
+int vc_q8_pack(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out, int n_threads) {
+  if (vc_q8_panel_bytes(fmt, N, K) <= 0) return -1;
+  const int threads = n_threads > 0 ? n_threads : omp_get_max_threads();
+#if defined(VC_HAS_PANELS)
+#define VC_PACK(F) pack_panels<F>(w, row_bytes, N, K / 32, out, threads)
+  VC_Q8_FORMATS(VC_PACK)
+#undef VC_PACK
+#else
+  (void)w; (void)row_bytes; (void)out; (void)threads;
+#endif
+  return 0;
+}
+
 // Returns 0, -1 for bad arguments, -2 for a format without integer codes (the caller runs the fp32 op).
-int vc_linear_q8(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t ldx,
-                 int64_t M, const float* bias, float* y, int64_t ldy, int n_threads) {
+// ``packed``: W's panels from vc_q8_pack (or null): the same bits either way, fewer instructions with them.
+int vc_linear_q8_packed(int fmt, const uint8_t* w, const uint8_t* packed, int64_t row_bytes, int64_t N, int64_t K,
+                        const float* x, int64_t ldx, int64_t M, const float* bias, float* y, int64_t ldy,
+                        int n_threads) {
   if (fmt >= 0 && fmt <= Q6_K && !integer_format(fmt)) return -2;
   if (!integer_format(fmt) || K % block_elems(fmt) || ldx < K || ldy < N || M < 0) return -1;
   if (M == 0 || N == 0) return 0;
   const int threads = n_threads > 0 ? n_threads : omp_get_max_threads();
   QActs X;
   X.nb = K / 32;
-  X.a.resize(M * K);
-  X.dx.resize(M * X.nb);
-  X.ds.resize(M * X.nb);
-  X.sa.resize(M * X.nb);
+#if defined(VC_HAS_AMX)   // whole tiles of rows: the padding rows are zeros, computed and never stored
+  const int64_t rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+#else
+  const int64_t rows = M;
+#endif
+  X.a.resize(rows * K);
+  X.dx.resize(rows * X.nb);
+  X.ds.resize(rows * X.nb);
+  X.sa.resize(rows * X.nb);
   auto quantize = [&](int64_t m) {
     quantize_row(x + m * ldx, X.nb, X.a.data() + m * K, X.dx.data() + m * X.nb, X.ds.data() + m * X.nb,
                  X.sa.data() + m * X.nb);
@@ -496,17 +676,15 @@ int vc_linear_q8(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t m = 0; m < M; ++m) quantize(m);
   }
-  switch (fmt) {
-    case Q4_0: q8_linear<Q4_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    case Q4_1: q8_linear<Q4_1>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    case Q5_0: q8_linear<Q5_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    case Q5_1: q8_linear<Q5_1>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    case Q8_0: q8_linear<Q8_0>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    case Q4_K: q8_linear<Q4_K>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    case Q5_K: q8_linear<Q5_K>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-    default: q8_linear<Q6_K>(w, row_bytes, N, X, M, bias, y, ldy, threads); break;
-  }
+#define VC_RUN(F) q8_linear<F>(w, row_bytes, N, X, M, bias, y, ldy, threads, packed)
+  VC_Q8_FORMATS(VC_RUN)
+#undef VC_RUN
   return 0;
+}
+
+int vc_linear_q8(int fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t ldx,
+                 int64_t M, const float* bias, float* y, int64_t ldy, int n_threads) {
+  return vc_linear_q8_packed(fmt, w, nullptr, row_bytes, N, K, x, ldx, M, bias, y, ldy, n_threads);
 }
 
 }  // extern "C"

@@ -30,6 +30,9 @@ namespace {
 // -2: no integer codes (a float weight: the fp32 op runs it)
 using LinearFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, const float* x,
                          int64_t ldx, int64_t m, const float* bias, float* y, int64_t ldy, int n_threads);
+// linear_q8.cpp's q8 op with W's packed panels (``packed`` null: decoded in the call; the same bits)
+using Q8Fn = int (*)(int fmt, const uint8_t* w, const uint8_t* packed, int64_t row_bytes, int64_t n, int64_t k,
+                     const float* x, int64_t ldx, int64_t m, const float* bias, float* y, int64_t ldy, int n_threads);
 // linear.cpp's out[i, :K] = row rows[i] of W, dequantized (embedding lookups)
 using DequantFn = int (*)(int fmt, const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* rows, int64_t n,
                           float* out);
@@ -38,7 +41,7 @@ constexpr int64_t GRAIN = 16;   // rows per task of the row ops (fewer: one thre
 struct Linear {                 // an ExactLinear: its stored weights' outputs side by side
   bool q8 = false;              // its numerics: the q8 op (else the fp32 op)
   std::vector<int> fmt;
-  std::vector<const uint8_t*> data;
+  std::vector<const uint8_t*> data, panels;   // panels: the q8 op's packed panels of each weight, or null
   std::vector<int64_t> row_bytes, n;
   int64_t k = 0, n_total = 0;
   const float* bias = nullptr;
@@ -51,16 +54,19 @@ struct Layer {
   c10::optional<at::Tensor> q_norm, k_norm;   // [D] each: Qwen3's per-head RMSNorm before RoPE, or none
 };
 
-// fmts, data tensors, row bytes, output rows, K, bias, q8 numerics: one ``ExactLinear`` (native_step.py)
+// fmts, data tensors, row bytes, output rows, K, bias, q8 numerics, packed panels (or none) of each weight:
+// one ``ExactLinear`` (native_step.py)
 using LinearSpec = std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>,
-                              std::vector<int64_t>, int64_t, c10::optional<at::Tensor>, bool>;
+                              std::vector<int64_t>, int64_t, c10::optional<at::Tensor>, bool,
+                              std::vector<c10::optional<at::Tensor>>>;
 
 Linear make_linear(const LinearSpec& spec) {
   Linear L;
-  const auto& [fmts, data, row_bytes, ns, k, bias, q8] = spec;
+  const auto& [fmts, data, row_bytes, ns, k, bias, q8, panels] = spec;
   L.q8 = q8;
   TORCH_CHECK(!fmts.empty() && fmts.size() == data.size() && data.size() == row_bytes.size() &&
-              data.size() == ns.size(), "a linear needs one format, tensor, row size and row count per weight");
+              data.size() == ns.size() && data.size() == panels.size(),
+              "a linear needs one format, tensor, row size, row count and panels (or none) per weight");
   TORCH_CHECK(k % 16 == 0, "the native step needs linear widths divisible by 16, got ", k);
   L.k = k;
   for (size_t i = 0; i < fmts.size(); ++i) {
@@ -72,6 +78,8 @@ Linear make_linear(const LinearSpec& spec) {
     L.n.push_back(ns[i]);
     L.n_total += ns[i];
     L.keep.push_back(data[i]);
+    L.panels.push_back(panels[i].has_value() ? (const uint8_t*)panels[i]->data_ptr() : nullptr);
+    if (panels[i].has_value()) L.keep.push_back(*panels[i]);   // (their size: checked by LinearOp.pack)
   }
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == L.n_total,
@@ -86,7 +94,8 @@ Linear make_linear(const LinearSpec& spec) {
 
 // Every layer's weights for the native step, built once per model (``model/native_step.py``).
 struct StepWeights {
-  LinearFn q8, fp32;            // the two numerics' ops (a Linear says which it runs; q8 draft rows run q8)
+  Q8Fn q8;                      // the two numerics' ops (a Linear says which it runs; q8 draft rows run q8)
+  LinearFn fp32;
   DequantFn dequant;
   float eps;
   int64_t hq, hkv, d, hidden = 0, inter = 0;
@@ -95,7 +104,7 @@ struct StepWeights {
   at::Tensor final_norm;
 
   StepWeights(int64_t q8_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
-      : q8((LinearFn)q8_fn), fp32((LinearFn)fp32_fn), dequant((DequantFn)dequant_fn), eps((float)eps_), hq(hq_),
+      : q8((Q8Fn)q8_fn), fp32((LinearFn)fp32_fn), dequant((DequantFn)dequant_fn), eps((float)eps_), hq(hq_),
         hkv(hkv_), d(d_) {
     TORCH_CHECK(q8_fn && fp32_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
                 "bad step weights");
@@ -139,21 +148,23 @@ namespace {
 // y rows [0, n_draft) through the q8 op (drafts' free numerics), the rest through the linear's numerics
 void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t ldx, int64_t M, float* y,
                 int64_t n_draft, int threads) {
-  auto call = [&](LinearFn fn, int64_t r0, int64_t m) {
+  auto call = [&](bool q8, int64_t r0, int64_t m) {
     int64_t col = 0;
     for (size_t i = 0; i < L.fmt.size(); ++i) {
       const float* b = L.bias ? L.bias + col : nullptr;
       const float* xr = x + r0 * ldx;
       float* yr = y + r0 * L.n_total + col;
-      int rc = fn(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
+      int rc = q8 ? W.q8(L.fmt[i], L.data[i], L.panels[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total,
+                         threads)
+                  : W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
       if (rc == -2)   // a float weight has no integer codes: the fp32 op, in either numerics
         rc = W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
       TORCH_CHECK(rc == 0, "the linear op refused format ", L.fmt[i], " [", L.n[i], ", ", L.k, "]");
       col += L.n[i];
     }
   };
-  if (n_draft > 0) call(W.q8, 0, n_draft);
-  if (M > n_draft) call(L.q8 ? W.q8 : W.fp32, n_draft, M - n_draft);
+  if (n_draft > 0) call(true, 0, n_draft);
+  if (M > n_draft) call(L.q8, n_draft, M - n_draft);
 }
 
 // y[j] = x[j] cos[j] + rot(x)[j] sin[j], rot(x) = (-x[D/2:], x[:D/2]): the module's apply_rope

@@ -91,20 +91,25 @@ def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | No
     read from the modules (in the q8 numerics quantized to Q8_0 blocks once, here)."""
     stored = stored or {}
     q = numerics
+
+    def exact(weights: list[StoredWeight], bias: torch.Tensor | None) -> ExactLinear:
+        # each block weight with its panels: verification, prefill and batched rows read them (LinearOp.pack)
+        return ExactLinear([op.pack(w) for w in weights], bias, op, q)
+
     for i, layer in enumerate(model.model.layers):
         a, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
         qkv = _fused(stored, [f"{pre}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
                      [a.q_proj, a.k_proj, a.v_proj], a.qkv[0] if a.qkv is not None else None, q)
         bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None
-        a.qkv_exact = ExactLinear(qkv, bias, op, q)
-        a.o_exact = ExactLinear([_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj, q)], None, op, q)
+        a.qkv_exact = exact(qkv, bias)
+        a.o_exact = exact([_weight(stored, f"{pre}self_attn.o_proj.weight", a.o_proj, q)], None)
         gate_up = _fused(stored, [f"{pre}mlp.gate_proj", f"{pre}mlp.up_proj"], [mlp.gate_proj, mlp.up_proj],
                          mlp.gate_up, q)
-        mlp.gate_up_exact = ExactLinear(gate_up, None, op, q)
-        mlp.down_exact = ExactLinear([_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj, q)], None, op, q)
+        mlp.gate_up_exact = exact(gate_up, None)
+        mlp.down_exact = exact([_weight(stored, f"{pre}mlp.down_proj.weight", mlp.down_proj, q)], None)
     embed = stored.get("model.embed_tokens.weight")
     head = stored.get("lm_head.weight", embed if model.config.tie_word_embeddings else None)
-    model.head_exact = ExactLinear([head if head is not None else _dense(model.lm_head.weight, q)], None, op, q)
+    model.head_exact = exact([head if head is not None else _dense(model.lm_head.weight, q)], None)
     model.embed_exact = ExactLinear([embed], None, op, q) if embed is not None else None
 
 
@@ -125,11 +130,13 @@ def exact_linears(model: nn.Module) -> list[ExactLinear]:
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights the model holds: parameters with data, plus stored blocks no parameter shares."""
+    """Bytes of weights the model holds: parameters with data, plus stored blocks (and their panels) no
+    parameter shares."""
     seen, total = set(), 0
     linears = [] if model.head_exact is None else exact_linears(model)
     linears += [model.embed_exact] if model.embed_exact is not None else []
     tensors = list(model.parameters()) + [w.data for lin in linears for w in lin.weights]
+    tensors += [w.panels for lin in linears for w in lin.weights if w.panels is not None]
     for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         if t.numel() and key not in seen:

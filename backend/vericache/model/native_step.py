@@ -30,11 +30,11 @@ NATIVE_DRAFT_WEIGHTS = ("fp32", "q8")   # what draft rows may read in the native
 
 def _linear_spec(lin) -> tuple:
     """An ``ExactLinear`` as step.cpp's LinearSpec: formats, stored tensors, row bytes, rows, K, bias,
-    and whether it runs the q8 numerics."""
+    whether it runs the q8 numerics, and each weight's packed panels (or None)."""
     ws = lin.weights
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     return ([FORMATS[w.fmt] for w in ws], [w.data for w in ws], [w.row_bytes for w in ws], [w.n for w in ws],
-            lin.in_features, bias, lin.numerics == "q8")
+            lin.in_features, bias, lin.numerics == "q8", [w.panels for w in ws])
 
 
 class NativeStep:
@@ -46,7 +46,7 @@ class NativeStep:
         self.kernels = packed_kernels(op.isa)
         self.head_dim = cfg.head_dim
         fp32, q8, dequant = (ctypes.cast(f, ctypes.c_void_p).value
-                             for f in (op.lib.vc_linear, op.lib.vc_linear_q8, op.lib.vc_dequant_rows))
+                             for f in (op.lib.vc_linear, op.lib.vc_linear_q8_packed, op.lib.vc_dequant_rows))
         self.weights = self.kernels.StepWeights(q8, fp32, dequant, cfg.rms_norm_eps, cfg.num_attention_heads,
                                                 cfg.num_key_value_heads, cfg.head_dim)
         for layer in model.model.layers:

@@ -12,12 +12,13 @@ moment on a shared machine hits them alike; the best of ``repeats`` counts.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from vericache.kernels.linear_op import NUMERICS, LinearOp, supported_isas
-from vericache.model.exact_linear import exact_linears
+from vericache.model.exact_linear import ExactLinear, exact_linears
 from vericache.model.loader import load_model
 from vericache_lab.bench.common import cpu_model
 from vericache_lab.report import markdown_table
@@ -40,6 +41,7 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
     lins = [w for lin in exact_linears(loaded.model) for w in ([lin] if len(lin.weights) == 1 else [])]
     stored = [lin.weight for lin in lins]
     dense = [lin.dense() for lin in lins]
+    unpacked = [ExactLinear([replace(lin.weight, panels=None)], lin.bias, lin.op, lin.numerics) for lin in lins]
     isas = isas or [i for i in supported_isas() if i != "portable"]
     ops = {isa: LinearOp(isa) for isa in isas}
     stored_bytes = sum(w.nbytes for w in stored)
@@ -60,6 +62,9 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
                 identical &= all(torch.equal(a, b) for a, b in zip(ys, first))
         contenders = {f"{numerics}-{isa}": (lambda fn=op.numerics(numerics): _forward_matmuls(lins, xs, fn))
                       for isa, op in ops.items() for numerics in NUMERICS}
+        # the q8 op without the panels packed at load: every many-row call decodes the blocks again
+        isa0 = next(iter(ops))
+        contenders[f"q8-decoding-{isa0}"] = lambda fn=ops[isa0].q8: _forward_matmuls(unpacked, xs, fn)
         contenders["mkl-fp32"] = lambda: _forward_matmuls(dense, xs)
         best = {name: float("inf") for name in contenders}
         for fn in contenders.values():
@@ -70,7 +75,7 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
         for name, s in best.items():
-            same_build_fp32 = best.get("fp32-" + name.split("-", 1)[1], float("nan"))
+            same_build_fp32 = best.get("fp32-" + name.rsplit("-", 1)[1], float("nan"))
             out_rows.append({"rows": m, "contender": name, "ms": round(s * 1e3, 2),
                              "x_mkl": round(s / best["mkl-fp32"], 3),
                              "fp32_over_this": round(same_build_fp32 / s, 2) if name.startswith("q8") else "",
