@@ -66,6 +66,9 @@ def test_the_cost_model_prices_a_proposal_step():
     cost.fitted = StepCosts(c0=0.0, t_row=0.010)
     assert cost.proposal_len(0.9, 1, lambda rows: (0, 0), 6) == 0
     assert cost.proposal_len(0.9, 1, lambda rows: (0, 0), 0) == 0
+    # a fit that prices steps at nothing (every term 0.0: a quiet, fast machine) sizes nothing: as much as fits
+    cost.fitted = StepCosts()
+    assert cost.proposal_len(0.9, 1, lambda rows: (0, 0), 6) == 6
 
 
 def test_the_option_is_checked():

@@ -189,7 +189,7 @@ class DraftCost:
         when ``every`` forwards ran since the last fit (``n_steps``: forwards recorded so far)."""
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
-            if calibration.costs is not None:
+            if calibration.costs is not None and calibration.costs.usable():
                 self.matmuls = calibration.costs.matmuls
                 if self.fitted is None:
                     self.fitted, self.source = calibration.costs, "calibrated"
@@ -230,6 +230,9 @@ class DraftCost:
         f = self.fitted
         share = f.c0 / max(n_active, 1)
         step = lambda rows: share + f.weights(rows) + f.seq(*draft_cost(rows))  # noqa: E731
-        rates = [expected_tokens(keep, n) / step(n + 1) for n in range(1, room + 1)]
+        costs = [step(rows) for rows in range(1, room + 2)]
+        if not all(c > 0 for c in costs):   # a fit that prices a step at nothing cannot size one (a fast machine)
+            return room
+        rates = [expected_tokens(keep, n) / costs[n] for n in range(1, room + 1)]
         best = int(np.argmax(rates))
-        return best + 1 if rates[best] > 1.0 / step(1) else 0
+        return best + 1 if rates[best] > 1.0 / costs[0] else 0
