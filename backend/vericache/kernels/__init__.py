@@ -79,7 +79,7 @@ def load_extension(name: str, sources: list[Path], cflags: list[str], verbose: b
 
 
 def packed_kernels(isa: str | None = None, verbose: bool = False):
-    """The packed attention op built for ``isa`` ("avx512vnni", "avx512", "avx2" or "portable": baseline x86-64, no
+    """The packed attention op built for ``isa`` ("amx", "avx512vnni", "avx512", "avx2" or "portable": baseline x86-64, no
     AVX); default ``linear_op.best_isa()``, the widest this CPU runs (``VERICACHE_ISA`` overrides)."""
     from vericache.kernels.linear_op import ISA_FLAGS, best_isa
 
