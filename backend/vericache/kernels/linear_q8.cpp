@@ -607,7 +607,7 @@ void q8_linear(const uint8_t* w, int64_t row_bytes, int64_t N, const QActs& X, i
 
 }  // namespace
 
-// The fp32 combine over every format's codes, dispatched on the format
+// CALL(F) for the q8 format ``fmt`` names: each format is its own template instance
 #define VC_Q8_FORMATS(CALL)                                                                                      \
   switch (fmt) {                                                                                               \
     case Q4_0: CALL(Q4_0); break;                                                                              \

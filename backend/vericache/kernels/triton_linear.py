@@ -115,6 +115,10 @@ class TritonLinear:
 
     draft = __call__   # no separate draft numerics on this path: drafts read the exact weights
 
+    def pack(self, weight, threads: int | None = None):
+        """The weight as it is: the kernel dequantizes blocks in registers, no panels (``LinearOp.pack``)."""
+        return weight
+
     def dequantize(self, weight, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight's rows as fp32 (a stored embedding's rows): on the CPU (the interpreter's dry run)
         through the CPU op; on a GPU the loader keeps embeddings as tensors, so none is asked for."""
