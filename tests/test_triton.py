@@ -23,8 +23,19 @@ def triton(tmp_path_factory):
         server = LaunchedTriton(tmp_path_factory.mktemp("triton"), log=lambda m: None, ready_timeout_s=180)
     except RuntimeError as exc:
         pytest.fail(str(exc))
-    yield {"grpc": server.grpc, "metrics": server.metrics}
+    yield {"grpc": server.grpc, "metrics": server.metrics, "server": server}
     server.close()
+
+
+@pytest.fixture(autouse=True)
+def _triton_outlives_each_test(request):
+    """The module's server still running after each test that used it: a test that crashed it fails
+    itself, with the server's log (not the tests after it, with a dead server's symptoms)."""
+    yield
+    if "triton" in request.fixturenames:
+        server = request.getfixturevalue("triton")["server"]
+        assert server.proc.poll() is None, (f"tritonserver exited (code {server.proc.returncode}) during this "
+                                            f"test; its log ends:\n{server.log_tail()}")
 
 
 def _inputs(text: str, max_tokens: int, stream: bool = True, **extra):
@@ -226,7 +237,9 @@ def _gateway_process(triton_grpc: str, port: int):
                 return proc
         except httpx.HTTPError:
             pass
-        assert time.time() < deadline, "the gateway did not become healthy"
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("the gateway did not become healthy in 120 s; its log ends:\n" + proc.communicate()[1][-2000:])
         time.sleep(0.3)
 
 

@@ -203,7 +203,11 @@ class LaunchedTriton:
                 pass
             time.sleep(0.5)
         self.close()
-        raise RuntimeError("tritonserver did not become ready: " + self.log_path.read_text()[-3000:])
+        raise RuntimeError("tritonserver did not become ready: " + self.log_tail())
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the server's log (its stubs' output included): why it stopped, when it did."""
+        return self.log_path.read_text(errors="replace")[-chars:]
 
     def close(self) -> None:
         from vericache.serving.triton_launcher import stop_triton
