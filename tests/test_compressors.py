@@ -157,8 +157,8 @@ def test_a_move_scores_only_entering_tokens_and_keeps_the_best(llm, method, monk
         return out
 
     monkeypatch.setattr(type(comp), "score", spy)
-    c_before, carried = cache.count, cache.scores.flatten(0, 1)[:, : cache.count].clone()
-    pos_before = cache.pos.flatten(0, 1)[:, : cache.count].clone()
+    c_before, carried = cache.count, cache.kept().scores.flatten(0, 1)[:, : cache.count].clone()
+    pos_before = cache.kept().pos.flatten(0, 1)[:, : cache.count].clone()
     _decode_lossy(llm, cache, 400, cache.window + 1)   # exactly one move of `window` tokens
     assert len(seen) == 1
     n = seen[0] - (c_before if comp.rescores_kept else 0)
@@ -166,7 +166,7 @@ def test_a_move_scores_only_entering_tokens_and_keeps_the_best(llm, method, monk
     scores = candidates["scores"] if comp.rescores_kept else torch.cat([carried, candidates["scores"]], 1)
     positions = torch.cat([pos_before, candidates["pos"][:, -n:]], 1)
     best = positions.gather(1, scores.topk(cache.count, dim=1).indices).sort(dim=1).values
-    assert torch.equal(cache.pos.flatten(0, 1)[:, : cache.count].long().sort(dim=1).values, best)
+    assert torch.equal(cache.kept().pos.flatten(0, 1)[:, : cache.count].long().sort(dim=1).values, best)
     # every store slot holds the exact K/V of the position it names (the moves put them in the right slot)
     exact = FullKVCache(llm.loaded.model.config, "cpu", torch.float32)
     ids = torch.randint(0, 4000, (400,), generator=torch.Generator().manual_seed(0))
@@ -174,16 +174,16 @@ def test_a_move_scores_only_entering_tokens_and_keeps_the_best(llm, method, monk
         llm.loaded.model(ids, [0], [400], [exact])
     _decode_lossy(llm, exact, 400, cache.window + 1)
     k, _ = cache.dequantized(2)
-    want = exact.k[2].gather(1, cache.pos[2, :, : cache.count, None].long().expand(-1, -1, k.shape[2]))
+    want = exact.k[2].gather(1, cache.kept().pos[2, :, : cache.count, None].long().expand(-1, -1, k.shape[2]))
     assert torch.equal(k, want)
 
 
 def test_loaded_prefix_tokens_outrank_decoded_ones(llm):
     """A store filled from stored forms has no scores: its tokens are kept, entering ones compete."""
     cache = _filled_cache(llm, "snapkv:ratio=0.2", 400)
-    cache.scores.fill_(float("inf"))
-    before = cache.pos[:, :, : cache.count].flatten(0, 1).clone()
+    cache.kept().scores.fill_(float("inf"))
+    before = cache.kept().pos[:, :, : cache.count].flatten(0, 1).clone()
     _decode_lossy(llm, cache, 400, 3 * cache.window)
-    after = cache.pos[:, :, : cache.count].flatten(0, 1)
+    after = cache.kept().pos[:, :, : cache.count].flatten(0, 1)
     assert cache.count > before.shape[1]
     assert all(torch.isin(b, a).all() for b, a in zip(before, after))

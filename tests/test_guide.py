@@ -46,19 +46,19 @@ def _seen_favouring(draft: CompressedKVCache, wanted: torch.Tensor) -> torch.Ten
                                   "streaming:ratio=0.25,guided=true+fp8"])
 def test_attended_missing_tokens_replace_the_least_attended(llm, spec):
     draft, full = _caches(llm, spec)
-    count, before = draft.count, draft.pos[:, :, : draft.count].clone()
+    count, before = draft.count, draft.kept().pos[:, :, : draft.count].clone()
     held = torch.zeros(N, dtype=torch.bool)
     held[before[0, 0].long()] = True
     wanted = (~held[: draft.res_start]).nonzero()[:5, 0]          # 5 positions layer 0, head 0 lacks
-    sinks = draft.scores[:, :, :count] == float("inf")
+    sinks = draft.kept().scores[:, :, :count] == float("inf")
     swapped = guide_store(draft, full, _seen_favouring(draft, wanted), N, swaps=3,
                           native_select=packed_kernels().guide_select)
     assert draft.count == count                                     # the store keeps its size
-    pos = draft.pos[0, 0, :count].long()
+    pos = draft.kept().pos[0, 0, :count].long()
     got = [int(p) in set(pos.tolist()) for p in wanted]
     assert sum(got) == 3                                            # ``swaps`` a head: 3 of the 5
     assert 0 < swapped <= 3 * draft.cfg.num_hidden_layers * draft.cfg.num_key_value_heads
-    assert torch.equal(draft.pos[:, :, :count][sinks], before[sinks])   # sinks stay
+    assert torch.equal(draft.kept().pos[:, :, :count][sinks], before[sinks])   # sinks stay
     assert len(set(pos.tolist())) == count                          # no position twice
     # the incoming tokens are stored as the store stores tokens (their exact K/V, encoded as single
     # tokens; KIVI keys with their position group's tables)
@@ -78,10 +78,10 @@ def test_attended_missing_tokens_replace_the_least_attended(llm, spec):
 
 def test_nothing_is_traded_when_the_store_already_holds_what_was_attended(llm):
     draft, full = _caches(llm, "snapkv:ratio=0.25,guided=true")
-    before = draft.pos.clone()
+    before = draft.kept().pos.clone()
     seen = torch.full((draft.cfg.num_hidden_layers, draft.cfg.num_attention_heads, N), -math.log(N))   # uniform
     assert guide_store(draft, full, seen, N, swaps=8) == 0
-    assert torch.equal(draft.pos, before)
+    assert torch.equal(draft.kept().pos, before)
 
 
 def test_a_kivi_key_encoded_alone_has_the_codes_of_its_group():
@@ -127,8 +127,8 @@ def test_what_a_recent_round_attended_is_remembered(llm):
     second = torch.full_like(first, -20.0)
     second[:, :, missing] = -2.5                                     # attended now, less than remembered
     guide_store(draft, full, second, N, swaps=4)
-    assert held.item() in set(draft.pos[0, 0, : draft.count].tolist())
-    assert missing in set(draft.pos[0, 0, : draft.count].tolist())   # it came in for a forgotten token
+    assert held.item() in set(draft.kept().pos[0, 0, : draft.count].tolist())
+    assert missing in set(draft.kept().pos[0, 0, : draft.count].tolist())   # it came in for a forgotten token
 
 
 @pytest.mark.parametrize("bad", ["snapkv:guided=maybe", "snapkv:swaps=0", "h2o:swaps=1.5"])

@@ -115,6 +115,10 @@ class TritonLinear:
 
     draft = __call__   # no separate draft numerics on this path: drafts read the exact weights
 
+    def q8(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        raise ValueError("numerics='q8' (int8 activations in integer sums) runs on the CPU's LinearOp; "
+                         "the Triton kernel computes in fp32")
+
     def pack(self, weight, threads: int | None = None):
         """The weight as it is: the kernel dequantizes blocks in registers, no panels (``LinearOp.pack``)."""
         return weight

@@ -82,6 +82,18 @@ NO_MEMORY = -1e30   # a kept token no verification has attended to yet
 
 
 @dataclass
+class EvictionSlots:
+    """An evicting store's per-slot bookkeeping, each [L, Hkv, C]: the position a slot holds (int32), its
+    score (the method's; inf: a token that must stay) and its memory (``drafting.guide``'s, log)."""
+    pos: torch.Tensor
+    scores: torch.Tensor
+    memory: torch.Tensor
+
+    def by_name(self) -> dict[str, torch.Tensor]:
+        return {"pos": self.pos, "scores": self.scores, "memory": self.memory}
+
+
+@dataclass
 class KeptTokens:
     """An evicting store's bookkeeping, for verification-guided selection (``drafting.guide``): per layer,
     KV head and slot, ``pos`` [L, Hkv, C] int32 and ``scores`` [L, Hkv, C] (read only), ``memory``
@@ -96,7 +108,8 @@ class KeptTokens:
 
 def store_capacity(comp: Compressor, capacity: int) -> int:
     """Tokens per KV head the store can ever hold for a sequence of ``capacity`` positions."""
-    return comp.keep_budget(capacity) if comp.evicts else capacity
+    budget = comp.keep_budget(capacity) if comp.evicts else None
+    return capacity if budget is None else budget
 
 
 def residual_capacity(comp: Compressor) -> int:
@@ -143,9 +156,7 @@ class CompressedKVCache(KVCache):
         self.capacity = capacity
         spec = store_spec(compressor, cfg, dtype, capacity)
         t = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
-        self.pos: torch.Tensor | None = t.pop("pos", None)          # [L, Hkv, C] int32
-        self.scores: torch.Tensor | None = t.pop("scores", None)    # [L, Hkv, C] each kept token's score
-        self.memory: torch.Tensor | None = t.pop("memory", None)    # [L, Hkv, C] its verifier attention (log)
+        self.slots = EvictionSlots(t.pop("pos"), t.pop("scores"), t.pop("memory")) if compressor.evicts else None
         self.queries = t.pop("queries")                            # [L, Hq, W, D], the last W in order
         self.fields = t                                            # "k.tok.codes" -> [L, Hkv, C, w], ...
         self.count = 0                                             # tokens per KV head in the store
@@ -160,7 +171,7 @@ class CompressedKVCache(KVCache):
         self._all_layers = self._layer_parts(None)
         n_l, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
         per_token = sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items() if ".tok." in n)
-        self._token_bytes = n_l * hkv * (per_token + (4 if self.pos is not None else 0))
+        self._token_bytes = n_l * hkv * (per_token + (4 if self.slots is not None else 0))
         self._group_bytes = {p: n_l * hkv * sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items()
                                                 if n.startswith(f"{p}.grp.")) for p in "kv"}
 
@@ -217,7 +228,7 @@ class CompressedKVCache(KVCache):
             if self.layouts is None:
                 parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count))
             else:
-                pos = None if self.pos is None else self.pos[layer]
+                pos = None if self.slots is None else self.slots.pos[layer]
                 parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos))
         return parts
 
@@ -230,7 +241,8 @@ class CompressedKVCache(KVCache):
             if self.layouts is None:
                 parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count))
             else:
-                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=self.pos))
+                pos = None if self.slots is None else self.slots.pos
+                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos))
         return LayeredParts(self.residual.k, self.residual.v, s, parts, self.queries, observer=self)
 
     def observed(self, t: int) -> None:
@@ -245,11 +257,12 @@ class CompressedKVCache(KVCache):
         n = full.length
         if self.length or self.committed:
             raise ValueError("load_prefill needs an empty cache")
-        missing = [layer for layer, q in enumerate(queries) if q is None]
-        if missing:
+        held = [q for q in queries if q is not None]
+        if len(held) < len(queries):
+            missing = [layer for layer, q in enumerate(queries) if q is None]
             raise ValueError(f"the prefill holds no queries for layers {missing}")
         self.residual.load(full, n)
-        for layer, q in enumerate(queries):
+        for layer, q in enumerate(held):
             self.observe(layer, q)
 
     def load_stored(self, blocks: list[dict[str, torch.Tensor]], block_tokens: int) -> int:
@@ -260,11 +273,11 @@ class CompressedKVCache(KVCache):
             raise ValueError("load_stored needs an empty cache")
         if not blocks:
             return 0
-        names = set(self.fields) | ({"pos"} if self.pos is not None else set())
+        names = set(self.fields) | ({"pos"} if self.slots is not None else set())
         for b in blocks:
             if set(b) != names:
                 raise ValueError(f"stored form has fields {sorted(b)}; this cache needs {sorted(names)}")
-        tok = [name for name in self.fields if ".tok." in name] + (["pos"] if self.pos is not None else [])
+        tok = [name for name in self.fields if ".tok." in name] + (["pos"] if self.slots is not None else [])
         count = sum(b[tok[0]].shape[2] for b in blocks)
         n = len(blocks) * block_tokens
         if count > self.fields[tok[0]].shape[2] or n > self.capacity:
@@ -276,10 +289,11 @@ class CompressedKVCache(KVCache):
             if x.shape[:2] != dst.shape[:2] or x.shape[3:] != dst.shape[3:]:
                 raise ValueError(f"stored {name} of shape {tuple(x.shape)} does not fit {tuple(dst.shape)}")
             dst[:, :, : x.shape[2]] = x.to(dst)
-        if self.pos is not None:
-            self.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(self.pos)
-            self.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
-            self.memory[:, :, :count] = NO_MEMORY
+        if self.slots is not None:
+            slots = self.slots
+            slots.pos[:, :, :count] = torch.cat([b["pos"] for b in blocks], dim=2).to(slots.pos)
+            slots.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
+            slots.memory[:, :, :count] = NO_MEMORY
         self.count = count
         self.res_start = self.committed = self.prompt_len = n
         self.residual.truncate(0)
@@ -365,7 +379,7 @@ class CompressedKVCache(KVCache):
                 new |= {f"{p}.tok.{f}": y for f, y in tok.items()}
                 for f, y in grp.items():  # whole position groups: rs and n are multiples of the group
                     self.fields[f"{p}.grp.{f}"][:, :, rs // layout.group : (rs + n) // layout.group] = y
-        if not comp.evicts:
+        if self.slots is None:
             for name, y in new.items():
                 self.fields[name][:, :, c : c + n] = y
             self.count = c + n
@@ -373,22 +387,22 @@ class CompressedKVCache(KVCache):
         # eviction: the kept tokens (their carried scores) and the entering ones compete for the budget
         n_l, hkv = k.shape[:2]
         positions = torch.arange(rs, rs + n, device=k.device, dtype=torch.int32).expand(n_l, hkv, n)
-        scores = self._candidate_scores(k, positions)                                   # [L*Hkv, c+n]
-        budget = max(comp.keep_budget(committed) - (committed - rs - n), 0)
+        scores = self._candidate_scores(k, positions, self.slots)                       # [L*Hkv, c+n]
+        budget = max(store_capacity(comp, committed) - (committed - rs - n), 0)
         entering = new | {"pos": positions, "scores": scores[:, c:].view(n_l, hkv, n),
                           "memory": torch.full((n_l, hkv, n), NO_MEMORY, device=k.device)}
-        self._keep_top(scores, min(budget, c + n), entering)
+        self._keep_top(scores, min(budget, c + n), entering, self.slots)
 
-    def _candidate_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _candidate_scores(self, k: torch.Tensor, positions: torch.Tensor, slots: EvictionSlots) -> torch.Tensor:
         """[L*Hkv, count + n]: the kept tokens' scores, then the n entering ones' (k: [L, Hkv, n, D]).
         Only the entering tokens are scored, unless the method re-scores what it keeps (H2O)."""
         comp, c = self.compressor, self.count
         w = min(self.q_seen, self.window)
         queries = self.queries[:, :, self.window - w :].flatten(0, 1)                  # [L*Hq, w, D]
-        carried = self.scores[:, :, :c].flatten(0, 1)                                   # [L*Hkv, c]
+        carried = slots.scores[:, :, :c].flatten(0, 1)                                  # [L*Hkv, c]
         if comp.rescores_kept:
             keys = torch.cat([self._stored_keys(), k.float()], dim=2)                   # [L, Hkv, c+n, D]
-            pos = torch.cat([self.pos[:, :, :c], positions], dim=2)
+            pos = torch.cat([slots.pos[:, :, :c], positions], dim=2)
             scores = comp.score(ScoreInputs(keys.flatten(0, 1), pos.flatten(0, 1).long(), queries,
                                             self.state, self.prompt_len, carried))
             carried.copy_(scores[:, :c])
@@ -397,7 +411,7 @@ class CompressedKVCache(KVCache):
                                      self.state, self.prompt_len))
         return torch.cat([carried, new], dim=1)
 
-    def _keep_top(self, scores: torch.Tensor, b: int, entering: dict[str, torch.Tensor]) -> None:
+    def _keep_top(self, scores: torch.Tensor, b: int, entering: dict[str, torch.Tensor], slots: EvictionSlots) -> None:
         """Keep the b best of the candidates ([H, c+n] scores: store slots 0..c-1, then the entering
         tokens) in slots 0..b-1. Tokens already in those slots stay put; every other kept one (an
         entering token, or a stored one beyond b when the budget shrinks) fills a hole left by an
@@ -411,9 +425,9 @@ class CompressedKVCache(KVCache):
         # per head, as many movers as holes (b - stayers each); nonzero lists them head by head in order
         mover_h, mover_j = (kept & ~stay).nonzero(as_tuple=True)
         hole_h, hole_j = ((idx < b) & ~stay).nonzero(as_tuple=True)
-        stored = mover_j < c
+        stored, slot_fields = mover_j < c, slots.by_name()
         for name, y in entering.items():
-            store = self._store_tensor(name).flatten(0, 1)                                # [H, C, ...]
+            store = (slot_fields[name] if name in slot_fields else self.fields[name]).flatten(0, 1)   # [H, C, ...]
             y = y.flatten(0, 1)                                                           # [H, n, ...]
             vals = torch.empty((len(mover_h), *store.shape[2:]), dtype=store.dtype, device=store.device)
             vals[stored] = store[mover_h[stored], mover_j[stored]]
@@ -424,7 +438,8 @@ class CompressedKVCache(KVCache):
     def kept(self) -> KeptTokens | None:
         """An evicting store's bookkeeping (``KeptTokens``), for verification-guided selection; None for a
         store that keeps every token."""
-        return None if self.pos is None else KeptTokens(self.pos, self.scores, self.memory, self.count, self.res_start)
+        slots = self.slots
+        return None if slots is None else KeptTokens(slots.pos, slots.scores, slots.memory, self.count, self.res_start)
 
     def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
         """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
@@ -432,9 +447,10 @@ class CompressedKVCache(KVCache):
         (quantized codes; KIVI keys with their position group's tables), and it carries the larger of its
         slot's old score and the head's median, so the method's own moves do not evict it at once. The
         count does not change (verification-guided selection, ``drafting.guide``)."""
-        if self.pos is None:
+        slots = self.slots
+        if slots is None:
             raise ValueError("trades need an evicting store; this one keeps every token")
-        li, hi, si, positions = trades.to(self.pos.device).unbind(1)
+        li, hi, si, positions = trades.to(slots.pos.device).unbind(1)
         if len(si) and (int(si.max()) >= self.count or int(positions.max()) >= self.res_start):
             raise ValueError(f"a trade needs slots < {self.count} and positions < {self.res_start}, got slot "
                              f"{int(si.max())}, position {int(positions.max())}")
@@ -446,15 +462,12 @@ class CompressedKVCache(KVCache):
                 grp = {name.split(".")[2]: t[li, hi, positions // layout.group]
                        for name, t in self.fields.items() if name.startswith(f"{p}.grp.")}
                 new |= {f"{p}.tok.{f}": y for f, y in layout.encode_tokens(x, grp, positions).items()}
-        kept_scores = self.scores[:, :, : self.count]
+        kept_scores = slots.scores[:, :, : self.count]
         scores = torch.maximum(kept_scores[li, hi, si], kept_scores.median(dim=2).values[li, hi])
         for name, y in new.items():
             self.fields[name][li, hi, si] = y.to(self.fields[name].dtype)
-        self.pos[li, hi, si] = positions.to(torch.int32)
-        self.scores[li, hi, si] = scores
-
-    def _store_tensor(self, name: str) -> torch.Tensor:
-        return {"pos": self.pos, "scores": self.scores, "memory": self.memory}.get(name, self.fields.get(name))
+        slots.pos[li, hi, si] = positions.to(torch.int32)
+        slots.scores[li, hi, si] = scores
 
     def _stored_keys(self) -> torch.Tensor:
         """The store's keys in fp32: [L, Hkv, count, D] (dequantized for scoring)."""
@@ -463,7 +476,7 @@ class CompressedKVCache(KVCache):
             return self.fields["k.tok.x"][:, :, :c].float()
         tok = {name.split(".")[2]: x[:, :, :c] for name, x in self.fields.items() if name.startswith("k.tok.")}
         grp = {name.split(".")[2]: x for name, x in self.fields.items() if name.startswith("k.grp.")}
-        pos = None if self.pos is None else self.pos[:, :, :c]
+        pos = None if self.slots is None else self.slots.pos[:, :, :c]
         return self.layouts[0].decode(tok, grp, self.cfg.head_dim, pos)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,7 +484,7 @@ class CompressedKVCache(KVCache):
         kp, vp = self._parts[layer]
         if self.layouts is None:
             return kp["tok"]["x"][:, : self.count].float(), vp["tok"]["x"][:, : self.count].float()
-        pos = None if self.pos is None else self.pos[layer, :, : self.count]
+        pos = None if self.slots is None else self.slots.pos[layer, :, : self.count]
         return tuple(layout.decode({f: x[:, : self.count] for f, x in part["tok"].items()}, part["grp"],
                                    self.cfg.head_dim, pos) for layout, part in zip(self.layouts, (kp, vp)))
 
@@ -487,7 +500,7 @@ class CompressedKVCache(KVCache):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds."""
         state = [x for x in self.state.values() if isinstance(x, torch.Tensor)]
-        evict = [self.pos, self.scores, self.memory] if self.pos is not None else []
+        evict = [] if self.slots is None else list(self.slots.by_name().values())
         return [*self.fields.values(), self.queries, self.residual.k, self.residual.v, *state, *evict]
 
     def resident_bytes(self) -> int:

@@ -114,7 +114,7 @@ def weight_matrices(model) -> list[torch.Tensor]:
 
         return [lin.dense() for lin in exact_linears(model)]
     out = []
-    for layer in model.model.layers:
+    for layer in model.model.blocks():
         a, mlp = layer.self_attn, layer.mlp
         out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]

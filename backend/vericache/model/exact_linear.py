@@ -10,11 +10,27 @@ hold no data (the blocks are the weights, resident at about the file's size).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from vericache.kernels.linear_op import LinearOp, StoredWeight
+from vericache.kernels.linear_op import StoredWeight
+
+
+class WeightOp(Protocol):
+    """What an ``ExactLinear`` runs on: the CPU's ``LinearOp`` or the GPU's ``TritonLinear``. x [M, k] ->
+    [M, n] in x's dtype; ``q8``: int8 activations in integer sums with the codes (the CPU op's)."""
+
+    def __call__(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
+                 threads: int | None = None) -> torch.Tensor: ...
+
+    def q8(self, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor: ...
+
+    def pack(self, weight: StoredWeight, threads: int | None = None) -> StoredWeight: ...
+
+    def dequantize(self, weight: StoredWeight, rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -23,7 +39,7 @@ class ExactLinear:
     fused projections stored in different formats); x of any float dtype, y in x's dtype."""
     weights: list[StoredWeight]
     bias: torch.Tensor | None
-    op: LinearOp
+    op: WeightOp
     numerics: str = "fp32"     # "q8": integer dots with the codes (``LinearOp.q8``); "fp32": ``op`` itself
 
     @property
@@ -84,7 +100,7 @@ def _fused(stored: dict[str, StoredWeight], names: list[str], modules: list[nn.L
     return out
 
 
-def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | None = None,
+def install(model, op: WeightOp, stored: dict[str, StoredWeight] | None = None,
             numerics: str = "fp32") -> None:
     """Route ``model``'s (a ``Transformer``) linears and embedding through ``op`` in ``numerics``.
     ``stored``: weights as stored under their Hugging Face names (a GGUF model's blocks); the rest are
@@ -96,7 +112,7 @@ def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | No
         # each block weight with its panels: verification, prefill and batched rows read them (LinearOp.pack)
         return ExactLinear([op.pack(w) for w in weights], bias, op, q)
 
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.model.blocks()):
         a, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
         qkv = _fused(stored, [f"{pre}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
                      [a.q_proj, a.k_proj, a.v_proj], a.qkv[0] if a.qkv is not None else None, q)
@@ -113,23 +129,27 @@ def install(model: nn.Module, op: LinearOp, stored: dict[str, StoredWeight] | No
     model.embed_exact = ExactLinear([embed], None, op, q) if embed is not None else None
 
 
-def uninstall(model: nn.Module) -> None:
+def uninstall(model) -> None:
     """Back to the ``nn.Linear`` modules and the embedding (PyTorch's kernels read them)."""
-    for layer in model.model.layers:
+    for layer in model.model.blocks():
         layer.self_attn.qkv_exact = layer.self_attn.o_exact = None
         layer.mlp.gate_up_exact = layer.mlp.down_exact = None
     model.head_exact = model.embed_exact = None
 
 
-def exact_linears(model: nn.Module) -> list[ExactLinear]:
+def exact_linears(model) -> list[ExactLinear]:
     """Every ``ExactLinear`` of one forward, in order (per layer q/k/v, o, gate/up, down; then the head)."""
     out = []
-    for layer in model.model.layers:
+    for layer in model.model.blocks():
         out += [layer.self_attn.qkv_exact, layer.self_attn.o_exact, layer.mlp.gate_up_exact, layer.mlp.down_exact]
-    return out + [model.head_exact]
+    out.append(model.head_exact)
+    missing = sum(lin is None for lin in out)
+    if missing:
+        raise ValueError(f"{missing} of the model's linears have no exact op installed (exact_linear.install)")
+    return [lin for lin in out if lin is not None]
 
 
-def resident_weight_bytes(model: nn.Module) -> int:
+def resident_weight_bytes(model) -> int:
     """Bytes of weights the model holds: parameters with data, plus stored blocks (and their panels) no
     parameter shares."""
     seen, total = set(), 0

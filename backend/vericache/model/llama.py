@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from vericache.model.draft_weights import (
 )
 from vericache.model.exact_linear import ExactLinear
 from vericache.model.native_step import NATIVE_DRAFT_WEIGHTS
+
+if TYPE_CHECKING:
+    from vericache.model.native_step import NativeStep
 
 
 class RMSNorm(nn.Module):
@@ -132,7 +136,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.n_kv, self.head_dim).transpose(0, 1)
         # attention (and the KV it stores) runs in cos.dtype: fp32 under bf16 weights on CPU
         q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if caches is None:
@@ -235,21 +239,34 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Transformer(nn.Module):
-    """Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj``) so checkpoints load as-is."""
+class DecoderStack(nn.Module):
+    """``model.*`` of the Hugging Face names: the embedding, the layers and the final norm."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = nn.Module()
         # given its weight, nn.Embedding skips its normal_ init: on the meta device (``load_model`` builds
         # there) that init imports torch._dynamo, 2 s of a first load; a real model (training) still gets it
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
         if not embed.is_meta:
             nn.init.normal_(embed)
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def blocks(self) -> list[DecoderLayer]:
+        """The layers in order, typed (a ``ModuleList`` yields plain modules)."""
+        return cast(list[DecoderLayer], list(self.layers))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj``) so checkpoints load as-is."""
+
+    inv_freq: torch.Tensor   # [D/2], a buffer (registered in __init__)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -263,11 +280,11 @@ class Transformer(nn.Module):
         self.lm_head_draft: DraftLinear | None = None
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
         self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)
-        self.native = None                              # the whole CPU step in one native call (``native_step``)
+        self.native: NativeStep | None = None          # the whole CPU step in one native call (``native_step``)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (inference only: the fused weights are not trained)."""
-        for layer in self.model.layers:
+        for layer in self.model.blocks():
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
@@ -281,21 +298,21 @@ class Transformer(nn.Module):
             from vericache.model.draft_weights import Q8Linear
 
             q8 = [tuple(Q8Linear(lin) for lin in (l.self_attn.qkv_exact, l.self_attn.o_exact, l.mlp.gate_up_exact,
-                                                  l.mlp.down_exact)) for l in self.model.layers]
+                                                  l.mlp.down_exact)) for l in self.model.blocks()]
             # the LM head stays exact: on SmolLM2 at 8K, q8 layers with an exact head kept every draft
             # token (acceptance 1.0, as fp32 drafts), a q8 head too dropped it to 0.72 (argmax near-ties)
             self.draft_sets[kind] = (q8, None)
         if kind not in self.draft_sets and kind != "fp32":
             q, ws = QUANTIZERS[kind], weight_matrices(self)   # per layer: qkv, o, gate_up, down; then lm_head
             copies = []
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(self.model.blocks()):
                 a = layer.self_attn
                 bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
                 qkv, o, gate_up, down = ws[4 * i : 4 * i + 4]
                 copies.append((q(qkv, bias), q(o), q(gate_up), q(down)))
             self.draft_sets[kind] = (copies, q(ws[-1]))
         copies, head = self.draft_sets.get(kind, ([(None,) * 4] * len(self.model.layers), None))
-        for layer, (qkv, o, gate_up, down) in zip(self.model.layers, copies):
+        for layer, (qkv, o, gate_up, down) in zip(self.model.blocks(), copies):
             layer.self_attn.qkv_draft, layer.self_attn.o_draft = qkv, o
             layer.mlp.gate_up_draft, layer.mlp.down_draft = gate_up, down
         self.lm_head_draft = head
@@ -333,14 +350,14 @@ class Transformer(nn.Module):
         adt = self.attn_dtype or self.model.norm.weight.dtype
         cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
         plans = self._native_plans(tokens, caches, seq_lens, n_draft, adt)
-        if plans is not None:   # the same operations in one native call (model/native_step.py)
+        if plans is not None and self.native is not None:   # the same operations in one native call (native_step)
             return self.native.run(tokens, cos, sin, seq_lens, plans, n_draft if self.draft_weights == "q8" else 0,
                                    logits_index)
         if self.embed_exact is not None:                                   # [N, hidden]
             x = self.embed_exact.op.dequantize(self.embed_exact.weight, tokens)
         else:
             x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.blocks()):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
             x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
         if logits_index is not None:

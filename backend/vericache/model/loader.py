@@ -188,7 +188,7 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
     if kernels == "native":
         exact_linear.install(model, linear_op(), stored, numerics)
         native_step.install(model, linear_op())
-        for layer in model.model.layers:
+        for layer in model.model.blocks():
             layer.self_attn.kernels = kernels
         return model
     return use_gpu_kernels(model, kernels, stored)
@@ -207,7 +207,7 @@ def use_gpu_kernels(model: Transformer, kernels: str, stored: dict | None = None
         raise ValueError("PyTorch's kernels need the weights in the modules; this model keeps them as stored blocks")
     else:
         exact_linear.uninstall(model)
-    for layer in model.model.layers:
+    for layer in model.model.blocks():
         layer.self_attn.kernels = kernels
     return model
 

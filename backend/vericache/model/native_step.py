@@ -49,7 +49,7 @@ class NativeStep:
                              for f in (op.lib.vc_linear, op.lib.vc_linear_q8_packed, op.lib.vc_dequant_rows))
         self.weights = self.kernels.StepWeights(q8, fp32, dequant, cfg.rms_norm_eps, cfg.num_attention_heads,
                                                 cfg.num_key_value_heads, cfg.head_dim)
-        for layer in model.model.layers:
+        for layer in model.model.blocks():
             a, mlp = layer.self_attn, layer.mlp
             norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             qk = [n.weight.detach().float().contiguous() if n is not None else None for n in (a.q_norm, a.k_norm)]
@@ -63,7 +63,7 @@ class NativeStep:
     @staticmethod
     def supports(model) -> bool:
         """Whether ``model``'s layers can run natively: every linear on the op, widths divisible by 16."""
-        layers = model.model.layers
+        layers = model.model.blocks()
         return all(l.self_attn.qkv_exact is not None and l.self_attn.o_exact is not None and
                    l.mlp.gate_up_exact is not None and l.mlp.down_exact is not None for l in layers) and \
             model.head_exact is not None and (model.embed_exact is None or len(model.embed_exact.weights) == 1) and \
@@ -106,7 +106,7 @@ def install(model, op: LinearOp) -> None:
     """Give a CPU model (its exact linears installed) the row ops and, where it fits, the native step
     (each linear in the numerics it was installed in)."""
     kernels = packed_kernels(op.isa)
-    for layer in model.model.layers:
+    for layer in model.model.blocks():
         layer.input_layernorm.row_op = layer.post_attention_layernorm.row_op = kernels.rms_norm
         layer.mlp.act_op = kernels.silu_mul
         if layer.self_attn.q_norm is not None:
