@@ -43,3 +43,12 @@ def test_mypy_finds_nothing_in_the_typed_packages(tmp_path):
     bad.write_text("def length(x: list[int]) -> int:\n    return x\n")
     caught = run(tool("mypy"), "--config-file", str(ROOT / "pyproject.toml"), str(bad), cwd=tmp_path)
     assert caught.returncode == 1 and "Incompatible return value" in caught.stdout
+    # the engine, kv and drafting packages are strict: an unannotated function there is an error
+    probe = tmp_path / "strict" / "vericache" / "engine"
+    probe.mkdir(parents=True)
+    for init in (probe / "__init__.py", probe.parent / "__init__.py"):
+        init.write_text("")
+    (probe / "probe.py").write_text("def f(x):\n    return x\n")
+    caught = run(tool("mypy"), "--config-file", str(ROOT / "pyproject.toml"), "vericache/engine/probe.py",
+                 cwd=tmp_path / "strict")
+    assert caught.returncode == 1 and "no-untyped-def" in caught.stdout, caught.stdout

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from vericache.compress.base import QuantCompressor
-from vericache.kv.quantized import CHANNEL_GROUPS, TOKEN_GROUPS, Layout
-from vericache.kv.quantized import FP8 as FP8_KIND
+from vericache.kernels.layouts import CHANNEL_GROUPS, TOKEN_GROUPS
+from vericache.kernels.layouts import FP8 as FP8_KIND
+from vericache.kv.quantized import Layout
 
 
 def _check_bits(name: str, bits: int, allowed: tuple[int, ...]) -> None:

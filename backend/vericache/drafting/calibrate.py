@@ -26,15 +26,21 @@ About 5 s for the 0.5B code model on 2 Zen 3 cores, 0.5 s for ``tiny``. Random K
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from vericache.drafting.cost import StepCosts, nonnegative_lstsq
 from vericache.kv.full import FullKVCache
 from vericache.model.draft_weights import interpolate_rows
 from vericache.timing import best_seconds
+
+if TYPE_CHECKING:
+    from vericache.model.loader import LoadedModel
 
 SHORT = 256                              # positions where a forward is its weights
 LONG = 4096                              # positions where attention shows (within the model's limit)
@@ -58,13 +64,13 @@ class Calibration:
     """Timed forwards of one model: x [N, 5] (sequences, rows, K/V bytes, pairs, context) and their
     seconds [N]; ``costs`` fitted to them (the weights priced by their curve), None where they give no
     usable fit (``StepCosts.usable``)."""
-    x: np.ndarray
-    seconds: np.ndarray
+    x: npt.NDArray[np.float64]
+    seconds: npt.NDArray[np.float64]
     costs: StepCosts | None
 
 
 @torch.inference_mode()
-def calibrate(loaded, repeats: int = 2, short: int = SHORT, long: int = LONG) -> Calibration:
+def calibrate(loaded: LoadedModel, repeats: int = 2, short: int = SHORT, long: int = LONG) -> Calibration:
     """Time ``loaded`` (a ``LoadedModel``) at ``CURVE_ROWS`` over a scratch cache of ``short`` positions
     and at ``SHAPES`` over ``long`` ones, and fit the costs (``fit_calibration``). Nothing is timed for
     the Triton kernels on a CPU: Triton's interpreter (gpu-check's dry run) runs them in numpy, minutes a
@@ -89,7 +95,9 @@ def calibrate(loaded, repeats: int = 2, short: int = SHORT, long: int = LONG) ->
         toks = torch.zeros(n * rows, dtype=torch.long, device=dev)
         last = torch.arange(rows - 1, n * rows, rows, device=dev)   # one logits row per sequence
         # .item(): the logits reach the host, so a CUDA forward is timed to its end
-        run = lambda: model(toks, [context] * n, [rows] * n, caches[:n], logits_index=last)[0, 0].item()  # noqa: E731
+        def run() -> float:
+            return float(model(toks, [context] * n, [rows] * n, caches[:n], logits_index=last)[0, 0].item())
+
         kv_bytes, pairs = (n * x for x in caches[0].attention_cost(context, rows))
         features.append([n, n * rows, kv_bytes, pairs, context])
         seconds.append(best_seconds(run, repeats))
@@ -106,7 +114,8 @@ def calibrate(loaded, repeats: int = 2, short: int = SHORT, long: int = LONG) ->
     return Calibration(x, y, costs if costs.usable() else None)
 
 
-def fit_calibration(x: np.ndarray, seconds: np.ndarray, short_cost, n_curve: int = len(CURVE_ROWS)) -> StepCosts:
+def fit_calibration(x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
+                    short_cost: Callable[[int], tuple[int, int]], n_curve: int = len(CURVE_ROWS)) -> StepCosts:
     """The costs from a calibration's forwards (x as in ``Calibration``; the first ``n_curve``
     are the curve's, one sequence each at the short context). Each long forward of n sequences and R
     rows, less the curve's forward of R rows, leaves (n - 1) t_seq + (its K/V bytes and pairs less the
@@ -127,15 +136,16 @@ def fit_calibration(x: np.ndarray, seconds: np.ndarray, short_cost, n_curve: int
     return StepCosts(0.0, 0.0, t_seq, t_byte, t_pair, matmuls=weights)
 
 
-def model_calibration(loaded) -> Calibration:
+def model_calibration(loaded: LoadedModel) -> Calibration:
     """``loaded``'s calibration, timed at the first ask and kept on it (``LoadedModel.calibration``), so
     every engine over one model shares it: a serving engine asks when it is built (``Engine``), the
     offline ``LLM`` at its first choice of a draft length."""
     if not loaded.calibration:
         loaded.calibration.append(calibrate(loaded))
-    return loaded.calibration[0]
+    calibration: Calibration = loaded.calibration[0]
+    return calibration
 
 
-def interpreted(loaded) -> bool:
+def interpreted(loaded: LoadedModel) -> bool:
     """The Triton kernels on a CPU: Triton's interpreter, whose times describe no machine."""
-    return loaded.kernels == "triton" and loaded.device.type == "cpu"
+    return bool(loaded.kernels == "triton" and loaded.device.type == "cpu")

@@ -35,9 +35,21 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 MIN_STEPS = 12   # forwards (with and without verification rows) before the fit is trusted
 TERMS = ("c0", "t_row", "t_seq", "t_byte", "t_pair")
+
+
+class StepSample(Protocol):
+    """One forward as the fit reads it (``engine.requests.StepRecord``): its row kinds, rows, the K/V bytes
+    its attention read, its query-key pairs, and when it ran."""
+    kinds: str
+    rows: int
+    kv_bytes: int
+    pairs: int
+    start: float
+    end: float
 
 
 @dataclass
@@ -61,11 +73,11 @@ class StepCosts:
         """A whole forward."""
         return self.c0 + self.weights(rows) + seqs * self.t_seq + kv_bytes * self.t_byte + pairs * self.t_pair
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, float]:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence, matmuls: Callable[[int], float] | None = None) -> StepCosts | None:
+    def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None) -> StepCosts | None:
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
         weights' measured seconds at a row count) that curve in place of rows * t_row. None until there
@@ -78,7 +90,7 @@ class StepCosts:
         return cls.from_samples(x, np.array([s.end - s.start for s in steps]), matmuls)
 
     @classmethod
-    def from_samples(cls, x: np.ndarray, seconds: np.ndarray,
+    def from_samples(cls, x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
                      matmuls: Callable[[int], float] | None = None) -> StepCosts:
         """The terms fitted to forwards: x [N, 4] holds each forward's (1, rows, K/V bytes, pairs). With
         ``matmuls`` the weights' part of each forward is that curve's (a CPU's integer matmuls need not
@@ -100,7 +112,7 @@ class StepCosts:
         return all(np.isfinite(t) and t >= 0 for t in terms) and per_step > 0
 
 
-def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+def nonnegative_lstsq(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> list[float]:
     """Least squares with every coefficient >= 0 (a cost never pays back): columns that fit negative are
     dropped and the rest refitted; columns of very different sizes are scaled first."""
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
@@ -184,7 +196,7 @@ class DraftCost:
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
     _fitted_at: int = field(default=0, repr=False)
 
-    def refit(self, steps: Sequence, n_steps: int) -> None:
+    def refit(self, steps: Sequence[StepSample], n_steps: int) -> None:
         """Before a choice: calibrate if not yet asked (once), then refit from the latest 96 ``steps``
         when ``every`` forwards ran since the last fit (``n_steps``: forwards recorded so far)."""
         if self.calibrate is not None:
@@ -211,7 +223,10 @@ class DraftCost:
         f = self.fitted
         share = f.c0 / max(n_active, 1)
         draft_s = share + f.weights(1) + f.seq(*draft_cost)
-        verify_s = lambda k: share + f.weights(k + 1) + f.seq(*verify_cost(k))  # noqa: E731
+
+        def verify_s(k: int) -> float:
+            return share + f.weights(k + 1) + f.seq(*verify_cost(k))
+
         if not draft_s > 0 or not verify_s(0) > 0:   # costs that price a step at nothing cannot decide
             return None
         k = best_draft_len(alpha, draft_s, verify_s, k_max)
@@ -229,7 +244,10 @@ class DraftCost:
             return max(room, 0)
         f = self.fitted
         share = f.c0 / max(n_active, 1)
-        step = lambda rows: share + f.weights(rows) + f.seq(*draft_cost(rows))  # noqa: E731
+
+        def step(rows: int) -> float:
+            return share + f.weights(rows) + f.seq(*draft_cost(rows))
+
         costs = [step(rows) for rows in range(1, room + 2)]
         if not all(c > 0 for c in costs):   # a fit that prices a step at nothing cannot size one (a fast machine)
             return room

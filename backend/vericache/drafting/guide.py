@@ -88,7 +88,7 @@ def select_trades_torch(seen: torch.Tensor, n: int, kept: KeptTokens, swaps: int
 
 
 def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor, n: int, swaps: int,
-                native_select: Callable | None = None) -> int:
+                native_select: Callable[..., torch.Tensor] | None = None) -> int:
     """Trade the store's least remembered tokens for the most attended missing ones (the module doc), after
     a verification over positions 0..n-1 recorded ``seen``; ``full`` holds every committed position.
     ``native_select``: ``guide_select.cpp``'s op (CPU tensors), else the torch twin runs. Returns the

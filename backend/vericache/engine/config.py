@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import MODES
@@ -19,6 +20,9 @@ from vericache.kernels.linear_op import NUMERICS
 from vericache.model.draft_weights import DRAFT_WEIGHTS
 from vericache.model.registry import DEFAULT_MODEL
 from vericache.sampling import ACCEPTANCE_RULES
+
+if TYPE_CHECKING:
+    from vericache.model.loader import LoadedModel
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -52,7 +56,7 @@ class EngineConfig:
     resident_layers: int = 0        # tiered: leading layers of the full KV kept on the device
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str):
+        def bad(name: str, why: str) -> NoReturn:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         if not isinstance(self.model, str) or not self.model:
@@ -88,7 +92,7 @@ class EngineConfig:
         if isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int) or self.resident_layers < 0:
             bad("resident_layers", "must be an integer >= 0")
 
-    def replace(self, **changes) -> EngineConfig:
+    def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (validated again); an unknown name is a TypeError naming it."""
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
@@ -104,7 +108,7 @@ class EngineConfig:
         """Whether the full KV lives in a host tier behind a link, on a device of ``device_type``."""
         return device_type != "cpu" if self.tiered is None else self.tiered
 
-    def load_model(self):
+    def load_model(self) -> LoadedModel:
         """The model this config names, loaded where and as it says (device, dtypes, kernels, numerics): the
         one place a config becomes a ``LoadedModel`` (the engine, the server, the verifier, ``vericache
         prefix``), so none of them drops a field."""
@@ -142,7 +146,7 @@ class EngineConfig:
 IGNORED_PARAMETERS = {"EXECUTION_ENV_PATH"}   # Triton's own parameters, beside ours in config.pbtxt
 
 
-def _parse_field(name: str, text: str):
+def _parse_field(name: str, text: str) -> Any:
     """One config.pbtxt string as the field's type."""
     if name == "draft_len":
         return "auto" if text in ("auto", "0") else int(text)

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vericache.drafting.calibrate import model_calibration
 from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.engine.options import Intake, RequestOptions, ResolvedOptions, check_mode
 from vericache.engine.placement import drafts_in_rounds
-from vericache.engine.requests import Served, State, StepOutput
+from vericache.engine.remote_rounds import PrefixSource, RemoteEvent, VerifierSource
+from vericache.engine.requests import Instruments, Reply, Request, Served, State, StepOutput
 from vericache.engine.runner import ModelRunner, SharedPrefill
 from vericache.engine.step_loop import StepLoop
 from vericache.kv.full import FullKVCache
+from vericache.kv.link import Link
 from vericache.model.loader import LoadedModel
 from vericache.model.tokenizer import Tokenizer
 from vericache.sampling import RequestOutput, SamplingParams, Sequence
@@ -47,12 +50,13 @@ class EngineOutput:
     finish_reason: str | None = None   # "stop", "length", "abort" or "error"
     error: str | None = None
     error_status: int = 500        # the HTTP status an error maps to (503: a remote part is gone)
-    stats: dict = field(default_factory=dict)   # on the last output: rounds, tokens, mode, compressor...
+    stats: dict[str, Any] = field(default_factory=dict)   # on the last output: rounds, tokens, mode, compressor...
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel | None = None, config: EngineConfig | None = None, *,
-                 prefix=None, verifier=None, link=None, time_costs_now: bool = True, **settings) -> None:
+                 prefix: PrefixSource | None = None, verifier: VerifierSource | None = None, link: Link | None = None,
+                 time_costs_now: bool = True, **settings: Any) -> None:
         """``loaded``: a model already loaded (engines may share one), else ``config.model`` is loaded.
         ``settings`` change single fields of ``config`` (``EngineConfig`` names). ``prefix`` (a
         ``remote.fetch.PrefixFetcher``) and ``verifier`` (a ``remote.client.VerifierClient``): the
@@ -75,7 +79,7 @@ class Engine:
             # still sizes its proposals by them: timed at its first draft step, 5 s of a 16K decode)
             model_calibration(self.loaded)
         self._texts: dict[int, str] = {}    # detokenized requests: the text reported so far
-        self._ended: dict[int, dict] = {}   # labels of the requests the last step ended (its round events')
+        self._ended: dict[int, dict[str, str]] = {}   # labels of the requests the last step ended (its round events')
 
     # ------------------------------------------------------------------ what it serves
     @property
@@ -92,7 +96,7 @@ class Engine:
         return self.runner.defaults
 
     @property
-    def instruments(self):
+    def instruments(self) -> Instruments:
         """The loop's measurements (step records, intervals, rates): read-only, for benches and traces."""
         return self.loop.instruments
 
@@ -111,7 +115,7 @@ class Engine:
         """A checked request's ``Sequence``, for ``add_sequence`` (ValueError / TypeError for bad input)."""
         return self.runner.new_sequence(request_id, prompt_ids, params)
 
-    def prefill(self, ids: list[int], caches: list) -> None:
+    def prefill(self, ids: list[int], caches: list[FullKVCache]) -> None:
         """Run ``ids`` (positions 0..) exactly into each of ``caches`` (storing a prefix, tests)."""
         self.runner.prefill(ids, caches)
 
@@ -200,7 +204,7 @@ class Engine:
         """Bytes the unfinished requests' caches hold."""
         return sum(r.kv.resident_bytes() for r in self.loop.requests if not r.done)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """What this engine computes with: the model, the weights', KV's and linears' arithmetic, the
         kernels and their build (front ends report it: ``/v1/models``, bench JSON)."""
         lm = self.loaded
@@ -215,7 +219,7 @@ class Engine:
                 "dtype": str(lm.dtype).removeprefix("torch."), "kv_dtype": str(lm.kv_dtype).removeprefix("torch."),
                 "mode": self.config.mode, "compressor": self.defaults.compressor.spec()}
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Gauges: requests, KV bytes per tier and the device tier's use, the link's bytes and busy time,
         the grouped schedule's mean group count."""
         running, waiting = self.counts()
@@ -225,12 +229,12 @@ class Engine:
                 "link": None if link is None else (link.kind, link.stats.bytes_moved, link.stats.busy_s),
                 "mean_groups": self.loop.offload.mean_groups}
 
-    def take_events(self) -> dict[str, list]:
+    def take_events(self) -> dict[str, list[Any]]:
         """Events since the last call, for metrics: "phases" (start, end, kinds), "rounds" (labels,
         drafted, accepted, swapped, lookup proposed, lookup kept), "rtts" (verifier round trips, s), "prefix" ((event,
         fields) of the remote parts: fetches and store outages, verifier failovers)."""
         phases, rounds, rtts = self.loop.instruments.take_events()
-        events: list = []
+        events: list[RemoteEvent] = []
         for part in (self.loop.prefix, self.loop.verifier):
             while part is not None and part.events:
                 events.append(part.events.pop(0))
@@ -248,7 +252,7 @@ class Engine:
         ``queue_verification``."""
         return self.loop.add_session(intake, session_id, full, served)
 
-    def queue_verification(self, rid: int, start: int, tokens: list[int], reply) -> bool:
+    def queue_verification(self, rid: int, start: int, tokens: list[int], reply: Reply) -> bool:
         """Queue [x, d1 .. dk] at ``start`` on session ``rid``; False if the session is gone or done."""
         req = self.loop.requests.get(rid)
         if req is None or req.done or req.remote.served is None:
@@ -271,7 +275,7 @@ class Engine:
         self.loop.requests.forget(rid)
 
     # ------------------------------------------------------------------ outputs
-    def _labels(self, rid: int) -> dict:
+    def _labels(self, rid: int) -> dict[str, str]:
         req = self.loop.requests.get(rid)
         if req is None:
             return self._ended.get(rid, {})
@@ -297,7 +301,7 @@ class Engine:
                 self.loop.requests.forget(o.request_id)
         return out
 
-    def _text_delta(self, req, o: StepOutput) -> str:
+    def _text_delta(self, req: Request, o: StepOutput) -> str:
         """The text the new tokens add. Held back: what could still become a stop string (cut from the
         final text) and a trailing partial UTF-8 character, so streamed text is always a prefix of
         the final text."""

@@ -2,7 +2,7 @@
 KV goes on the link, when its verification may start, and how long drafts run meanwhile. One object
 (``Offload``) the scheduler asks (``may_draft``, ``can_verify``), the draft planner tells of new rounds
 (``on_new_round``) and the loop tells to move (``start_transfers``); it reads the requests and the
-measured rates, never the loop. The draft lengths are the planner's (``drafting.round.DraftPlanner``). All lossless.
+measured rates, never the loop. The draft lengths are the planner's (``engine.planner.DraftPlanner``). All lossless.
 
 The link schedules (P1):
 - ``naive``: everyone drafts, then every request is transferred and verified (the control; its
@@ -31,11 +31,11 @@ from collections.abc import Callable
 from vericache.engine.memory import KVMemory
 from vericache.engine.requests import Instruments, Request, RequestTable, State
 from vericache.kv.full import FullKVCache
-from vericache.kv.link import CudaLink, EmulatedLink
+from vericache.kv.link import CudaLink, EmulatedLink, Link
 from vericache.model.loader import LoadedModel
 
 SCHEDULERS = ("naive", "staggered", "grouped")
-MakeRoom = Callable[[int, tuple, Request], None]   # (bytes, device key, for whom): preempts to fit
+MakeRoom = Callable[[int, tuple[str, int], Request], None]   # (bytes, device key, for whom): preempts to fit
 Extend = Callable[[Request], None]                 # the draft planner's ``extend_waiting``
 
 
@@ -54,7 +54,7 @@ def group_count(n: int, transfer_s: float, draft_step_s: float, draft_len: int) 
 
 class Offload:
     def __init__(self, schedule: str, loaded: LoadedModel, memory: KVMemory, requests: RequestTable,
-                 instruments: Instruments, make_room: MakeRoom, extend: Extend, link=None) -> None:
+                 instruments: Instruments, make_room: MakeRoom, extend: Extend, link: Link | None = None) -> None:
         if schedule not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {schedule!r}")
         self.schedule = {"naive": Naive, "staggered": Staggered, "grouped": Grouped}[schedule]()
@@ -63,11 +63,12 @@ class Offload:
         self.extend = extend
         self.link = link  # made on first use when None (``ensure_link``)
 
-    def ensure_link(self) -> None:
+    def ensure_link(self) -> Link:
         """The first offloaded request needs a link: the device's copy engine, or an emulated one."""
         if self.link is None:
             dev = self.loaded.device
             self.link = CudaLink(dev) if dev.type == "cuda" else EmulatedLink(gbps=32)
+        return self.link
 
     # ------------------------------------------------------------------ what the scheduler asks
     @property
@@ -124,7 +125,7 @@ class Offload:
         first = self.memory.resident_layers
         buf = FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype, capacity=req.kv.full_kv().length + req.drafting.round.k + 1,
                           layers=self.cfg.num_hidden_layers - first)
-        req.drafting.transfer = self.link.submit(req.kv.full_kv(), req.kv.full_kv().length, buf, first_layer=first)
+        req.drafting.transfer = self.ensure_link().submit(req.kv.full_kv(), req.kv.full_kv().length, buf, first_layer=first)
         self.requests.set_state(req, State.TRANSFERRING)
         return True
 

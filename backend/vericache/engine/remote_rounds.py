@@ -16,12 +16,17 @@ updates; the scheduler asks it at a prefill (``start``, ``fetch_pending``), the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
 
 from vericache.drafting.round import finish_round
 from vericache.engine.memory import KVMemory
-from vericache.engine.requests import Instruments, Request, RequestTable, State
+from vericache.engine.requests import Fetched, Instruments, Request, RequestTable, State, VerifierSession
 
 log = logging.getLogger("vericache.engine")
 
@@ -34,9 +39,35 @@ def prefix_form(req: Request) -> str:
     return req.placement.prefix_form(req.opts.compressor.spec())
 
 
+class BlockGeometry(Protocol):
+    block_tokens: int   # positions per stored block
+
+
+RemoteEvent = tuple[str, dict[str, Any]]   # (event, its fields): fetches, store outages, failovers (metrics)
+
+
+class PrefixSource(Protocol):
+    """Where a drafter's prompt prefixes come from (``remote.fetch.PrefixFetcher``)."""
+    events: list[RemoteEvent]
+    wake: threading.Event   # set when a fetch lands (the engine's loop waits on it)
+
+    @property
+    def store(self) -> BlockGeometry: ...
+
+    def fetch(self, token_ids: list[int], form: str, device: torch.device | str) -> Future[Fetched]: ...
+
+
+class VerifierSource(Protocol):
+    """Where a drafter's rounds are verified (``remote.client.VerifierClient``): one session a request."""
+    events: list[RemoteEvent]
+    wake: threading.Event   # set when a reply lands
+
+    def session(self, prompt_ids: list[int], max_tokens: int, compressor: str = "") -> VerifierSession: ...
+
+
 class RemoteRounds:
-    def __init__(self, prefix, verifier, requests: RequestTable, memory: KVMemory, instruments: Instruments,
-                 device, charge: Callable[[Request], None]) -> None:
+    def __init__(self, prefix: PrefixSource | None, verifier: VerifierSource | None, requests: RequestTable,
+                 memory: KVMemory, instruments: Instruments, device: torch.device, charge: Callable[[Request], None]) -> None:
         """``prefix``: a prefix store's fetcher or None; ``verifier``: the remote verifier's client or
         None; ``charge``: the scheduler's charge after a request's caches grew (it may preempt)."""
         self.prefix, self.verifier = prefix, verifier
@@ -48,6 +79,8 @@ class RemoteRounds:
         if self.prefix is not None and req.prefill.shared is None and req.placement.loads_stored_prefix:
             req.remote.fetch = self.prefix.fetch(ids, prefix_form(req), self.device)
         if req.placement.remote:
+            if self.verifier is None:   # placement is remote only where the engine has a verifier
+                raise RuntimeError("a remote placement needs the engine's verifier client")
             comp = req.opts.compressor.spec()
             req.remote.session = self.verifier.session(ids, max(req.seq.remaining, 1), comp)
 
@@ -58,7 +91,7 @@ class RemoteRounds:
         if not req.remote.fetch.done():
             return True
         got, req.remote.fetch = req.remote.fetch.result(), None
-        if got.blocks:
+        if got.blocks and self.prefix is not None:   # a fetch is only started with a prefix source
             if not req.placement.draft_here:
                 n = req.kv.full_kv().load_blocks(got.blocks)
             else:
@@ -87,7 +120,7 @@ class RemoteRounds:
                 elif msg["op"] == "verified" and req.state == State.AWAITING_VERIFIER:
                     self._verified(req, msg["accepted"], msg["token"], tensors["k"], tensors["v"])
 
-    def _first_token(self, req: Request, msg: dict) -> None:
+    def _first_token(self, req: Request, msg: dict[str, Any]) -> None:
         req.remote.verifier_hit_tokens = msg.get("hit_tokens", 0)
         if req.seq.output_ids:  # re-admitted after preemption: the token is known already
             return
@@ -101,7 +134,7 @@ class RemoteRounds:
         elif req.state == State.PREFILL and req.prefill.complete:
             self.requests.set_state(req, State.DRAFTING)
 
-    def _verified(self, req: Request, m: int, token: int, k, v) -> None:
+    def _verified(self, req: Request, m: int, token: int, k: torch.Tensor, v: torch.Tensor) -> None:
         rs = req.drafting.round
         m = finish_round(req.seq, rs, req.position, req.kv.draft_kv(), targets=rs.drafts[:m] + [token], exact_kv=(k, v))
         self.requests.round_done(req, m)

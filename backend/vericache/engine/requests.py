@@ -29,7 +29,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
 
 from vericache.drafting.lookup import LookupIndex
 from vericache.drafting.round import DraftState, RoundState, end_round
@@ -68,15 +70,27 @@ ALLOWED = {
 }
 
 
-Reply = Callable[[tuple], None]
+# a verification's answer to a remote drafter: (m, the verifier's token, K, V) (``verify_for_drafter``)
+VerifyReply = tuple[int, int, torch.Tensor, torch.Tensor]
+Reply = Callable[[VerifyReply], None]
+Interval = tuple[float, float, str]                 # (start, end, kinds) of a forward or a load
+RoundEntry = tuple[int, int, int, int, int, int]    # (request, drafted, accepted, swapped, proposed, kept)
+
+
+class Fetched(Protocol):
+    """A prefix fetch's result (``remote.store.Fetched``): the blocks found as stored, their bytes, seconds."""
+    blocks: list[dict[str, torch.Tensor]]
+    nbytes: int
+    seconds: float
 
 
 class VerifierSession(Protocol):
     """A drafter's stream to its remote verifier (``remote.client``): rounds out, replies polled."""
-    in_flight: bool
+    @property
+    def in_flight(self) -> bool: ...   # a round (or the open) awaits its reply
 
     def verify(self, start: int, tokens: list[int]) -> None: ...
-    def poll(self) -> tuple[dict, dict, float] | None: ...
+    def poll(self) -> tuple[dict[str, Any], dict[str, Any], float] | None: ...
     def close(self) -> None: ...
 
 
@@ -88,7 +102,7 @@ class Served:
     opened: Callable[[int], None]       # called with the first token once the prompt is in (exact, greedy)
     chunk: int = 64                     # prompt tokens per forward: opens that land later join within a chunk
     recorder: QueryRecorder | None = None   # the prompt's last queries, for the store
-    inbox: deque = field(default_factory=deque)   # (start, [x, d1 .. dk], reply) verifications queued
+    inbox: deque[tuple[int, list[int], Reply]] = field(default_factory=deque)   # (start, [x, d1 .. dk], reply) queued
 
 
 @dataclass
@@ -165,7 +179,7 @@ class Drafting:
 class RemoteParts:
     """What it holds of the remote scenario: a prefix fetch, a verifier stream (drafter role), a
     session's queued rounds (verifier role), and what they brought."""
-    fetch: Future | None = None                 # the prefix store's fetch (``remote.fetch``)
+    fetch: Future[Fetched] | None = None        # the prefix store's fetch (``remote.fetch``)
     session: VerifierSession | None = None      # drafter role: its stream to the verifier
     served: Served | None = None                # verifier role: rounds from a remote drafter
     prefix_tokens: int = 0                      # prompt positions loaded from the prefix store
@@ -251,11 +265,11 @@ class StepRecord:
     rows: int
     kv_bytes: int     # K/V bytes its attention reads (all layers)
     pairs: int        # query-key pairs per query head and layer
-    by_kind: dict = field(default_factory=dict)   # row kind -> (rows, tokens)
+    by_kind: dict[str, tuple[int, int]] = field(default_factory=dict)   # row kind -> (rows, tokens)
     post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
 
 
-def _bounded() -> deque:
+def _bounded() -> deque[Any]:
     return deque(maxlen=65536)   # a long-running server keeps a bounded history
 
 
@@ -264,15 +278,15 @@ class Instruments:
     """What the engine measured. ``intervals`` and ``steps`` are histories (bounded); the server
     takes what happened since its last look as events (``take_events``), leaving the histories
     for the rates that read them (``draft_step_s``)."""
-    intervals: deque = field(default_factory=_bounded)      # (start, end, kinds) per forward or load
-    round_log: deque = field(default_factory=_bounded)      # (request, drafted, accepted, swapped, proposed, kept) not yet taken
-    remote_rtts: deque = field(default_factory=_bounded)    # verifier round trips not yet taken
-    new_intervals: deque = field(default_factory=_bounded)  # intervals not yet taken
+    intervals: deque[Interval] = field(default_factory=_bounded)      # per forward or load
+    round_log: deque[RoundEntry] = field(default_factory=_bounded)    # rounds not yet taken
+    remote_rtts: deque[float] = field(default_factory=_bounded)       # verifier round trips not yet taken
+    new_intervals: deque[Interval] = field(default_factory=_bounded)  # intervals not yet taken
     verify_layer_s: float = 0.0   # forward seconds per layer of a verification (EMA)
     early_verifies: int = 0       # verifications started while their last layers were in flight
     preemptions: int = 0          # requests sent back to waiting (their KV recomputed on re-admission)
     failures: int = 0             # requests failed by an exception in a step
-    steps: deque = field(default_factory=lambda: deque(maxlen=4096))   # StepRecord per forward, the latest
+    steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))   # per forward, the latest
 
     n_steps: int = 0              # forwards recorded, ever (``steps`` keeps the latest)
 
@@ -288,7 +302,7 @@ class Instruments:
         self.intervals.append((start, end, kinds))
         self.new_intervals.append((start, end, kinds))
 
-    def take_events(self) -> tuple[list, list, list]:
+    def take_events(self) -> tuple[list[Interval], list[RoundEntry], list[float]]:
         """(intervals, rounds, verifier round trips) since the last call, for metrics; the
         histories the engine's own rates read stay."""
         out = list(self.new_intervals), list(self.round_log), list(self.remote_rtts)
@@ -298,7 +312,7 @@ class Instruments:
         return out
 
     def busy_s(self) -> float:
-        return sum(e - s for s, e, _ in self.intervals)
+        return float(sum(e - s for s, e, _ in self.intervals))
 
     def draft_step_s(self) -> float | None:
         """Mean seconds of a recent step that drafted (None before one ran)."""
@@ -431,7 +445,7 @@ class RequestTable:
         return outs
 
 
-def request_stats(req: Request) -> dict:
+def request_stats(req: Request) -> dict[str, Any]:
     """A request's timing, memory and (vericache) acceptance figures."""
     seq, rs = req.seq, req.drafting.round
     n_out = len(seq.output_ids)

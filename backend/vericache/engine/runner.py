@@ -29,6 +29,7 @@ from vericache.engine.requests import StepRecord
 from vericache.engine.scheduler import RowKind, StepPlan, StepResult
 from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
+from vericache.kv.protocol import KVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
 from vericache.model.draft_weights import measured_choice
 from vericache.model.loader import LoadedModel
@@ -165,7 +166,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward helpers
     @torch.inference_mode()
-    def prefill(self, ids: list[int], caches: Seq, start: int = 0) -> torch.Tensor:
+    def prefill(self, ids: list[int], caches: Seq[KVCache], start: int = 0) -> torch.Tensor:
         """Run ``ids`` (positions start..) through the model in chunks over each of ``caches``;
         returns the last logits [V] (of the first cache)."""
         if not caches or not ids:

@@ -8,7 +8,7 @@ The stages of a step are joined by plain data, as in vLLM v1: ``plan()`` returns
 - plan: a verification chunk per request whose full KV is in place (or has landed over the link),
   prefill chunks within ``prefill_chunk`` tokens, a decode row per full/lossy request, a draft row per
   VeriCache request still drafting, and a local verification per complete draft; a request is in at
-  most one row. A new round's draft length is the draft planner's (``drafting.round.DraftPlanner``:
+  most one row. A new round's draft length is the draft planner's (``engine.planner.DraftPlanner``:
   the request's policy, then the link's backlog or the fitted step costs).
 - update: prefill chunks advance and, at the prompt's end, compress it and pick the first token;
   decode rows append their token; draft rows add theirs to the round; verifications end the round
@@ -29,7 +29,6 @@ import torch
 from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.guide import SeenRecorder, guide_store
 from vericache.drafting.round import (
-    DraftPlanner,
     add_checked_proposal,
     add_draft,
     catch_up,
@@ -39,10 +38,11 @@ from vericache.drafting.round import (
 from vericache.engine.config import EngineConfig
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
-from vericache.engine.remote_rounds import RemoteRounds
+from vericache.engine.planner import DraftPlanner
+from vericache.engine.remote_rounds import PrefixSource, RemoteRounds, VerifierSource
 from vericache.engine.requests import DONE, Instruments, Request, RequestTable, State
 from vericache.kv.full import FullKVCache
-from vericache.kv.link import StreamedKV
+from vericache.kv.link import Link, StreamedKV
 from vericache.kv.protocol import KVCache
 from vericache.kv.tee import TeeCache
 from vericache.model.loader import LoadedModel
@@ -95,7 +95,8 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, loaded: LoadedModel, memory: KVMemory, requests: RequestTable, instruments: Instruments,
-                 config: EngineConfig, link=None, prefix=None, verifier=None) -> None:
+                 config: EngineConfig, link: Link | None = None, prefix: PrefixSource | None = None,
+                 verifier: VerifierSource | None = None) -> None:
         """``loaded``: the model (compressors score prompts with it); ``config``: the engine's (its link
         schedule, prefill chunk and running limit); the rest: the loop's parts."""
         self.loaded, self.memory, self.requests, self.instruments = loaded, memory, requests, instruments
@@ -170,9 +171,9 @@ class Scheduler:
                      "all" if proposal else "last")
         elif rs.complete and r.placement.verifies_in_place:  # else: the link (Offload) or the network (RemoteRounds)
             tokens = [r.last_token] + rs.drafts
-            plan.add(r, RowKind.VERIFY, tokens, r.position, self._verify_cache(r, r.kv.full, len(tokens)), "all")
+            plan.add(r, RowKind.VERIFY, tokens, r.position, self._verify_cache(r, r.kv.full_kv(), len(tokens)), "all")
 
-    def _verify_cache(self, r: Request, cache, t: int):
+    def _verify_cache(self, r: Request, cache: KVCache, t: int) -> KVCache:
         """A local verification's cache; for a guided drafter (``drafting.guide``) one that records what
         the t verified rows attend to (a scratch [L, Hq, position + t] fp32, dropped after the round)."""
         if not r.opts.compressor.guided or t == 1:   # t == 1: a plain full step, no drafts
@@ -228,14 +229,19 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Each row's result applied to its request; then it finishes or is charged."""
-        handlers = {RowKind.PREFILL: self._after_prefill, RowKind.DECODE: self._after_decode,
-                    RowKind.DRAFT: self._after_draft, RowKind.VERIFY: self._after_verify}
+        handlers = {RowKind.DECODE: self._after_decode, RowKind.DRAFT: self._after_draft,
+                    RowKind.VERIFY: self._after_verify}
         for row, logits, argmax in zip(plan.rows, result.logits, result.argmax):
             req = row.req
             if req.done or req.state == State.WAITING:
                 continue  # aborted, or preempted by an earlier row's growth in this step
             try:
-                handlers[row.kind](req, row, logits, argmax)
+                if row.kind == RowKind.PREFILL:   # logits only for a prompt's last chunk
+                    self._after_prefill(req, row, logits)
+                elif logits is None or argmax is None:
+                    raise RuntimeError(f"the forward returned no logits for a {row.kind} row")
+                else:
+                    handlers[row.kind](req, row, logits, argmax)
                 if req.seq.finished:
                     self.requests.release(req, State.FINISHED)
                 elif req.state not in (State.WAITING, *DONE):
@@ -276,19 +282,19 @@ class Scheduler:
             req.measured.first_token_at = time.perf_counter()
         self.requests.set_state(req, State(req.placement.state_after_prefill()))
 
-    def _after_prefill(self, req: Request, row: Row, logits, argmax) -> None:
+    def _after_prefill(self, req: Request, row: Row, logits: torch.Tensor | None) -> None:
         req.prefill.done_ids += len(row.tokens)
         if logits is not None:
             self._finish_prefill(req, logits[0], req.kv.prefill_buf or req.kv.full)   # none: a lossy request
 
-    def _after_decode(self, req: Request, row: Row, logits, argmax) -> None:
+    def _after_decode(self, req: Request, row: Row, logits: torch.Tensor, argmax: list[int]) -> None:
         if req.kv.draft is not None:  # lossy: the drafter's own K/V are final
             req.measured.draft_bytes_read += req.kv.draft.nbytes()
             req.kv.draft.commit(req.position + 1)
         params = req.seq.params
         req.seq.append(argmax[0] if params.greedy else req.seq.choose(logits[0]))
 
-    def _after_draft(self, req: Request, row: Row, logits, argmax) -> None:
+    def _after_draft(self, req: Request, row: Row, logits: torch.Tensor, argmax: list[int]) -> None:
         req.measured.draft_bytes_read += req.kv.draft_kv().nbytes()
         req.drafting.round.draft_steps += 1
         if len(row.tokens) == 1:
@@ -297,7 +303,7 @@ class Scheduler:
             kept = add_checked_proposal(req.seq, req.drafting.round, row.tokens[1:], logits, argmax, req.opts.acceptance)
             req.drafting.lookup_index().record(len(row.tokens) - 1, kept)
 
-    def _after_verify(self, req: Request, row: Row, logits, argmax) -> None:
+    def _after_verify(self, req: Request, row: Row, logits: torch.Tensor, argmax: list[int]) -> None:
         if req.remote.served is not None:   # the verifier role: the drafter's round, answered over the network
             _, _, reply = req.remote.served.inbox.popleft()
             reply(verify_for_drafter(req.kv.full_kv(), row.start, row.tokens[1:], argmax))
@@ -335,7 +341,7 @@ class Scheduler:
         if req.state not in (State.WAITING, *DONE) and self.memory.fits(req):
             self.memory.charge(req)
 
-    def make_room(self, nbytes: int, key: tuple, req: Request) -> None:
+    def make_room(self, nbytes: int, key: tuple[str, int], req: Request) -> None:
         """Preempt newer requests (newest first) until ``nbytes`` fit; if none is newer, ``req`` itself
         goes back to waiting (its growth does not fit beside the older ones)."""
         while not self.memory.device.can_fit(nbytes, key):

@@ -32,6 +32,7 @@ from vericache.engine.memory import KVMemory
 from vericache.engine.offload import SCHEDULERS
 from vericache.engine.options import Intake, RequestOptions, ResolvedOptions
 from vericache.engine.placement import place
+from vericache.engine.remote_rounds import PrefixSource, VerifierSource
 from vericache.engine.requests import (
     Drafting,
     Instruments,
@@ -48,6 +49,7 @@ from vericache.engine.runner import ModelRunner
 from vericache.engine.scheduler import Scheduler, StepPlan, StepResult
 from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
+from vericache.kv.link import Link
 from vericache.sampling import SamplingParams, Sequence
 
 __all__ = ["SCHEDULERS", "StepLoop", "StepOutput"]
@@ -55,8 +57,8 @@ log = logging.getLogger("vericache.engine")
 
 
 class StepLoop:
-    def __init__(self, runner: ModelRunner, config: EngineConfig = EXACT_FULL, *, link=None, prefix=None,
-                 verifier=None) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EXACT_FULL, *, link: Link | None = None,
+                 prefix: PrefixSource | None = None, verifier: VerifierSource | None = None) -> None:
         """``config``: the engine's, whole (validated when made): the device budget, whether the full KV
         sits in a host tier (``is_tiered``) and how many of its layers stay, the link schedule, the
         prefill chunk and the running limit. ``link``: the tiered KV's link (made when needed);
@@ -86,26 +88,26 @@ class StepLoop:
                 part.wake = self.wake
 
     @property
-    def link(self):
+    def link(self) -> Link | None:
         """The link the offloaded full KV crosses (made on the first offloaded request when not given)."""
         return self.offload.link
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    options: RequestOptions | ResolvedOptions | None = None, prefill=None) -> int:
+                    options: RequestOptions | ResolvedOptions | None = None, prefill: SharedPrefill | None = None) -> int:
         """Queue a request; ``options`` override the engine's mode, compressor and draft length;
         ``prefill`` (a ``ModelRunner.shared_prefill`` of this prompt) is loaded instead of recomputed.
         ValueError / TypeError for bad input (nothing queued)."""
         return self.add(self.runner.intake(prompt_ids, params, options), prefill)
 
-    def add(self, intake: Intake, prefill=None) -> int:
+    def add(self, intake: Intake, prefill: SharedPrefill | None = None) -> int:
         """Queue a request that came in through ``ModelRunner.intake`` (checked and resolved there)."""
         seq = self.runner.sequence_of(intake, -1)
         seq.request_id = rid = self._add(seq, intake.options, prefill)   # our own sequence: it takes the id
         return rid
 
     def add_sequence(self, seq: Sequence, options: RequestOptions | ResolvedOptions | None = None,
-                     prefill=None) -> int:
+                     prefill: SharedPrefill | None = None) -> int:
         """``add_request`` for a ``Sequence`` made by the caller (who reads its output from it)."""
         return self._add(seq, self.runner.intake(seq.prompt_ids, seq.params, options).options, prefill)
 

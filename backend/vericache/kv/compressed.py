@@ -33,6 +33,7 @@ from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache, storage_bytes
 from vericache.kv.packed import KeyPart, LayeredParts
 from vericache.kv.protocol import KVCache
+from vericache.kv.quantized import Layout, StoredFields
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -55,7 +56,7 @@ class Compressor(Protocol):
 
     def keep_budget(self, total_tokens: int) -> int | None: ...
 
-    def layouts(self) -> tuple: ...
+    def layouts(self) -> tuple[Layout, Layout]: ...
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor: ...
 
@@ -175,11 +176,11 @@ class CompressedKVCache(KVCache):
         self._group_bytes = {p: n_l * hkv * sum(x[0, 0, 0].numel() * x.element_size() for n, x in t.items()
                                                 if n.startswith(f"{p}.grp.")) for p in "kv"}
 
-    def _layer_parts(self, layer: int | None) -> tuple[dict, dict]:
+    def _layer_parts(self, layer: int | None) -> tuple[StoredFields, StoredFields]:
         """Views of one layer's store, K and V: {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, D]}}
         (layer None: every layer's, each with a leading layer dim)."""
-        def part(p: str) -> dict:
-            out: dict = {"tok": {}, "grp": {}}
+        def part(p: str) -> StoredFields:
+            out: StoredFields = {"tok": {}, "grp": {}}
             for name, x in self.fields.items():
                 prefix, kind, field = name.split(".")
                 if prefix == p:
@@ -485,8 +486,9 @@ class CompressedKVCache(KVCache):
         if self.layouts is None:
             return kp["tok"]["x"][:, : self.count].float(), vp["tok"]["x"][:, : self.count].float()
         pos = None if self.slots is None else self.slots.pos[layer, :, : self.count]
-        return tuple(layout.decode({f: x[:, : self.count] for f, x in part["tok"].items()}, part["grp"],
-                                   self.cfg.head_dim, pos) for layout, part in zip(self.layouts, (kp, vp)))
+        k, v = (layout.decode({f: x[:, : self.count] for f, x in part["tok"].items()}, part["grp"], self.cfg.head_dim,
+                              pos) for layout, part in zip(self.layouts, (kp, vp)))
+        return k, v
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:

@@ -158,7 +158,7 @@ class FullKVCache(KVCache):
         self.v[layer, :, s : s + t] = v
         return [KeyPart(self.k[layer], self.v[layer], n=s + t, diag=s)]
 
-    def load_blocks(self, blocks: list[dict]) -> int:
+    def load_blocks(self, blocks: list[dict[str, torch.Tensor]]) -> int:
         """Blocks of K/V ({"k", "v": [L, Hkv, t, D]}, a stored prefix's full form) written at positions 0..
         of this empty cache; returns the positions written."""
         if self.length:

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -32,7 +33,7 @@ class Transfer:
     first_layer: int = 0             # layers before it stay on the device (resident) and do not move
     layer_ready: list[threading.Event] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
-    cuda_events: list | None = None
+    cuda_events: list[torch.cuda.Event] | None = None
     started_at: float = 0.0
     finished_at: float = 0.0
     cancelled: bool = False
@@ -80,6 +81,18 @@ class LinkStats:
             self.bytes_moved += nbytes
             self.busy_s += end - start
             self.intervals.append((start, end))
+
+
+class Link(Protocol):
+    """What carries a host-tier full KV to the device: ``EmulatedLink`` or ``CudaLink``."""
+    kind: str
+
+    @property
+    def stats(self) -> LinkStats: ...
+
+    def submit(self, src: FullKVCache, length: int, dst: FullKVCache, first_layer: int = 0) -> Transfer: ...
+
+    def close(self) -> None: ...
 
 
 class EmulatedLink:
@@ -169,7 +182,7 @@ class CudaLink:
         return self._stats
 
     def submit(self, src: FullKVCache, length: int, dst: FullKVCache, first_layer: int = 0) -> Transfer:
-        events: list = []
+        events: list[torch.cuda.Event] = []
         t = Transfer(src, length, dst, first_layer, cuda_events=events)
         t.started_at = time.perf_counter()
         start = torch.cuda.Event(enable_timing=True)

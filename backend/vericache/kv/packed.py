@@ -22,6 +22,7 @@ import torch
 from vericache.kernels import packed_kernels
 from vericache.kernels.layouts import CHANNEL_GROUPS, DENSE, PART_INTS, PART_TENSORS
 from vericache.kv.attention import Part, attend_all, attend_causal, merge
+from vericache.kv.quantized import Layout, StoredFields
 
 
 @dataclass
@@ -39,11 +40,11 @@ class KeyPart:
     (``drafting.guide``).
     """
 
-    k: torch.Tensor | dict
-    v: torch.Tensor | dict
+    k: torch.Tensor | StoredFields
+    v: torch.Tensor | StoredFields
     n: int
     diag: int | None = None
-    layouts: tuple | None = None
+    layouts: tuple[Layout, Layout] | None = None
     pos: torch.Tensor | None = None
     seen: torch.Tensor | None = None
 
@@ -57,7 +58,7 @@ class KeyPart:
             raise ValueError("a quantized part has no dense K/V")
         return self.k, self.v
 
-    def stored(self) -> tuple[dict, dict]:
+    def stored(self) -> tuple[StoredFields, StoredFields]:
         """K's and V's stored fields of a quantized part (ValueError for a dense one)."""
         if self.layouts is None or not isinstance(self.k, dict) or not isinstance(self.v, dict):
             raise ValueError("a dense part has no stored fields")
@@ -123,7 +124,8 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                 i, t = op_args(seq, p, d)
                 ints += i
                 tensors += t
-        return packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
+        out: torch.Tensor = packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
+        return out
     record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0
     for rows, seq_parts in zip(seq_lens, parts):

@@ -46,7 +46,7 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
-def minmax_quantize(x: torch.Tensor, dim: int, bits: int):
+def minmax_quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric uniform quantization with min/max over ``dim``: (codes uint8, scale fp16, zero fp16)."""
     levels = (1 << bits) - 1
     mn = x.amin(dim=dim, keepdim=True).to(torch.float16)
@@ -54,6 +54,10 @@ def minmax_quantize(x: torch.Tensor, dim: int, bits: int):
     scale = ((mx.float() - mn.float()).clamp_min(1e-6) / levels).to(torch.float16)
     codes = ((x.float() - mn.float()) / scale.float()).round().clamp(0, levels).to(torch.uint8)
     return codes, scale, mn
+
+
+# a quantized part's K or V as stored: {"tok": {field: [Hkv, C, w]}, "grp": {field: [Hkv, NG, w]}}
+StoredFields = dict[str, dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,9 @@ class Layout:
 
     def bytes_per_token(self, d: int) -> float:
         """Stored bytes per token and head (group fields shared by ``group`` positions)."""
-        size = lambda fields: sum(w * dt.itemsize for w, dt in fields.values())  # noqa: E731
+        def size(fields: dict[str, tuple[int, torch.dtype]]) -> int:
+            return sum(w * dt.itemsize for w, dt in fields.values())
+
         return size(self.token_fields(d)) + size(self.group_fields(d)) / self.group
 
     @property
@@ -139,7 +145,7 @@ class Layout:
         return codes * grp["scale"].float().gather(-2, idx) + grp["zero"].float().gather(-2, idx)
 
 
-def attend_quantized(q: torch.Tensor, layouts: tuple[Layout, Layout], k: dict, v: dict, n: int,
+def attend_quantized(q: torch.Tensor, layouts: tuple[Layout, Layout], k: StoredFields, v: StoredFields, n: int,
                      pos: torch.Tensor | None = None) -> Part:
     """Every query over the first ``n`` stored tokens of one layer, dequantized then attended (CUDA;
     the CPU's packed op reads the codes in place and is tested against this).
