@@ -211,21 +211,32 @@ class DraftCost:
             if fit is not None and fit.usable():
                 self.fitted, self.source = fit, "fitted"
 
+    @staticmethod
+    def _batch_prices(f: StepCosts, n_active: int) -> tuple[float, Callable[[int], float]]:
+        """One request's part of a step among ``n_active``: (its share of the step's fixed cost and of the
+        weights' matmuls at one row each, the seconds ``extra`` rows of its own add to those matmuls). A
+        CPU's integer matmuls hardly grow with rows (AMX, the 0.5B code model: 31 ms at 1 row, 41 at 9),
+        so in a batch a request's row costs a fraction of one alone, and a verification's extra rows what
+        they add; alone (n = 1) this is the whole step."""
+        n = max(n_active, 1)
+        base = f.weights(n)
+        return (f.c0 + base) / n, lambda extra: f.weights(n + extra) - base
+
     def choose(self, alpha: float, n_active: int, draft_cost: tuple[int, int], verify_cost: Callable[[int], tuple[int, int]],
                k_max: int) -> int | None:
         """The best k for one request: 0 when a plain full step yields more tokens a second than any
         round (``verify_cost(0)``: one row over the full KV), None before the fit exists.
         ``draft_cost``: (K/V bytes, pairs) of one draft row over its compressed KV; ``verify_cost(k)``:
-        the same for a chunk of k + 1 rows over its full KV. The step's fixed cost is shared by the
-        ``n_active`` requests."""
+        the same for a chunk of k + 1 rows over its full KV. The step's fixed cost and its weights are
+        shared by the ``n_active`` requests (``_batch_prices``)."""
         if self.fitted is None or k_max < 1:
             return None
         f = self.fitted
-        share = f.c0 / max(n_active, 1)
-        draft_s = share + f.weights(1) + f.seq(*draft_cost)
+        share, extra_rows = self._batch_prices(f, n_active)
+        draft_s = share + f.seq(*draft_cost)
 
         def verify_s(k: int) -> float:
-            return share + f.weights(k + 1) + f.seq(*verify_cost(k))
+            return share + extra_rows(k) + f.seq(*verify_cost(k))
 
         if not draft_s > 0 or not verify_s(0) > 0:   # costs that price a step at nothing cannot decide
             return None
@@ -243,10 +254,10 @@ class DraftCost:
         if room < 1 or self.fitted is None or (self.source != "fitted" and self.fitted.matmuls is None):
             return max(room, 0)
         f = self.fitted
-        share = f.c0 / max(n_active, 1)
+        share, extra_rows = self._batch_prices(f, n_active)
 
         def step(rows: int) -> float:
-            return share + f.weights(rows) + f.seq(*draft_cost(rows))
+            return share + extra_rows(rows - 1) + f.seq(*draft_cost(rows))
 
         costs = [step(rows) for rows in range(1, room + 2)]
         if not all(c > 0 for c in costs):   # a fit that prices a step at nothing cannot size one (a fast machine)

@@ -80,15 +80,15 @@ class DraftPlanner:
         to the engine's own forwards); the policy's ``k`` when no costs exist. Where they find plain full
         steps faster than any round at the request's acceptance, the request decodes full steps (the same
         tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
-        drafts one probe round. A probe, and a request's first round, is priced at an optimistic
-        acceptance (``DraftState.acceptance``): where even then no round pays (a CPU batch, whose verified
-        rows cost a third of a full row; one request of the 0.5B code model on AVX2, whose draft row costs
-        what a full row does below 8K and whose verified rows cost a third of one more each) it drafts
-        only ``min_len``, else the policy's ``k`` (one request at 8K: a long first round measures a high
-        acceptance at once). Until the engine's own fit exists the calibration only vetoes rounds (timed
-        on random K/V it prices attention above real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2),
-        so the policy sizes the rounds it lets through. The draft row is priced at the drafter's last
-        commit (``draft_position``)."""
+        asks again as a probe. A probe, and a request's first round, is priced at an optimistic acceptance
+        (``DraftState.acceptance``): where a round may pay at it, the request drafts the policy's ``k`` (one
+        request at 8K: a long first round measures a high acceptance at once); where even then no round
+        pays, it drafts nothing and decodes full steps as above, so a request whose rounds cannot pay runs
+        as full mode does (8 x 8K of the 0.5B code model on AMX: a verified row's fp32 attention costs
+        two thirds of a full row, and short probe rounds there cost 12%: "never slower than full"). Until
+        the engine's own fit exists the calibration only vetoes rounds (timed on random K/V it prices
+        attention above real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2), so the policy sizes the
+        rounds it lets through. The draft row is priced at the drafter's last commit (``draft_position``)."""
         st, policy = r.drafting.policy_state, r.opts.policy
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
@@ -98,15 +98,15 @@ class DraftPlanner:
                                   lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max)
         if choice is None:
             return k
-        if probing:   # explore: the policy's length where a round may pay, else the shortest round
-            st.probe = False
-            return k if choice > 0 else min(policy.min_len, k_max)
-        if self.cost.source != "fitted" and choice > 0:
-            return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
-        if choice == 0:
+        if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
             st.backoff = min(2 * st.backoff, 16 * policy.cooldown) if st.backoff else policy.cooldown
             st.cooldown, st.probe = st.backoff, True
             st.cost_fallbacks += 1
-        else:
-            st.backoff = 0
+            return 0
+        st.backoff = 0
+        if probing:   # explore at the policy's length: a long first round measures a high acceptance at once
+            st.probe = False
+            return k
+        if self.cost.source != "fitted":
+            return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
         return choice
