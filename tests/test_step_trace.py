@@ -77,10 +77,8 @@ def test_design_lists_exactly_the_modules_each_step_kind_runs(step_modules):
 
 def test_issue_31_module_targets_hold(step_modules):
     """At most 10 modules in a full decode step, 12 in a draft step, 13 in a verification (issue 31), plus
-    ``drafting.guide`` in a guided store's verification (issue 42) and ``engine.planner`` in a draft step
-    (issue 54: the draft planner, typed against the engine's request, left ``drafting.round``: the same
-    code, one module more)."""
-    limits = {"full decode": 10, "vericache draft": 13, "vericache verification": 14}
+    ``drafting.guide`` in a guided store's verification (issue 42)."""
+    limits = {"full decode": 10, "vericache draft": 12, "vericache verification": 14}
     assert {k: len(step_modules[k]) for k in limits} == {k: min(len(step_modules[k]), n) for k, n in limits.items()}
 
 

@@ -13,7 +13,7 @@ A round for a request whose last token x (at position n) is not yet in any cache
 
 The engine (``engine.step_loop``) decides *when* each step of a round runs (and packs the rows of
 many requests into one forward); this module decides *what* a step does to one request, and what a
-round's length adapts to (``DraftLengthPolicy``); ``engine.planner.DraftPlanner`` owns each length.
+round's length adapts to (``DraftLengthPolicy``); ``engine.scheduler.DraftPlanner`` owns each length.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 KV goes on the link, when its verification may start, and how long drafts run meanwhile. One object
 (``Offload``) the scheduler asks (``may_draft``, ``can_verify``), the draft planner tells of new rounds
 (``on_new_round``) and the loop tells to move (``start_transfers``); it reads the requests and the
-measured rates, never the loop. The draft lengths are the planner's (``engine.planner.DraftPlanner``). All lossless.
+measured rates, never the loop. The draft lengths are the planner's (``engine.scheduler.DraftPlanner``). All lossless.
 
 The link schedules (P1):
 - ``naive``: everyone drafts, then every request is transferred and verified (the control; its
