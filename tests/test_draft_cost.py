@@ -55,6 +55,18 @@ def test_the_fit_recovers_the_step_costs_and_waits_for_enough_steps():
     assert StepCosts.fit([s for s in _steps(*true) if "verify" not in s.kinds]) is None
 
 
+def test_the_fit_prices_a_steps_update_with_its_forward():
+    """A round's accept, commits and compression moves run after its forward (``StepRecord.post``): the
+    fit prices them with the forward, so steps whose updates cost per pair are priced dearer per pair."""
+    true = (0.02, 0.002, 5e-11, 4e-9)
+    plain = StepCosts.fit(_steps(*true))
+    steps = _steps(*true)
+    for s in steps:
+        s.post = s.pairs * 1e-9   # an update that grows with the rows' pairs
+    fit = StepCosts.fit(steps)
+    assert fit.t_pair == pytest.approx(true[3] + 1e-9, rel=1e-3) and plain.t_pair == pytest.approx(true[3], rel=1e-3)
+
+
 def test_draft_cost_chooses_nothing_until_fitted_then_a_k_within_bounds():
     cost = DraftCost(every=4)
     assert cost.choose(0.9, 16, (1e6, 1000), lambda k: (4e8, (k + 1) * 8000), 48) is None

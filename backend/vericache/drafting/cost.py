@@ -43,13 +43,14 @@ TERMS = ("c0", "t_row", "t_seq", "t_byte", "t_pair")
 
 class StepSample(Protocol):
     """One forward as the fit reads it (``engine.requests.StepRecord``): its row kinds, rows, the K/V bytes
-    its attention read, its query-key pairs, and when it ran."""
+    its attention read, its query-key pairs, when it ran, and the seconds of its update after it."""
     kinds: str
     rows: int
     kv_bytes: int
     pairs: int
     start: float
     end: float
+    post: float
 
 
 @dataclass
@@ -80,14 +81,16 @@ class StepCosts:
     def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None) -> StepCosts | None:
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
-        weights' measured seconds at a row count) that curve in place of rows * t_row. None until there
-        are enough steps, with and without verification."""
+        weights' measured seconds at a row count) that curve in place of rows * t_row. A step's seconds
+        are its forward's and its update's (``post``: the round's accept and commits, the compressed
+        cache's moves, guided swaps): what a round costs beyond its rows. None until there are enough
+        steps, with and without verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        return cls.from_samples(x, np.array([s.end - s.start for s in steps]), matmuls)
+        return cls.from_samples(x, np.array([s.end - s.start + s.post for s in steps]), matmuls)
 
     @classmethod
     def from_samples(cls, x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
