@@ -185,12 +185,12 @@ class DraftPlanner:
             st.cooldown, st.probe = st.backoff, True
             st.cost_fallbacks += 1
             return 0
-        st.backoff = 0
         if probing:   # explore at the policy's length: a long first round measures a high acceptance at once
-            st.probe = False
+            st.probe = False   # (the backoff stays: a probe the measured acceptance then declines doubles it)
             return k
         if self.cost.source != "fitted":
             return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
+        st.backoff = 0
         return choice
 
 
