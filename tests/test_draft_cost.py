@@ -327,8 +327,8 @@ def test_engines_over_one_model_share_one_calibration_made_at_load():
 
 def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
     """Until the engine's own fit, costs from the calibration (random K/V) decide whether rounds pay, in
-    a batch and for one request alone: where none pays, plain full steps after each request's short
-    probe; where rounds pay, the policy's length (the calibration never sizes a round)."""
+    a batch and for one request alone: where none pays, plain full steps (no probe round); where rounds
+    pay, the policy's length (the calibration never sizes a round)."""
     from vericache import Engine, SamplingParams
 
     def second_rounds(n: int, costs: StepCosts) -> list[int]:
@@ -346,7 +346,7 @@ def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
                 for r in sorted({x[0] for x in log[:n]})]
 
     same_cost = StepCosts(c0=1.0)                    # every forward costs the same: no round pays
-    assert all(d == 0 for d in second_rounds(3, same_cost))     # a batch: full steps after the probes
+    assert all(d == 0 for d in second_rounds(3, same_cost))     # a batch: full steps
     assert second_rounds(1, same_cost) == [0]                    # one request too
     bytes_bound = StepCosts(c0=1e-6, t_byte=1e-9)   # a step costs the bytes it reads: drafts pay
     assert second_rounds(1, bytes_bound)[0] >= 4                 # the policy's round

@@ -168,7 +168,7 @@ def test_drafts_are_built_at_a_serving_engines_start_and_an_llms_first_draft_ste
     from vericache.engine.engine import Engine
     from vericache.model.loader import load_model
 
-    llm = LLM("tiny", mode="vericache", draft_weights="auto")   # a model of its own, not the session's
+    llm = LLM("tiny", mode="vericache", draft_weights="auto", draft_len=4)   # a model of its own; rounds whatever the costs
     assert llm.loaded.model.draft_choice is None
     out = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert out.stats["rounds"] >= 1 and llm.loaded.model.draft_choice is not None

@@ -95,7 +95,7 @@ def test_random_add_abort_step(llm, pool, reference, scheduler, offload, seed):
 def test_a_failing_request_fails_alone(llm, pool, reference):
     """An exception inside one request's attention fails that request only: it ends with
     finish_reason "error" and its KV is freed; a later request is served."""
-    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", tiered=False)
+    loop = bare_loop(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", tiered=False, draft_len=4)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     bad = loop.add_request(pool[1], params)
     loop.step()  # prefill

@@ -55,8 +55,9 @@ def test_eval_samples_with_both_acceptance_rules(tmp_path, capsys):
 
 
 def test_bench_decode_command(tmp_path, capsys):
+    # a fixed draft length: with "auto" the cost model may find no round paying for tiny here (a machine's call)
     rc = main(["bench", "decode", "--model", "tiny", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
-               "--context", "600", "--max-tokens", "12", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png"),
+               "--context", "600", "--max-tokens", "12", "--draft-len", "4", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png"),
                "--roofline-plot", str(tmp_path / "r.png")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -76,7 +77,7 @@ def test_bench_decode_command(tmp_path, capsys):
 
 def test_bench_batch_command(tmp_path, capsys):
     rc = main(["bench", "batch", "--model", "tiny", "--requests", "3", "--context", "300", "--max-tokens", "12",
-               "--compressor", "snapkv:ratio=0.25", "--modes", "full,lossy,vericache,vericache+int4@kivi:bits=2",
+               "--compressor", "snapkv:ratio=0.25", "--draft-len", "4", "--modes", "full,lossy,vericache,vericache+int4@kivi:bits=2",
                "--json", "--record", str(tmp_path / "B.md"),
                "--plot", str(tmp_path / "r.png")])
     assert rc == 0

@@ -28,8 +28,9 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, llm, api_key=None, max_queue=64, budget=1 << 30, model_name="tiny", max_per_key=0):
-        # the server's own engine: defaults but the compressor and the budget (so every row runs natively)
-        engine = Engine(llm.loaded, mode="vericache", compressor=SPEC, device_budget_gb=budget / (1 << 30))
+        # the server's own engine: defaults but the compressor, the budget (so every row runs natively) and a
+        # fixed draft length (with "auto" the cost model may find no round paying for tiny: a machine's call)
+        engine = Engine(llm.loaded, mode="vericache", compressor=SPEC, device_budget_gb=budget / (1 << 30), draft_len=4)
         self.service = BackgroundService(engine, max_queue=max_queue)
         self.app = create_app(self.service, model_name=model_name, api_key=api_key, max_per_key=max_per_key)
         self.port = _free_port()

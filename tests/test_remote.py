@@ -41,7 +41,9 @@ class Verifier:
         self.client = None
 
     def wait_ready(self, mid: str) -> None:
-        deadline = time.time() + 60
+        # a process that imports torch, loads the model and times it (a serving engine's calibration):
+        # seconds alone, over a minute on a loaded 2-core machine
+        deadline = time.time() + 180
         self.client = VerifierClient(self.url, mid)
         while True:
             try:
@@ -49,8 +51,9 @@ class Verifier:
                 return
             except VerifierUnavailable:
                 if time.time() > deadline or self.proc.poll() is not None:
-                    out = self.proc.stdout.read() if self.proc.poll() is not None else ""
-                    pytest.fail(f"verifier did not start: {out[-2000:]}")
+                    if self.proc.poll() is None:
+                        self.proc.kill()
+                    pytest.fail(f"verifier did not start: {self.proc.communicate()[0][-2000:]}")
                 time.sleep(0.2)
 
     def stop(self) -> None:
