@@ -430,7 +430,7 @@ def _texts(url: str, bodies: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_every_family_decodes_full_decodings_text_alone_and_among_fifteen_others(server, code_prompts, sampling):
-    """Through the gateway, each compressor family's VeriCache request (draft length auto) gives full
+    """Through the gateway, each compressor family's VeriCache request (the server's draft length) gives full
     decoding's text for its seed, bit for bit, alone and among 15 concurrent requests of other prompts,
     lengths, modes and sampling: the forward is batch-invariant and a sampled token is a function of
     (seed, position) only (coupled sampling)."""
