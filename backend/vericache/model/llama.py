@@ -253,9 +253,10 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def blocks(self) -> list[DecoderLayer]:
-        """The layers in order, typed (a ``ModuleList`` yields plain modules)."""
-        return cast(list[DecoderLayer], list(self.layers))
+    def blocks(self) -> Sequence[DecoderLayer]:
+        """The layers in order, typed (a ``ModuleList`` yields plain modules); the list itself, no copy (the
+        module path's forward asks for it every step)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
 
 class Transformer(nn.Module):
