@@ -159,10 +159,12 @@ def test_the_triton_image_answers_tritonclient(images, reference_text):
         while True:
             result, error = answers.get(timeout=120)
             assert error is None, error
+            text = result.as_numpy("text_output")   # None: a final flag alone
+            if text is not None:
+                texts.append(text[0].decode())
             final = result.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 break
-            texts.append(result.as_numpy("text_output")[0].decode())
         client.stop_stream()
         assert "".join(texts) == reference_text
         stop_s, code = c.stop()

@@ -25,6 +25,9 @@ def triton(tmp_path_factory):
         pytest.fail(str(exc))
     yield {"grpc": server.grpc, "metrics": server.metrics, "server": server}
     server.close()
+    # every request ended inside Triton too: its model unloads at once, not after Triton's exit timeout
+    # (a final flag sent after the gateway had cancelled its stream kept it loaded for 30 s)
+    assert "successfully unloaded 'vericache'" in server.log_tail(), server.log_tail()
 
 
 @pytest.fixture(autouse=True)
@@ -71,11 +74,11 @@ def _stream(url: str, inputs, limit: int | None = None):
         result, error = q.get(timeout=120)
         if error is not None:
             break
+        text = result.as_numpy("text_output")   # the last text comes with the final flag; a cancelled
+        if text is not None:                     # request's final flag comes alone
+            texts.append(text[0].decode())
         final = result.get_response().parameters.get("triton_final_response")
-        if final is not None and final.bool_param:
-            break
-        texts.append(result.as_numpy("text_output")[0].decode())
-        if limit is not None and len(texts) >= limit:
+        if (final is not None and final.bool_param) or (limit is not None and len(texts) >= limit):
             break
     client.stop_stream(cancel_requests=limit is not None)
     return texts, error

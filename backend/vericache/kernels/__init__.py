@@ -30,7 +30,8 @@ import torch
 from vericache.kernels.cpu import flags_line
 
 HERE = Path(__file__).parent
-PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "quant_format.h",
+PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "bindings.cpp",
+                  HERE / "step.h", HERE / "quant_format.h",
                   HERE / "exp_neg.h", HERE / "row_ops.h", HERE / "layouts.h"]
 # exact, reproducible IEEE arithmetic: explicit fma only, no reassociation
 PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]

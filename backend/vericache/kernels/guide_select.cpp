@@ -13,8 +13,9 @@
 // while its attention beats the victim's memory (and takes it as its memory), at most ``swaps`` a
 // head. Ties go to the lower position / slot.
 // Returns int64 [T, 4]: (layer, head, slot, position) of each trade, heads in order.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <algorithm>
 #include <array>
 #include <cmath>

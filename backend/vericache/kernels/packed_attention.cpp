@@ -20,8 +20,10 @@
 // A score is dot8(q, k) (see there): 8 lanes over the channels, so keys are read in their stored
 // row layout; a decode row reads each key once, with no transposes, and a chunk's rows run the
 // very same arithmetic (a row's bits never depend on how many rows share its block).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>

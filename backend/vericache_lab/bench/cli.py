@@ -336,6 +336,8 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
         if args.soak <= 0:
             raise ValueError(f"--soak takes minutes > 0, got {args.soak}")
         args.duration = args.soak * 60
+    if args.sample_every <= 0:
+        raise ValueError(f"--sample-every takes seconds > 0, got {args.sample_every}")
     elif args.requests is None and args.duration is None:
         raise ValueError("give --requests N, --duration SECONDS or --soak MINUTES")
     server = LaunchedServer(args.model, log=progress(args)) if soak and args.url is None else None
@@ -343,7 +345,8 @@ def _cmd_serve_load(args: argparse.Namespace) -> int:
     try:
         res = asyncio.run(run_load(url, args.model, args.concurrency, args.requests, args.duration, args.max_tokens,
                                    args.request_rate, args.cancel_prob, args.seed, pid, log=progress(args),
-                                   nonstream_prob=args.nonstream_prob, bad_prob=args.bad_prob))
+                                   nonstream_prob=args.nonstream_prob, bad_prob=args.bad_prob,
+                                   sample_every=args.sample_every))
     finally:
         if server is not None:
             server.close()
@@ -381,6 +384,8 @@ def _add_serve(bsub) -> None:
     sv.add_argument("--rss-bound-mb", type=float, default=64.0, help="soak: allowed RSS growth after the warm-up")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--server-pid", type=int, default=None, help="sample this process's RSS during the run")
+    sv.add_argument("--sample-every", type=float, default=10.0, metavar="SECONDS",
+                    help="how often the server's RSS and KV bytes are sampled (default 10)")
     sv.add_argument("--plot", default=None, help="PNG of the server's RSS and KV bytes over the run (with "
                                                  "--prompt-tokens: each mode's throughput and TTFT)")
     sv.add_argument("--json", action="store_true")

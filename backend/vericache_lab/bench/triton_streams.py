@@ -140,18 +140,19 @@ def triton_load(grpc_url: str, streams: int, requests: int, max_tokens: int) -> 
                     if error is not None:
                         raise RuntimeError(f"triton stream {i}: {error}")
                     now = time.perf_counter()
-                    final = result.get_response().parameters.get("triton_final_response")
-                    if final is not None and final.bool_param:
-                        break
-                    ids = result.as_numpy("output_ids")
+                    ids = result.as_numpy("output_ids")   # None: a final flag alone (a cancelled request)
                     if ids is not None and len(ids):
                         (log.ttft if first else log.itl).append(now - (t0 if first else last))
                         first, last = False, now
                         log.tokens += len(ids)
-                    text += result.as_numpy("text_output")[0].decode()
-                    if result.as_numpy("finish_reason")[0]:   # the last response carries the request's stats
-                        log.drafted += int(result.as_numpy("drafted_tokens")[0])
-                        log.accepted += int(result.as_numpy("accepted_tokens")[0])
+                    if ids is not None:
+                        text += result.as_numpy("text_output")[0].decode()
+                        if result.as_numpy("finish_reason")[0]:   # the last response: the request's stats
+                            log.drafted += int(result.as_numpy("drafted_tokens")[0])
+                            log.accepted += int(result.as_numpy("accepted_tokens")[0])
+                    final = result.get_response().parameters.get("triton_final_response")
+                    if final is not None and final.bool_param:
+                        break
                 log.texts.append(text)
         finally:
             client.stop_stream()

@@ -68,23 +68,27 @@ class TritonPythonModel:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
-        last, gone = None, self.watcher.watch(job, lambda: self._cancelled(sender))
+        finished, gone = False, self.watcher.watch(job, lambda: self._cancelled(sender))
         try:
             for out in self.adapter.responses(job, cancelled=gone.is_set):
-                last = out
-                self._send(sender, pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+                # the engine's last response (it names a finish reason) carries the final flag itself: a
+                # client that stops reading at the finish reason leaves nothing open in Triton (a final flag
+                # sent alone after it, to a stream the client had cancelled, kept the model from unloading)
+                finished = bool(out["finish_reason"][0])
+                if finished:   # counted before the client can see the end
+                    self._count(self.ok)
+                    self._count(self.accepted, int(out["accepted_tokens"][0]))
+                response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()])
+                self._send(sender, response, final=finished)
         except GenerationFailed as exc:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INTERNAL)
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
         finally:
             self.watcher.forget(job)
-        if last is None or gone.is_set():
+        if not finished:   # the client went (the request was aborted): the final flag alone
             self._count(self.cancelled)
-        else:
-            self._count(self.ok)
-            self._count(self.accepted, int(last["accepted_tokens"][0]))
-        self._send(sender, None, final=True)
+            self._send(sender, None, final=True)
 
     def _count(self, metric, n: int = 1) -> None:
         with self.ipc:   # a metric update goes through the stub's interprocess queue too

@@ -1,0 +1,21 @@
+// The kernels' Python module (one per ISA build: ``kernels.packed_kernels``): the only file that
+// includes the Python binding headers (~10 s of a build's compile; the kernels' files include ATen's
+// core only), exporting what step.h declares.
+#include <torch/csrc/utils/pybind.h>
+
+#include "step.h"
+
+using vc_step::StepWeights;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
+  m.def("guide_select", &guide_select, "a guided store's trades from a verification's attention (guide_select.cpp)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
+  pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
+      .def("add_layer", &StepWeights::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("linears"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+      .def("set_ends", &StepWeights::set_ends);
+  m.def("forward_step", &forward_step, "a forward step in one call: embedding, every layer, the head");
+}
