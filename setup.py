@@ -15,9 +15,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent
 BUILDS_KERNELS = any(c in sys.argv for c in ("bdist_wheel", "build_ext", "build")) and "editable_wheel" not in sys.argv
@@ -35,58 +37,52 @@ def kernel_module(name: str):
 
 
 def kernel_build():
-    """(ext_modules, cmdclass) compiling both kernels per ISA into ``vericache/kernels/prebuilt/``."""
+    """(distclass, cmdclass) compiling both kernels per ISA into ``vericache/kernels/prebuilt/``."""
     try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        import torch  # noqa: F401  (the packed kernels link it)
     except ImportError:   # an isolated build (plain `pip install .`): a wheel that compiles at first use, as a checkout
         print("setup.py: torch is not importable here, so this wheel carries no compiled kernels (they compile at "
               "first use); `make wheel` (pip wheel --no-build-isolation) builds one that does", file=sys.stderr)
-        return [], {}
-    # kernels/__init__ and linear_op import the CPU-feature reader and the layouts by their names (they need
-    # nothing but the standard library): registered under those names first, the imports find them without
-    # vericache/__init__
-    sys.modules.setdefault("vericache.kernels.cpu", kernel_module("cpu"))
-    sys.modules.setdefault("vericache.kernels.layouts", kernel_module("layouts"))
-    sys.modules["vericache.kernels.layouts"].check_headers()   # the numbers both sides pass by position agree
-    kernels, linear_op, prebuilt = (kernel_module(n) for n in ("__init__", "linear_op", "prebuilt"))
-    HERE, PACKED_CFLAGS, PACKED_SOURCES = kernels.HERE, kernels.PACKED_CFLAGS, kernels.PACKED_SOURCES
-    ISA_FLAGS, compile_linear = linear_op.ISA_FLAGS, linear_op.compile_linear
-    packed_module_name, write_manifest = prebuilt.packed_module_name, prebuilt.write_manifest
-
-    isas = [i for i in os.environ.get("VERICACHE_WHEEL_ISAS", ",".join(ISA_FLAGS)).split(",") if i]
-    unknown = sorted(set(isas) - set(ISA_FLAGS))
+        return Distribution, {}
+    # the kernels' modules import each other by their names (they need nothing but the standard library and
+    # torch): registered under those names, in order, the imports find them without vericache/__init__
+    for name in ("cpu", "layouts", "build", "prebuilt", "linear_op"):
+        sys.modules.setdefault(f"vericache.kernels.{name}", kernel_module(name))
+    cpu, linear_op, prebuilt, build = (sys.modules[f"vericache.kernels.{n}"] for n in ("cpu", "linear_op", "prebuilt",
+                                                                                       "build"))
+    kernels = kernel_module("__init__")
+    isas = [i for i in os.environ.get("VERICACHE_WHEEL_ISAS", ",".join(cpu.ISA_FLAGS)).split(",") if i]
+    unknown = sorted(set(isas) - set(cpu.ISA_FLAGS))
     if unknown:
-        raise SystemExit(f"VERICACHE_WHEEL_ISAS names {unknown}; the variants are {', '.join(ISA_FLAGS)}")
-    cpp = [str(s.relative_to(ROOT)) for s in PACKED_SOURCES if s.suffix == ".cpp"]
-    modules = [CppExtension(f"vericache.kernels.prebuilt.{packed_module_name(isa)}", cpp,
-                            include_dirs=[str(HERE)], extra_link_args=["-fopenmp", "-s"],
-                            # the build at first use's flags (-g0: no debug info, 24 MB -> 0.7 MB; same code)
-                            extra_compile_args=PACKED_CFLAGS + ISA_FLAGS[isa] + ["-g0"]) for isa in isas]
+        raise SystemExit(f"VERICACHE_WHEEL_ISAS names {unknown}; the variants are {', '.join(cpu.ISA_FLAGS)}")
 
-    class BuildKernels(BuildExtension):
-        """Each extension in its own temp folder (they share sources: one object path would serve four
-        ISAs), then the linear op per ISA and the manifest beside them."""
-
-        def build_extension(self, ext):
-            temp = self.build_temp
-            self.build_temp = os.path.join(temp, ext.name)
-            try:
-                super().build_extension(ext)
-            finally:
-                self.build_temp = temp
+    class BuildKernels(build_ext):
+        """Both kernels per ISA, built as at first use (``build.place_library``: compiled, or the kernel cache's
+        build of the same sources and flags), and the manifest."""
 
         def run(self):
-            super().run()
             folder = Path(self.build_lib) / "vericache" / "kernels" / "prebuilt"
             folder.mkdir(parents=True, exist_ok=True)
             files = {}
-            for isa, ext in zip(isas, modules):
-                files[f"packed-{isa}"] = Path(self.get_ext_filename(ext.name)).name
-                files[f"linear-{isa}"] = compile_linear(isa, folder / f"linear-{isa}.so").name
-            write_manifest(folder, files)
+            ext = sysconfig.get_config_var("EXT_SUFFIX")   # a module's file name as Python imports it
+            for variant in dict.fromkeys(cpu.PACKED_VARIANT[isa] for isa in isas):   # each module once
+                packed = kernels.packed_library(variant)
+                files[f"packed-{variant}"] = build.place_library(packed, folder / f"{packed.name}{ext}",
+                                                                 verbose=True).name
+            for isa in isas:
+                files[f"linear-{isa}"] = build.place_library(linear_op.linear_library(isa),
+                                                             folder / f"linear-{isa}.so", verbose=True).name
+            prebuilt.write_manifest(folder, files)
 
-    return modules, {"build_ext": BuildKernels}
+    class PlatformWheel(Distribution):
+        """A wheel tagged for this platform and Python (it carries native code), though setuptools builds no
+        extension of its own."""
+
+        def has_ext_modules(self):
+            return True
+
+    return PlatformWheel, {"build_ext": BuildKernels}
 
 
-ext_modules, cmdclass = kernel_build() if BUILDS_KERNELS else ([], {})
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+distclass, cmdclass = kernel_build() if BUILDS_KERNELS else (Distribution, {})
+setup(distclass=distclass, cmdclass=cmdclass)

@@ -12,12 +12,12 @@ import argparse
 
 import torch
 
-from vericache_lab.bench.common import cpu_model
 from vericache.kernels import packed_kernels
-from vericache.kernels.linear_op import supported_isas
+from vericache.kernels.cpu import supported_isas
 from vericache.kv.attention import merge
 from vericache.kv.packed import KeyPart, op_args, torch_part
 from vericache.timing import best_seconds
+from vericache_lab.bench.common import cpu_model
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30   # SmolLM2's attention shape
 

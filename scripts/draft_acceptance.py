@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 from vericache import LLM, SamplingParams
-from vericache_lab.bench.common import code_prompt, cpu_model
 from vericache.engine.engine import Engine
 from vericache.model.draft_weights import Q8Linear
+from vericache_lab.bench.common import code_prompt, cpu_model
 
 
 def main() -> None:

@@ -9,10 +9,10 @@ import argparse
 
 import torch
 
-from vericache_lab.bench.common import cpu_model
 from vericache.llm import LLM
 from vericache.model.draft_weights import QUANTIZERS, weight_matrices
 from vericache.timing import best_seconds
+from vericache_lab.bench.common import cpu_model
 
 
 def main() -> None:

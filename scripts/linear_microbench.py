@@ -15,8 +15,9 @@ import time
 import numpy as np
 import torch
 
+from vericache.kernels.cpu import supported_isas
+from vericache.kernels.linear_op import BLOCK, LinearOp, StoredWeight
 from vericache_lab.bench.common import cpu_model
-from vericache.kernels.linear_op import BLOCK, LinearOp, StoredWeight, supported_isas
 
 SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q4_1", 49152, 576), ("Q8_0", 49152, 576)]
 

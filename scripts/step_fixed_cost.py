@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from vericache_lab.bench.common import cpu_model
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.llm import LLM
 from vericache.model.exact_linear import exact_linears
+from vericache_lab.bench.common import cpu_model
 
 
 def timed(fn) -> float:

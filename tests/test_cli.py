@@ -63,7 +63,7 @@ def test_demo_runs_three_modes_and_vericache_equals_full(capsys):
     assert "task 3: HumanEval/2 (`truncate_number`)" in out and "task 3, vericache completion (== full KV)" in out
     assert all(("passes its test" in row) != ("FAILS its test" in row) for row in rows.values())   # each row's verdict
     assert main(["demo", "--model", "tiny", "--context", "600", "--problem", "HumanEval/999"]) == 2
-    from vericache.kernels.linear_op import best_isa
+    from vericache.kernels.cpu import best_isa
 
     assert f"(kernels: {best_isa()} build)" in out.splitlines()[0]   # the header names the build that runs
 

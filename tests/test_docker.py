@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vericache.kernels.linear_op import best_isa
+from vericache.kernels.cpu import best_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def quicksort(items):"

@@ -24,7 +24,7 @@ def test_quantized_linear_is_close_to_the_exact_linear_but_not_equal(cls, tolera
 def test_int8_copies_keep_7_bit_activations_where_fbgemm_would_saturate():
     """Without VNNI fbgemm's u8 x s8 pair sums saturate int16 (AVX2's vpmaddubsw), so Int8Linear asks
     for 7-bit activations there; forced on here, whatever this CPU has, the error stays in bounds."""
-    from vericache.kernels.linear_op import cpu_flags
+    from vericache.kernels.cpu import cpu_flags
 
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(5, 64, generator=g)

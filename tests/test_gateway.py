@@ -13,7 +13,7 @@ import uvicorn
 
 from vericache import SamplingParams
 from vericache.engine.engine import Engine
-from vericache.kernels.linear_op import supported_isas
+from vericache.kernels.cpu import supported_isas
 from vericache.serving.service import BackgroundService
 from vericache_gateway.app import create_app
 

@@ -286,7 +286,7 @@ def test_models_command_and_missing_package_hint(capsys, monkeypatch):
     import json
 
     from vericache.cli import main
-    from vericache.kernels.linear_op import supported_isas
+    from vericache.kernels.cpu import supported_isas
     from vericache.model import registry
 
     assert main(["models", "--json"]) == 0

@@ -1,6 +1,6 @@
 """Kernel builds that survive interruption (``kernels/build.py``): a build stopped mid-way by SIGTERM or
-SIGKILL leaves nothing that blocks the next one, which finishes in the same directory. The builds here
-go through the kernels' own loader (``load_extension``) with a small pybind11 module, so they take
+SIGKILL leaves nothing that blocks the next one, which finishes in the same cache. The builds here go
+through the kernels' own build path (``load_extension``) with a small pybind11 module, so they take
 seconds, not the packed kernels' minute."""
 
 from __future__ import annotations
@@ -39,17 +39,31 @@ def test_a_build_stopped_midway_does_not_block_the_next(tmp_path, sig):
     kernels = tmp_path / "kernels"
     first = _start(kernels, source)
     end = time.monotonic() + 120
-    while not any(kernels.glob("*/lock")):         # torch's lock file: the build has started
+    while not any(kernels.glob("*.build")):         # the builder's scratch folder: the build has started
         assert first.poll() is None and time.monotonic() < end, first.communicate()
         time.sleep(0.05)
     time.sleep(0.5)                                 # the compiler is running
     os.killpg(first.pid, sig)                       # the builder and its compilers, as a stop would
     first.wait(30)
-    assert any(kernels.glob("*/lock"))              # what used to make every later start sleep forever
+    assert any(kernels.glob("*.build")) and not any(kernels.glob("*.so"))   # a dead builder's leftovers, no library
     again = _start(kernels, source)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0 and out.strip() == "built 14", err[-2000:]
-    assert not any(kernels.glob("*/lock"))
+    assert not any(kernels.glob("*.build")) and len(list(kernels.glob("*.so"))) == 1
+
+
+def test_a_library_that_does_not_load_is_built_again(tmp_path):
+    """A cached file that is no library (overwritten, say: the builds themselves are renamed into place
+    whole) is removed and built again, once, and says so."""
+    source, kernels = tmp_path / "ext.cpp", tmp_path / "kernels"
+    source.write_text(SOURCE)
+    out, err = _start(kernels, source).communicate(timeout=300)
+    assert out.strip() == "built 14", err[-2000:]
+    built = next(kernels.glob("vc_build_test-*.so"))
+    built.write_bytes(b"not a shared library")
+    out, err = _start(kernels, source).communicate(timeout=300)
+    assert out.strip() == "built 14" and "does not load" in err, err[-2000:]
+    assert built.stat().st_size > 1000
 
 
 def test_a_waiter_says_whose_build_it_waits_for(tmp_path, capsys, monkeypatch):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from vericache.kernels.linear_op import BLOCK, FORMATS, Q8_FORMATS, LinearOp, StoredWeight, supported_isas
+from vericache.kernels.cpu import supported_isas
+from vericache.kernels.linear_op import BLOCK, FORMATS, Q8_FORMATS, LinearOp, StoredWeight
 from vericache.kv.full import FullKVCache
 
 QUANTIZED = [f for f in FORMATS if BLOCK[f][1] > 1]
@@ -303,12 +304,13 @@ def test_a_float_weight_quantizes_to_the_gguf_q8_0_blocks():
 def test_the_amx_build_is_offered_only_where_linux_grants_the_tiles(monkeypatch):
     """AMX tiles need the kernel's leave (arch_prctl): where it is refused the amx build is not offered
     and asking for it is a clear error, so the avx512vnni build runs instead."""
-    from vericache.kernels import cpu, linear_op
+    from vericache.kernels import cpu
 
-    monkeypatch.setattr(linear_op, "amx_permitted", lambda: False)
-    assert "amx" not in linear_op.supported_isas()
-    with pytest.raises(RuntimeError, match="AMX"):
-        LinearOp("amx")
+    with monkeypatch.context() as refused:
+        refused.setattr(cpu, "amx_permitted", lambda: False)
+        assert "amx" not in cpu.supported_isas()
+        with pytest.raises(RuntimeError, match="AMX"):
+            LinearOp("amx")
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     cpu.amx_permitted.cache_clear()
     try:

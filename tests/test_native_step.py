@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from vericache.compress.registry import parse_compressor
 from vericache.kernels import packed_kernels
-from vericache.kernels.linear_op import LinearOp, supported_isas
+from vericache.kernels.cpu import supported_isas
+from vericache.kernels.linear_op import LinearOp
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import TeeCache

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kernels import packed_kernels
-from vericache.kernels.linear_op import supported_isas
+from vericache.kernels.cpu import supported_isas
 from vericache.kv.attention import merge
 from vericache.kv.packed import KeyPart, attend_packed, op_args, seen_scores, torch_part
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout

@@ -34,7 +34,7 @@ def _add_compressors(sub) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from vericache.kernels.linear_op import best_isa
+    from vericache.kernels.cpu import best_isa
     from vericache.kernels.prebuilt import origin
     from vericache.model.registry import list_models
 

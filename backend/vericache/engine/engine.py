@@ -210,7 +210,7 @@ class Engine:
         lm = self.loaded
         isa = built = None
         if lm.kernels == "native":
-            from vericache.kernels.linear_op import best_isa
+            from vericache.kernels.cpu import best_isa
             from vericache.kernels.prebuilt import origin
 
             isa = best_isa()

@@ -5,14 +5,15 @@
   every sequence of a step and all its parts, reading dense (fp32/fp16/bf16) and quantized parts as
   stored (``quant_format.h``); ``step.cpp``: the row ops (``row_ops.h``: RMSNorm, SiLU x up) and every
   decoder layer of a step in one call (``model/native_step.py``); ``guide_select.cpp``, a guided store's trades
-  (``drafting/guide.py``). Built without ``-ffast-math`` and
-  with ``-ffp-contract=off``, so its results are the same bits in every build: AVX-512, AVX2 (what an
-  AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs of ``linear_op``. Built with
-  torch's C++ extension tooling into ``~/.cache/vericache/kernels/<tag>`` (the tag covers the CPU
-  flags, torch version, flags and sources: a build is only reused where it fits), under a lock the OS
-  releases if the builder is stopped (``build.py``).
+  (``drafting/guide.py``); ``bindings.cpp`` makes them a Python module linking torch. Built without
+  ``-ffast-math`` and with ``-ffp-contract=off``, so its results are the same bits in every build: AMX,
+  AVX-512 (VNNI), AVX2 (what an AMD EPYC without AVX-512 runs) and portable (baseline x86-64), the ISAs
+  of ``linear_op``.
 - ``linear_op.linear_op()``: ``linear.cpp`` (+ ``linear_q8.cpp``), the batch-invariant linear over
-  GGUF blocks, plain C built by g++ per ISA (``linear_op.py`` says how).
+  GGUF blocks, plain C loaded with ctypes (``linear_op.py`` says how).
+
+Both are built the one way ``build.py`` says (g++ per ISA, into ``~/.cache/vericache/kernels``, under a
+lock the OS releases if the builder is stopped), differing only in their sources and flags.
 
 ``python -m vericache.kernels`` builds them ahead of time.
 """
@@ -20,14 +21,11 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
 from pathlib import Path
+from types import ModuleType
 
-import torch
-
-from vericache.kernels.cpu import flags_line
+from vericache.kernels.build import Library, import_extension, load_cached, torch_extension_flags
+from vericache.kernels.cpu import ISA_FLAGS, PACKED_VARIANT, best_isa
 
 HERE = Path(__file__).parent
 PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "bindings.cpp",
@@ -37,66 +35,43 @@ PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guid
 PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
 
-def _build_dir(cflags: list[str], sources: list[Path]) -> Path:
-    flags = flags_line()
-    text = "".join(s.read_bytes().hex() for s in sources)
-    tag = hashlib.sha1(f"{flags}|{torch.__version__}|{cflags}|{text}".encode()).hexdigest()[:12]
-    root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))
-    path = root / tag
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def extension_library(name: str, sources: list[Path], cflags: list[str]) -> Library:
+    """The Python extension module ``name`` (linking torch) from ``sources`` with ``cflags``."""
+    torch_cflags, torch_ldflags = torch_extension_flags(name)
+    return Library(name, tuple(sources), (*cflags, *torch_cflags), ("-fopenmp", *torch_ldflags))
 
 
-def load_extension(name: str, sources: list[Path], cflags: list[str], verbose: bool = False):
-    """Build (or find built) and import the torch extension ``name`` from ``sources`` (``.cpp`` compiled,
-    headers hashed into the tag), in its tagged directory under the stop-proof lock (``build.py``)."""
-    from torch.utils.cpp_extension import load
+def packed_library(isa: str) -> Library:
+    """The packed kernels' extension module an ``isa`` CPU runs (its ``PACKED_VARIANT``'s flags,
+    ``cpu.ISA_FLAGS``)."""
+    from vericache.kernels.prebuilt import packed_module_name
 
-    try:  # torch runs `ninja` from PATH; the PyPI package's binary works where the venv is not on PATH
-        import ninja
+    variant = PACKED_VARIANT[isa]
+    return extension_library(packed_module_name(variant), PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[variant])
 
-        bin_dir = getattr(ninja, "BIN_DIR", None)
-        if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
-    from vericache.kernels.build import load_guarded
-    from vericache.kernels.layouts import check_headers
 
-    check_headers()   # the numbers both sides pass by position agree (else a RuntimeError naming them)
-    cpp = [str(s) for s in sources if s.suffix == ".cpp"]
-    build = _build_dir(cflags, sources)
-    try:
-        return load_guarded(build, lambda: load(name=name, sources=cpp, build_directory=str(build), extra_cflags=cflags,
-                                                extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
-                                                verbose=verbose))
-    except (ImportError, OSError, RuntimeError) as exc:
-        compiler = os.environ.get("CXX", "c++")
-        if shutil.which(compiler) is None:
-            raise RuntimeError(f"{name} is not packaged here (vericache.kernels.prebuilt) and there is no C++ compiler "
-                               f"({compiler}) to build it: install a wheel built with its kernels (make wheel) or g++"
-                               ) from exc
-        raise
+def load_extension(name: str, sources: list[Path], cflags: list[str], verbose: bool = False) -> ModuleType:
+    """Build (or find built) in the kernel cache and import the extension module ``name`` (``build.py``)."""
+    return load_cached(extension_library(name, sources, cflags), lambda path: import_extension(path, name), verbose)
 
 
 def packed_kernels(isa: str | None = None, verbose: bool = False):
-    """The packed attention op built for ``isa`` ("amx", "avx512vnni", "avx512", "avx2" or "portable": baseline x86-64, no
-    AVX); default ``linear_op.best_isa()``, the widest this CPU runs (``VERICACHE_ISA`` overrides)."""
-    from vericache.kernels.linear_op import ISA_FLAGS, best_isa
-
+    """The packed kernels an ``isa`` CPU runs ("amx", "avx512vnni", "avx512", "avx2" or "portable": baseline x86-64,
+    no AVX; ``PACKED_VARIANT``); default ``cpu.best_isa()``, the widest this CPU runs (``VERICACHE_ISA``
+    overrides)."""
     isa = isa or best_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown ISA {isa!r}; choose one of {', '.join(ISA_FLAGS)}")
-    return _packed_build(isa, verbose)
+    return _packed_build(PACKED_VARIANT[isa], verbose)
 
 
 @functools.cache
-def _packed_build(isa: str, verbose: bool):
-    """The package's build for ``isa`` (``prebuilt``), else one built here at first use."""
-    from vericache.kernels.linear_op import ISA_FLAGS
-    from vericache.kernels.prebuilt import import_packed, packed_module_name, prebuilt_file
+def _packed_build(variant: str, verbose: bool):
+    """The package's build of the ``variant`` module (``prebuilt``), else one built here at first use."""
+    from vericache.kernels.prebuilt import packed_module_name, prebuilt_file
 
-    packaged = prebuilt_file("packed", isa)
+    packaged = prebuilt_file("packed", variant)
     if packaged is not None:
-        return import_packed(packaged, isa)
-    return load_extension(packed_module_name(isa), PACKED_SOURCES, PACKED_CFLAGS + ISA_FLAGS[isa], verbose)
+        return import_extension(packaged, packed_module_name(variant))
+    return load_cached(packed_library(variant), lambda path: import_extension(path, packed_module_name(variant)),
+                       verbose)

@@ -1,10 +1,11 @@
 """The batch-invariant linear op (``linear.cpp``) built per instruction set and called through ctypes.
 
-``linear.cpp`` has no torch headers, so g++ builds each variant in seconds: ``avx512vnni`` (the
+``linear.cpp`` has no torch headers, so g++ builds each variant in seconds (``build.py``): ``amx`` (AMX tile
+multiplies for the q8 numerics' many-row calls), ``avx512vnni`` (the
 next one plus ``-mavx512vnni``: the q8 numerics' integer dots in VNNI's ``dpbusd``), ``avx512``
 (``-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c``), ``avx2`` (``-mavx2 -mfma -mf16c``, no
 AVX-512 flag: what an AMD EPYC without AVX-512 runs) and ``portable`` (baseline x86-64, scalar). All
-give the same bits (the op's lane structure is fixed); ``best_isa()`` picks the widest one this
+give the same bits (the op's lane structure is fixed); ``cpu.best_isa()`` picks the widest one this
 CPU's flags allow, ``LinearOp(isa)`` loads one. The library links the process's libgomp (torch's), so
 the op and torch share one OpenMP thread pool and ``torch.set_num_threads`` governs both.
 """
@@ -13,36 +14,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from vericache.kernels.cpu import amx_permitted, cpu_flags
-from vericache.kernels.layouts import BLOCK, FORMATS, check_headers
+from vericache.kernels.build import Library, load_cached
+from vericache.kernels.cpu import ISA_FLAGS, best_isa, supported_isas
+from vericache.kernels.layouts import BLOCK, FORMATS
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "linear_q8.cpp"]
 HEADERS = [HERE / "gguf_blocks.h"]
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
-ISA_FLAGS = {
-    # the q8 numerics' many-row calls as AMX tile multiplies (same bits; the tiles need the kernel's leave)
-    "amx": [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
-    "avx512vnni": [*_AVX512, "-mavx512vnni"],   # the q8 numerics' integer dots in one `dpbusd` (same bits)
-    "avx512": _AVX512,
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "portable": ["-march=x86-64", "-mtune=generic"],
-}
-ISA_CPU_FLAGS = {"amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_vnni", "amx_tile",
-                          "amx_int8"},
-                 "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_vnni"},
-                 "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
-                 "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 # exact, reproducible IEEE arithmetic: explicit fma only, no contraction, no reassociation
-CFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
 # formats with integer codes: the q8 numerics' integer dot products (``LinearOp.q8``); F32/F16/BF16
 # weights run the fp32 op in either numerics
@@ -50,23 +35,9 @@ Q8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NUMERICS = ("q8", "fp32")
 
 
-def supported_isas() -> list[str]:
-    """The variants this CPU can run, widest first (an AVX-512 machine runs the AVX2 build too; the amx
-    build only where Linux also grants this process the tiles' state)."""
-    flags = cpu_flags()
-    return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags and (isa != "amx" or amx_permitted())]
-
-
-@functools.cache
-def best_isa() -> str:
-    """$VERICACHE_ISA when set (``avx2`` times the AVX2 build on an AVX-512 machine), else the widest;
-    read once per process (every attention call asks)."""
-    forced = os.environ.get("VERICACHE_ISA")
-    if forced:
-        if forced not in supported_isas():
-            raise ValueError(f"VERICACHE_ISA={forced!r}: this CPU runs {', '.join(supported_isas())}")
-        return forced
-    return supported_isas()[0]
+def linear_library(isa: str) -> Library:
+    """The op's library for ``isa``: plain C (no torch headers: g++ builds it in seconds)."""
+    return Library(f"linear-{isa}", tuple(SOURCES + HEADERS), (*CFLAGS, *ISA_FLAGS[isa]), ("-fopenmp",))
 
 
 def _build(isa: str, verbose: bool = False) -> Path:
@@ -76,33 +47,7 @@ def _build(isa: str, verbose: bool = False) -> Path:
     packaged = prebuilt_file("linear", isa)
     if packaged is not None:
         return packaged
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    tag = hashlib.sha1(text + repr((isa, CFLAGS, ISA_FLAGS[isa], torch.__version__)).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("VERICACHE_KERNEL_DIR", Path.home() / ".cache" / "vericache" / "kernels"))
-    out = root / f"linear-{isa}-{tag}.so"
-    if not out.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        compile_linear(isa, out, verbose)
-    return out
-
-
-def compile_linear(isa: str, out: Path, verbose: bool = False) -> Path:
-    """g++ builds the ``isa`` variant to ``out`` (through a temp file renamed at the end, so concurrent
-    builders never load a half-written library). No compiler: a RuntimeError saying so."""
-    check_headers()
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = ["g++", *CFLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(tmp)]
-    if verbose:
-        print(" ".join(cmd))
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    except FileNotFoundError:
-        raise RuntimeError(f"the {isa} linear op is not packaged here and there is no g++ to build it: install "
-                           "a wheel built with its kernels (make wheel) or a C++ compiler") from None
-    if done.returncode:
-        raise RuntimeError(f"building the {isa} linear op failed:\n{done.stderr[-4000:]}")
-    tmp.rename(out)   # atomic
-    return out
+    return load_cached(linear_library(isa), lambda path: path, verbose)
 
 
 @dataclass(frozen=True)
@@ -176,7 +121,7 @@ class LinearOp:
         self.isa = isa or best_isa()
         if self.isa not in ISA_FLAGS:
             raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISA_FLAGS)}")
-        if self.isa == "amx" and not amx_permitted():
+        if self.isa == "amx" and "amx" not in supported_isas():
             raise RuntimeError("this CPU or kernel gives no AMX tiles to this process (arch_prctl refused): "
                                "use the avx512vnni build")
         self.lib = ctypes.CDLL(str(_build(self.isa, verbose)))

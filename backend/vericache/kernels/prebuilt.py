@@ -1,9 +1,8 @@
 """Kernels compiled when the package is built (issue 52), so running needs no compiler.
 
 A wheel (``make wheel``; ``setup.py``) carries, in ``vericache/kernels/prebuilt/``, every x86-64 variant
-of both native kernels, compiled by the build machine's g++ with the flags that fix their arithmetic in
-the build at first use (``PACKED_CFLAGS``, ``linear_op.CFLAGS``, each ISA's ``ISA_FLAGS``; setuptools adds
-its defaults, e.g. ``-fwrapv``, which change no floating-point operation):
+of both native kernels, compiled by the build machine's g++ exactly as a build at first use is
+(``build.compile_library`` with ``kernels.packed_library`` and ``linear_op.linear_library``):
 
 - ``linear-<isa>.so``: the linear op (plain C, loaded with ctypes);
 - ``vericache_packed_attention_<isa>.<abi>.so``: the attention/step extension (built against torch's
@@ -23,10 +22,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 from pathlib import Path
+
+from vericache.kernels.cpu import PACKED_VARIANT
 
 HERE = Path(__file__).parent
 FOLDER = HERE / "prebuilt"
@@ -81,19 +81,8 @@ def prebuilt_file(kind: str, isa: str, folder: Path = FOLDER) -> Path | None:
 
 def origin(isa: str) -> str:
     """Where this process's kernels for ``isa`` come from: "prebuilt" (the package's) or "built here"."""
-    return "prebuilt" if all(prebuilt_file(k, isa) for k in KINDS) else "built here"
-
-
-def import_packed(path: Path, isa: str):
-    """The packaged torch extension at ``path`` as a module (torch is imported first: it links torch)."""
-    import torch  # noqa: F401  (the extension's symbols come from libtorch)
-
-    spec = importlib.util.spec_from_file_location(packed_module_name(isa), path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{path} is not a loadable extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    packaged = prebuilt_file("linear", isa) and prebuilt_file("packed", PACKED_VARIANT[isa])
+    return "prebuilt" if packaged else "built here"
 
 
 def write_manifest(folder: Path, files: dict[str, str]) -> Path:

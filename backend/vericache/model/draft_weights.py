@@ -47,7 +47,7 @@ class Int8Linear:
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         # Without VNNI fbgemm sums u8 x s8 pairs into saturating int16 (AVX2's vpmaddubsw): 7-bit
         # activations keep the pairs in range (error 0.10 -> 0.015 on an AMD EPYC without AVX-512)
-        from vericache.kernels.linear_op import cpu_flags
+        from vericache.kernels.cpu import cpu_flags
 
         self.reduce_range = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
 

@@ -58,8 +58,7 @@ def engine_for(llm, label: str, engines: dict):
 def cpu_model() -> str:
     """The CPU this bench runs on (``lscpu``'s model name) and the kernels' build it runs (the ISA
     variant: ``VERICACHE_ISA`` or the widest this CPU has), named beside every figure."""
-    from vericache.kernels.cpu import model_name
-    from vericache.kernels.linear_op import best_isa
+    from vericache.kernels.cpu import best_isa, model_name
 
     name = model_name() or platform.processor() or "unknown CPU"
     return f"{name} (kernels: {best_isa()} build)"
@@ -122,7 +121,7 @@ def cached_prefill(base, seq):
 
     import torch
 
-    from vericache.kernels.linear_op import best_isa
+    from vericache.kernels.cpu import best_isa
 
     folder, loaded = os.environ.get("VERICACHE_PREFILL_CACHE"), base.loaded
     key = hashlib.sha256(repr((loaded.name, loaded.numerics, str(loaded.kv_dtype), best_isa(), seq.capacity,

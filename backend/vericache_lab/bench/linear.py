@@ -17,7 +17,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from vericache.kernels.linear_op import NUMERICS, LinearOp, supported_isas
+from vericache.kernels.cpu import supported_isas
+from vericache.kernels.linear_op import NUMERICS, LinearOp
 from vericache.model.exact_linear import ExactLinear, exact_linears
 from vericache.model.loader import load_model
 from vericache_lab.bench.common import cpu_model
