@@ -73,7 +73,11 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for mode in runs["base"]:
         b, h = runs["base"][mode], runs["head"].get(mode, [])
-        med = lambda rows, key: statistics.median(r[key] for r in rows) if rows and rows[0].get(key) is not None else None  # noqa: E731
+        def med(rows: list[dict], key: str):
+            """The median of a numeric field (None where a row has none: a baseline row's steps, say)."""
+            values = [r.get(key) for r in rows]
+            return statistics.median(values) if values and all(isinstance(v, (int, float)) for v in values) else None
+
         tb, th = med(b, "tokens_per_s"), med(h, "tokens_per_s")
         ratio = th / tb if th and tb else float("nan")
         work = [f"{med(b, key)} / {med(h, key)}" for key in ("steps", "mean_acceptance_length")]
