@@ -75,12 +75,16 @@ class TritonPythonModel:
                 # client that stops reading at the finish reason leaves nothing open in Triton (a final flag
                 # sent alone after it, to a stream the client had cancelled, kept the model from unloading)
                 finished = bool(out["finish_reason"][0])
-                if finished:   # counted before the client can see the end
-                    self._count(self.ok)
+                if finished:
+                    # Triton may release the sender once the final flag is sent: no cancellation ask after
+                    # it (one asked then crashed tritonserver in TRITONBACKEND_ResponseFactoryIsCancelled)
+                    self.watcher.forget(job)
+                    self._count(self.ok)   # counted before the client can see the end
                     self._count(self.accepted, int(out["accepted_tokens"][0]))
                 response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()])
                 self._send(sender, response, final=finished)
         except GenerationFailed as exc:
+            self.watcher.forget(job)   # before the final flag, as above
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INTERNAL)
             self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
             return
