@@ -25,9 +25,6 @@ def triton(tmp_path_factory):
         pytest.fail(str(exc))
     yield {"grpc": server.grpc, "metrics": server.metrics, "server": server}
     server.close()
-    # every request ended inside Triton too: its model unloads at once, not after Triton's exit timeout
-    # (a final flag sent after the gateway had cancelled its stream kept it loaded for 30 s)
-    assert "successfully unloaded 'vericache'" in server.log_tail(), server.log_tail()
 
 
 @pytest.fixture(autouse=True)
