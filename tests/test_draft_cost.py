@@ -7,7 +7,7 @@ import pytest
 
 from vericache.drafting.calibrate import Calibration
 from vericache.drafting.cost import CostsAt, DraftCost, StepCosts, best_draft_len, expected_tokens
-from vericache.drafting.round import DraftLengthPolicy
+from vericache.drafting.round import DraftLengthPolicy, SharedAcceptance
 from vericache.engine.requests import StepRecord
 from vericache_lab.predict import predict_offloaded
 
@@ -65,6 +65,90 @@ def test_the_fit_prices_a_steps_update_with_its_forward():
         s.post = s.pairs * 1e-9   # an update that grows with the rows' pairs
     fit = StepCosts.fit(steps)
     assert fit.t_pair == pytest.approx(true[3] + 1e-9, rel=1e-3) and plain.t_pair == pytest.approx(true[3], rel=1e-3)
+
+
+def test_the_drafted_rounds_updates_leave_the_fit_for_their_own_price():
+    """A drafted round's update (``StepRecord.round_post``, inside ``post``) is priced per round
+    (``DraftCost.round_s``), not fitted with the forward: the fit is the same with or without it."""
+    true = (0.02, 0.002, 5e-11, 4e-9)
+    plain = StepCosts.fit(_steps(*true))
+    steps = _steps(*true)
+    for s in steps:
+        s.round_post = 0.01 * s.rows if "verify" in s.kinds else 0.0   # a costly update, one per verified row
+        s.post += s.round_post
+    assert StepCosts.fit(steps).to_dict() == pytest.approx(plain.to_dict(), rel=1e-6)
+    for s in steps:
+        s.round_post = 0.0   # broken: the updates fitted as the forward's
+    assert StepCosts.fit(steps).to_dict() != pytest.approx(plain.to_dict(), rel=1e-3)
+
+
+def test_a_rounds_update_is_priced_into_every_drafted_round():
+    """Where rounds pay on their rows alone, an update dearer than what they save makes full steps win;
+    ``round_s`` is the mean of the latest measured updates."""
+    cost = DraftCost(fitted=StepCosts(c0=0.001, t_byte=1e-9), source="fitted")
+    full_row, draft_row = lambda k: (1e6, 0), (0.1e6, 0)   # noqa: E731 - a full step costs 2 ms
+    assert cost.choose(0.8, 1, draft_row, full_row, 8) >= 2
+    cost.refit([], 0, [0.02, 0.04])   # each drafted round's update: 30 ms on average
+    assert cost.round_s == pytest.approx(0.03)
+    assert cost.choose(0.8, 1, draft_row, full_row, 8) == 0
+
+
+def test_a_requests_acceptance_starts_from_its_neighbours_rounds():
+    """``SharedAcceptance``: rounds pooled across requests are a new request's prior (so a batch does not
+    pay every request's failed first round), counted as at most ``weight`` observations, so the request's
+    own rounds soon decide; the pool keeps about ``window`` observations."""
+    policy, pool = DraftLengthPolicy(), SharedAcceptance()
+    first, later, alone = policy.new_state(), policy.new_state(), policy.new_state()
+    first.pool = later.pool = pool
+    assert not later.measured and later.acceptance() == alone.acceptance() == 0.5
+    for _ in range(6):
+        policy.update(first, 8, 0)        # the neighbour's drafts all rejected
+    assert later.measured and not alone.measured
+    assert later.acceptance() == pytest.approx(1 / 8)                 # 6 pooled rejections, its own none
+    assert later.acceptance(optimistic=True) < alone.acceptance(optimistic=True)
+    for _ in range(6):
+        policy.update(later, 8, 8)        # its own drafts all accepted: they outweigh the pool
+    assert later.acceptance() > 0.95
+    for _ in range(100):
+        pool.add(3, True)
+    assert pool.accepted + pool.rejections == pytest.approx(pool.window)
+    assert pool.accepted / pool.rejections == pytest.approx(3.0, rel=0.05)   # the old rounds faded
+
+
+def test_the_planner_pools_acceptance_per_compressor(llm):
+    """One pool per compressor in an engine: requests with the same compressor share one, another
+    compressor's requests have their own."""
+    from vericache import Engine, SamplingParams
+    from vericache.engine.options import RequestOptions
+
+    engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt = llm.tokenizer.encode("def f(x):\n    return x\n" * 8)
+    for options in (None, None, RequestOptions(compressor="streaming:ratio=0.25")):
+        engine.add_request(prompt, params, options)
+    while engine.has_unfinished() and not all(r.drafting.policy_state.pool for r in engine.loop.requests):
+        engine.step()
+    a, b, c = (r.drafting.policy_state.pool for r in engine.loop.requests)
+    assert a is b and c is not a and c is not None
+
+
+def test_a_probe_round_drafts_what_the_costs_call_for_within_the_policy(llm, monkeypatch):
+    """A request's first round (a probe, at the optimistic acceptance) drafts the length the costs call
+    for there, at most the policy's: a short probe where rounds barely pay (a batch's failed probes
+    each cost a step), the policy's start (8) where longer ones would."""
+    from vericache import Engine, SamplingParams
+
+    for chosen, first in ((3, 3), (20, 8)):
+        monkeypatch.setattr(DraftCost, "choose", lambda self, *args, c=chosen: c)
+        engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+        engine.add_request(llm.tokenizer.encode("def f(x):\n    return x\n" * 8),
+                           SamplingParams(max_tokens=24, ignore_eos=True))
+        while not engine.instruments.round_log:
+            engine.step()
+        assert engine.instruments.round_log[0][1] == first
+        # the drafted round's update was timed, and that time left its step's fit for the round's price
+        updates = engine.instruments.round_updates
+        assert len(updates) == 1 and sum(s.round_post for s in engine.instruments.steps) == pytest.approx(updates[0])
 
 
 def test_draft_cost_chooses_nothing_until_fitted_then_a_k_within_bounds():
@@ -328,7 +412,7 @@ def test_engines_over_one_model_share_one_calibration_made_at_load():
 def test_calibrated_costs_veto_rounds_and_leave_their_length_to_the_policy(llm):
     """Until the engine's own fit, costs from the calibration (random K/V) decide whether rounds pay, in
     a batch and for one request alone: where none pays, plain full steps (no probe round); where rounds
-    pay, the policy's length (the calibration never sizes a round)."""
+    pay, the policy's length (a probe is cut to the costs' choice only where that is shorter)."""
     from vericache import Engine, SamplingParams
 
     def second_rounds(n: int, costs: StepCosts) -> list[int]:

@@ -43,7 +43,8 @@ TERMS = ("c0", "t_row", "t_seq", "t_byte", "t_pair")
 
 class StepSample(Protocol):
     """One forward as the fit reads it (``engine.requests.StepRecord``): its row kinds, rows, the K/V bytes
-    its attention read, its query-key pairs, when it ran, and the seconds of its update after it."""
+    its attention read, its query-key pairs, when it ran, and the seconds of its update after it (and
+    of that, the drafted rounds' own updates, priced per round instead: ``DraftCost.round_s``)."""
     kinds: str
     rows: int
     kv_bytes: int
@@ -51,6 +52,7 @@ class StepSample(Protocol):
     start: float
     end: float
     post: float
+    round_post: float
 
 
 @dataclass
@@ -83,14 +85,14 @@ class StepCosts:
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
         weights' measured seconds at a row count) that curve in place of rows * t_row. A step's seconds
         are its forward's and its update's (``post``: the round's accept and commits, the compressed
-        cache's moves, guided swaps): what a round costs beyond its rows. None until there are enough
-        steps, with and without verification."""
+        cache's moves, guided swaps) less the drafted rounds' own updates (``round_post``), which
+        ``DraftCost`` prices per round. None until there are enough steps, with and without verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        return cls.from_samples(x, np.array([s.end - s.start + s.post for s in steps]), matmuls)
+        return cls.from_samples(x, np.array([s.end - s.start + s.post - s.round_post for s in steps]), matmuls)
 
     @classmethod
     def from_samples(cls, x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
@@ -190,18 +192,26 @@ class DraftCost:
     its weights' measured matmuls, asked once at the first choice: ``drafting.calibrate``) until the
     engine's own forwards fit, then refitted from them at most every ``every`` steps, the weights priced
     by the calibration's measured curve where it has one. A fit that is not ``usable`` never replaces
-    the costs in hand."""
+    the costs in hand. A drafted round also costs its update after the verification (accept, commits,
+    guided trades: ~2 ms a round for SmolLM2 at 2K on AMX, a third of a full row's share of an 8-request
+    step), the same whatever its length: ``round_s``, the mean of the latest rounds' measured updates,
+    is added to every drafted round's price (0 until a round has run)."""
 
     every: int = 8
     calibrate: Callable[[], Calibrated] | None = field(default=None, repr=False)   # -> a ``Calibration``
     fitted: StepCosts | None = None
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
+    round_s: float = 0.0          # a drafted round's update, seconds (the mean of the latest)
     _fitted_at: int = field(default=0, repr=False)
 
-    def refit(self, steps: Sequence[StepSample], n_steps: int) -> None:
+    def refit(self, steps: Sequence[StepSample], n_steps: int, round_updates: Sequence[float] = ()) -> None:
         """Before a choice: calibrate if not yet asked (once), then refit from the latest 96 ``steps``
-        when ``every`` forwards ran since the last fit (``n_steps``: forwards recorded so far)."""
+        when ``every`` forwards ran since the last fit (``n_steps``: forwards recorded so far), and
+        ``round_s`` from the latest 64 ``round_updates`` (seconds of drafted rounds' updates)."""
+        if round_updates:
+            latest = list(round_updates)[-64:]
+            self.round_s = sum(latest) / len(latest)
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
             if calibration.costs is not None and calibration.costs.usable():
@@ -228,7 +238,8 @@ class DraftCost:
     def choose(self, alpha: float, n_active: int, draft_cost: tuple[int, int], verify_cost: Callable[[int], tuple[int, int]],
                k_max: int) -> int | None:
         """The best k for one request: 0 when a plain full step yields more tokens a second than any
-        round (``verify_cost(0)``: one row over the full KV), None before the fit exists.
+        round (``verify_cost(0)``: one row over the full KV), None before the fit exists. A round's
+        price includes its update (``round_s``).
         ``draft_cost``: (K/V bytes, pairs) of one draft row over its compressed KV; ``verify_cost(k)``:
         the same for a chunk of k + 1 rows over its full KV. The step's fixed cost and its weights are
         shared by the ``n_active`` requests (``_batch_prices``)."""
@@ -238,8 +249,8 @@ class DraftCost:
         share, extra_rows = self._batch_prices(f, n_active)
         draft_s = share + f.seq(*draft_cost)
 
-        def verify_s(k: int) -> float:
-            return share + extra_rows(k) + f.seq(*verify_cost(k))
+        def verify_s(k: int) -> float:   # k = 0: a plain full step, no round to update
+            return share + extra_rows(k) + f.seq(*verify_cost(k)) + (self.round_s if k else 0.0)
 
         if not draft_s > 0 or not verify_s(0) > 0:   # costs that price a step at nothing cannot decide
             return None

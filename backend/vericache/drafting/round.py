@@ -221,6 +221,33 @@ def record_round(rs: RoundState, k: int, m: int) -> None:
 
 
 @dataclass
+class SharedAcceptance:
+    """One engine's recent rounds with one compressor, pooled (``engine.scheduler.DraftPlanner`` keeps one
+    per compressor): a request's acceptance starts from what its neighbours measured, not from a uniform
+    prior, so a batch does not pay every request's failed first round to learn what the first verification
+    showed (SmolLM2 8 x 2K, SnapKV 1/8: half the drafts accepted, eight 8-token probe rounds at once). The
+    pool keeps about ``window`` observations (older ones fade in proportion) and counts as at most
+    ``weight`` of them in one request's estimate, so a request's own rounds soon outweigh it (its own
+    rounds are in the pool too: a small double count, bounded by ``weight``)."""
+    accepted: float = 0.0        # drafted tokens accepted
+    rejections: float = 0.0      # rounds that ended at a mismatch
+    window: float = 64.0
+    weight: float = 8.0
+
+    def add(self, accepted: int, rejected: bool) -> None:
+        self.accepted, self.rejections = self.accepted + accepted, self.rejections + rejected
+        total = self.accepted + self.rejections
+        if total > self.window:
+            self.accepted, self.rejections = self.accepted * self.window / total, self.rejections * self.window / total
+
+    def prior(self) -> tuple[float, float]:
+        """(accepted, rejections) pseudo-counts for one request's estimate."""
+        total = self.accepted + self.rejections
+        scale = min(1.0, self.weight / total) if total else 0.0
+        return self.accepted * scale, self.rejections * scale
+
+
+@dataclass
 class DraftState:
     k: int
     ema_accepted: float = 0.0
@@ -232,19 +259,24 @@ class DraftState:
     backoff: int = 0              # full steps of the next such fallback: doubles while probes keep failing
     accepted_total: int = 0       # drafted tokens accepted, all rounds
     rejections: int = 0           # rounds that ended at a mismatch
+    pool: SharedAcceptance | None = None   # the engine's pooled rounds with this compressor (the prior)
 
     def acceptance(self, optimistic: bool = False) -> float:
         """Per-token acceptance, a geometric model's estimate: the mean of its Beta posterior from a
-        uniform prior (Laplace-smoothed), or with ``optimistic`` that mean plus one standard deviation
-        (what a probe round prices: with no rounds yet 0.79, narrowing as rounds come in)."""
-        n = self.accepted_total + self.rejections
-        mean = (self.accepted_total + 1) / (n + 2)
+        uniform prior (Laplace-smoothed) plus the pool's pseudo-counts, or with ``optimistic`` that mean
+        plus one standard deviation (what a probe round prices: with no rounds anywhere yet 0.79,
+        narrowing as rounds come in)."""
+        a0, r0 = self.pool.prior() if self.pool is not None else (0.0, 0.0)
+        accepted, n = self.accepted_total + a0, self.accepted_total + self.rejections + a0 + r0
+        mean = (accepted + 1) / (n + 2)
         return min(mean + (mean * (1 - mean) / (n + 3)) ** 0.5, 1.0) if optimistic else mean
 
     @property
     def measured(self) -> bool:
-        """Whether a drafted round has been verified (the acceptance rests on more than the prior)."""
-        return self.accepted_total + self.rejections > 0
+        """Whether a drafted round has been verified, this request's or (pooled) a neighbour's: the
+        acceptance rests on more than the uniform prior."""
+        pooled = self.pool is not None and self.pool.accepted + self.pool.rejections > 0
+        return self.accepted_total + self.rejections > 0 or pooled
 
 
 @dataclass
@@ -281,6 +313,8 @@ class DraftLengthPolicy:
             return
         st.accepted_total += accepted
         st.rejections += accepted < drafted
+        if st.pool is not None:
+            st.pool.add(accepted, accepted < drafted)
         if self.fixed is not None:
             return
         st.ema_accepted = 0.6 * st.ema_accepted + 0.4 * accepted

@@ -267,6 +267,7 @@ class StepRecord:
     pairs: int        # query-key pairs per query head and layer
     by_kind: dict[str, tuple[int, int]] = field(default_factory=dict)   # row kind -> (rows, tokens)
     post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
+    round_post: float = 0.0  # of ``post``: the drafted rounds' own updates (``Instruments.note_round_update``)
 
 
 def _bounded() -> deque[Any]:
@@ -289,6 +290,19 @@ class Instruments:
     steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))   # per forward, the latest
 
     n_steps: int = 0              # forwards recorded, ever (``steps`` keeps the latest)
+    round_updates: deque[float] = field(default_factory=lambda: deque(maxlen=256))   # seconds, the latest
+    _step_round_post: float = 0.0  # this step's round updates so far (``take_round_post``)
+
+    def note_round_update(self, seconds: float) -> None:
+        """A drafted round's update after its verification ran (accept, both caches' commits, guided
+        trades): what a round costs beyond its rows, priced per round (``DraftCost.round_s``)."""
+        self.round_updates.append(seconds)
+        self._step_round_post += seconds
+
+    def take_round_post(self) -> float:
+        """The round updates since the last call: the step's ``StepRecord.round_post``."""
+        seconds, self._step_round_post = self._step_round_post, 0.0
+        return seconds
 
     def record_step(self, rec: StepRecord, n_layers: int) -> None:
         """A forward ran: its interval, its record, and (a verification alone) the per-layer rate."""

@@ -31,6 +31,7 @@ from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.cost import Calibrated, DraftCost
 from vericache.drafting.guide import SeenRecorder, guide_store
 from vericache.drafting.round import (
+    SharedAcceptance,
     add_checked_proposal,
     add_draft,
     catch_up,
@@ -116,10 +117,13 @@ class DraftPlanner:
         ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``), asked once at the first choice."""
         self.offload, self.n_active, self.instruments = offload, n_active, instruments
         self.cost = DraftCost(calibrate=calibrate)   # draft lengths from this engine's step costs
+        self.pools: dict[str, SharedAcceptance] = {}   # rounds pooled per compressor (a request's prior)
 
     def new_round(self, r: Request) -> int:
         """The draft length of ``r``'s next round (0: a plain full-KV step)."""
-        policy = r.opts.policy
+        policy, st = r.opts.policy, r.drafting.policy_state
+        if st.pool is None:   # the request's acceptance starts from its neighbours' (``SharedAcceptance``)
+            st.pool = self.pools.setdefault(r.opts.compressor_label, SharedAcceptance())
         k = policy.next_len(r.drafting.policy_state, r.seq.remaining)
         if r.placement.offloaded:
             if k and policy.fixed is None and self.offload.stretches:
@@ -145,7 +149,7 @@ class DraftPlanner:
         if not proposal:
             return []
         pos = r.position + len(rs.drafts)
-        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
         n = self.cost.proposal_len(r.drafting.lookup.keep_rate(), self.n_active(),
                                    lambda rows: r.kv.draft_kv().attention_cost(pos, rows), len(proposal))
         return proposal[:n]
@@ -163,18 +167,22 @@ class DraftPlanner:
         steps faster than any round at the request's acceptance, the request decodes full steps (the same
         tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
         asks again as a probe. A probe, and a request's first round, is priced at an optimistic acceptance
-        (``DraftState.acceptance``): where a round may pay at it, the request drafts the policy's ``k`` (one
-        request at 8K: a long first round measures a high acceptance at once); where even then no round
+        (``DraftState.acceptance``, which starts from the rounds of the engine's other requests with the
+        same compressor: ``SharedAcceptance``): where a round may pay at it, the request drafts the length
+        the costs call for there, the policy's ``k`` at most (one request at 8K: a long first round measures
+        a high acceptance at once; 8 x 2K of SmolLM2: 1-draft probes, where eight 8-draft probes failing
+        together cost the batch 8 steps of 30); where even then no round
         pays, it drafts nothing and decodes full steps as above, so a request whose rounds cannot pay runs
         as full mode does (8 x 8K of the 0.5B code model on AMX: a verified row's fp32 attention costs
         two thirds of a full row, and short probe rounds there cost 12%: "never slower than full"). Until
         the engine's own fit exists the calibration only vetoes rounds (timed on random K/V it prices
         attention above real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2), so the policy sizes the
-        rounds it lets through. The draft row is priced at the drafter's last commit (``draft_position``)."""
+        rounds it lets through. The draft row is priced at the drafter's last commit (``draft_position``), and
+        a drafted round's update after its verification as measured (``DraftCost.round_s``)."""
         st, policy = r.drafting.policy_state, r.opts.policy
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
-        self.cost.refit(self.instruments.steps, self.instruments.n_steps)
+        self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.kv.draft_kv().attention_cost(draft_position(r.kv.draft_kv(), pos), 1),
                                   lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max)
@@ -185,9 +193,9 @@ class DraftPlanner:
             st.cooldown, st.probe = st.backoff, True
             st.cost_fallbacks += 1
             return 0
-        if probing:   # explore at the policy's length: a long first round measures a high acceptance at once
+        if probing:   # explore at the length that pays if the optimistic acceptance holds (the policy's at most)
             st.probe = False   # (the backoff stays: a probe the measured acceptance then declines doubles it)
-            return k
+            return min(k, choice)
         if self.cost.source != "fitted":
             return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
         st.backoff = 0
@@ -409,6 +417,7 @@ class Scheduler:
             _, _, reply = req.remote.served.inbox.popleft()
             reply(verify_for_drafter(req.kv.full_kv(), row.start, row.tokens[1:], argmax))
             return
+        began, drafted = time.perf_counter(), bool(req.drafting.round.drafts)
         write_back, view = None, row.cache.cache if isinstance(row.cache, SeenRecorder) else row.cache
         if isinstance(view, StreamedKV):
             write_back = lambda s, e: self._write_back(req, view, s, e)  # noqa: E731
@@ -421,6 +430,8 @@ class Scheduler:
             swapped = guide_store(draft, full, row.cache.seen, row.start + len(row.tokens),
                                   req.opts.compressor.swaps, self.guide_select)
         self.requests.round_done(req, m, swapped)
+        if drafted:
+            self.instruments.note_round_update(time.perf_counter() - began)
         if req.state == State.TRANSFERRING:
             self.memory.device.free(("verify", req.id))
             req.drafting.transfer = None

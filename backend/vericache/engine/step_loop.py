@@ -190,6 +190,7 @@ class StepLoop:
         self.instruments.record_step(record, self.runner.cfg.num_hidden_layers)
         self.scheduler.update(plan, result)
         record.post = time.perf_counter() - record.end
+        record.round_post = self.instruments.take_round_post()
 
     def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepResult]:
         """The rows of a failed forward one by one: the plan and results of those that run; a row that
