@@ -43,6 +43,32 @@ def test_causal_part_equals_masked_attention(start, t):
     assert torch.allclose(out.transpose(0, 1).double(), _reference(q, k, v, start), atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_build_gives_every_head_size_and_element_type_the_same_bits(dtype):
+    """The builds' vectors differ (AVX-512's scores pair two rows in 16 lanes and its values hold 16
+    channels; AVX2's 8 lanes; the portable build's scalars), their arithmetic must not: for head sizes 64,
+    72 (not a multiple of 16: AVX-512's values fall back to 8 lanes), 80 (16 but not 64: a short last
+    stretch) and 128, keys stored as fp32, fp16 or bf16, a decode row (3 rows a KV head: read directly)
+    and a 17-row chunk (51: through the widened copy), every build gives the portable build's bits, close
+    to float64 attention. The same rows summed in another order (torch's fp32 attention) differ in bits:
+    equal bits across builds are a property of the kernel, not of the inputs."""
+    gen, n = torch.Generator().manual_seed(5), 150
+    for d in (64, 72, 80, 128):
+        k, v = (torch.randn(HKV, n, d, generator=gen).to(dtype) for _ in range(2))
+        for t in (1, 17):
+            q, start = torch.randn(HQ, t, d, generator=gen), n - t
+            ints, tensors = op_args(0, KeyPart(k, v, n=n, diag=start), d)
+            ref = packed_kernels("portable").attend_packed(q, HKV, [t], ints, tensors)       # [T, Hq, D]
+            for isa in supported_isas():
+                assert torch.equal(packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors), ref), (isa, d, t)
+            kx, vx = (x.float().repeat_interleave(HQ // HKV, 0) for x in (k, v))
+            mask = torch.arange(n)[None, :] <= torch.arange(start, n)[:, None]
+            exact = F.scaled_dot_product_attention(q.double(), kx.double(), vx.double(), attn_mask=mask)
+            torch.testing.assert_close(ref.transpose(0, 1).double(), exact, atol=1e-5, rtol=1e-5)
+            other_order = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).transpose(0, 1)
+            assert not torch.equal(other_order, ref)
+
+
 def test_parts_merge_like_torch_per_part():
     """A store seen whole + a causal residual, beside another sequence: the same as the torch path."""
     store_k, store_v = _kv(700, 1)

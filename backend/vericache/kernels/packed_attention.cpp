@@ -301,11 +301,172 @@ inline void tile_values_v(int nr, const float (*e)[BLK], const int64_t* vis, con
 }
 #endif
 
+#if defined(__AVX512F__)
+// The AVX-512 build: the same per-lane chains as scores8 and values in vectors twice as wide, so its
+// bits are every build's. Scores pair two query rows in a vector (row x's 8 lanes low, row x + 1's
+// high) against a key's 8 channels broadcast to both halves, then run each row's lane trees as above
+// (tree8x8); a tile's query pairs are interleaved once for the block's 64 keys. Values hold 16
+// channels a vector. Twice the flops an instruction where verification's chunks are compute-bound.
+
+// Channels j .. j + 7 of a stored row in both 256-bit halves (exact widening).
+template <Elt E>
+inline __m512 load8_twice(const char* row, int64_t j) {
+  if (E == F32) return _mm512_broadcast_f32x8(_mm256_loadu_ps((const float*)row + j));
+  const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + j)));
+  if (E == F16) return _mm512_cvtph_ps(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// Channels j .. j + 15 of a stored row as fp32 (exact widening).
+template <Elt E>
+inline __m512 load16(const char* row, int64_t j) {
+  if (E == F32) return _mm512_loadu_ps((const float*)row + j);
+  const __m256i x = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + j));
+  if (E == F16) return _mm512_cvtph_ps(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// hadd on each 128-bit lane of two row pairs' vectors: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (an add is
+// commutative in IEEE, so this is _mm256_hadd_ps's every bit, on 16 lanes, without its 3 uops).
+inline __m512 hadd_lanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// tree8x8 for two rows at once: z[t] = [row x's 8 lanes | row x + 1's 8 lanes] of key t -> [row x's 8
+// scores | row x + 1's 8 scores], each the same adds in the same order as tree8x8.
+inline __m512 tree8x8_pairs(const __m512* z) {
+  const __m512 f0 = hadd_lanes(hadd_lanes(z[0], z[1]), hadd_lanes(z[2], z[3]));   // 128-bit lanes: [x: keys 0-3
+  const __m512 f1 = hadd_lanes(hadd_lanes(z[4], z[5]), hadd_lanes(z[6], z[7]));   // low sums, x: high, x+1: low, x+1: high]
+  // low sums + high sums: [x keys 0-3, x+1 keys 0-3, x keys 4-7, x+1 keys 4-7], then rows apart
+  const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
+  return _mm512_shuffle_f32x4(sum, sum, 0xD8);
+}
+
+// NP row pairs x 8 keys -> s[2p], s[2p + 1] [0..7]. qp[p]: the pair's queries interleaved 8 channels
+// at a time ([D / 8][16] fp32, 64-byte aligned: row 2p's j .. j + 7, then row 2p + 1's).
+template <Elt E, int NP, int DFIX>
+inline void scores8_pairs(const float* const* qp, const char* const* krow, int64_t D_, float* const* s) {
+  const int64_t D = DFIX ? DFIX : D_;
+  __m512 a[NP][8];
+#pragma GCC unroll 2
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) a[p][t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < D; j += 8) {
+    __m512 qv[NP];
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) qv[p] = _mm512_load_ps(qp[p] + 2 * j);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512 k = load8_twice<E>(krow[t], j);
+#pragma GCC unroll 2
+      for (int p = 0; p < NP; ++p) a[p][t] = _mm512_fmadd_ps(qv[p], k, a[p][t]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int p = 0; p < NP; ++p) {
+    const __m512 scores = tree8x8_pairs(a[p]);
+    _mm256_storeu_ps(s[2 * p], _mm512_castps512_ps256(scores));
+    _mm256_storeu_ps(s[2 * p + 1], _mm512_extractf32x8_ps(scores, 1));
+  }
+}
+
+// tile_scores (D a multiple of 8): the tile's rows in pairs (an odd last row beside zeros, its
+// scores dropped), 8 keys a call.
+template <int DFIX>
+inline void tile_scores_512(Elt e, int nr, const float* const* q, const char* const* krow, int64_t bt, int64_t D,
+                            float (*s)[BLK]) {
+  alignas(64) float qpair[NR / 2][2 * MAX_D];
+  alignas(64) float dropped[8];
+  const int np = (nr + 1) / 2;
+  for (int p = 0; p < np; ++p) {
+    const float* a = q[2 * p];
+    const float* b = 2 * p + 1 < nr ? q[2 * p + 1] : nullptr;
+    for (int64_t j = 0; j < D; j += 8) {
+      const __m256 hi = b ? _mm256_load_ps(b + j) : _mm256_setzero_ps();
+      _mm512_store_ps(qpair[p] + 2 * j, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(a + j)), hi, 1));
+    }
+  }
+  const float* qp[NR / 2] = {qpair[0], qpair[1]};
+  for (int t0 = 0; t0 < BLK; t0 += 8) {
+    float* out[NR];
+    for (int x = 0; x < NR; ++x) out[x] = x < nr ? s[x] + t0 : dropped;
+    if (t0 >= bt) {
+      for (int x = 0; x < nr; ++x) std::fill(out[x], out[x] + 8, 0.f);
+      continue;
+    }
+    const char* const* kr = krow + t0;
+    if (np == 1) {
+      if (e == F16) scores8_pairs<F16, 1, DFIX>(qp, kr, D, out);
+      else if (e == BF16) scores8_pairs<BF16, 1, DFIX>(qp, kr, D, out);
+      else scores8_pairs<F32, 1, DFIX>(qp, kr, D, out);
+    } else {
+      if (e == F16) scores8_pairs<F16, 2, DFIX>(qp, kr, D, out);
+      else if (e == BF16) scores8_pairs<BF16, 2, DFIX>(qp, kr, D, out);
+      else scores8_pairs<F32, 2, DFIX>(qp, kr, D, out);
+    }
+  }
+}
+
+// The value pass for NRT rows, 16 channels a vector, W vectors at a time; D a multiple of 16.
+template <Elt E, int NRT, int DFIX>
+inline void values16(const float (*e)[BLK], const int64_t* vis, const char* const* vrow, const float* alpha,
+                     int64_t D_, float* const* acc) {
+  const int64_t D = DFIX ? DFIX : D_;
+  constexpr int W = 4;   // 4 x NRT accumulators: 16 at NRT = 4, D = 64 in one stretch
+  int64_t common = vis[0];
+  for (int x = 1; x < NRT; ++x) common = std::min(common, vis[x]);
+  for (int64_t j0 = 0; j0 < D; j0 += 16 * W) {
+    const int w = (int)std::min<int64_t>(W, (D - j0) / 16);
+    __m512 a[NRT][W];
+#pragma GCC unroll 4
+    for (int x = 0; x < NRT; ++x)
+#pragma GCC unroll 4
+      for (int c = 0; c < W; ++c)
+        if (c < w) a[x][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[x] + j0 + 16 * c), _mm512_set1_ps(alpha[x]));
+    for (int64_t t = 0; t < common; ++t) {
+#pragma GCC unroll 4
+      for (int c = 0; c < W; ++c) {
+        if (c >= w) break;
+        const __m512 v = load16<E>(vrow[t], j0 + 16 * c);
+#pragma GCC unroll 4
+        for (int x = 0; x < NRT; ++x) a[x][c] = _mm512_fmadd_ps(_mm512_set1_ps(e[x][t]), v, a[x][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int x = 0; x < NRT; ++x) {
+      for (int64_t t = common; t < vis[x]; ++t)    // the causal diagonal: this row's own keys
+#pragma GCC unroll 4
+        for (int c = 0; c < W; ++c)
+          if (c < w) a[x][c] = _mm512_fmadd_ps(_mm512_set1_ps(e[x][t]), load16<E>(vrow[t], j0 + 16 * c), a[x][c]);
+#pragma GCC unroll 4
+      for (int c = 0; c < W; ++c)
+        if (c < w) _mm512_storeu_ps(acc[x] + j0 + 16 * c, a[x][c]);
+    }
+  }
+}
+
+template <Elt E, int DFIX>
+inline void tile_values_512(int nr, const float (*e)[BLK], const int64_t* vis, const char* const* vrow,
+                            const float* alpha, int64_t D, float* const* acc) {
+  switch (nr) {
+    case 1: return values16<E, 1, DFIX>(e, vis, vrow, alpha, D, acc);
+    case 2: return values16<E, 2, DFIX>(e, vis, vrow, alpha, D, acc);
+    case 3: return values16<E, 3, DFIX>(e, vis, vrow, alpha, D, acc);
+    default: return values16<E, 4, DFIX>(e, vis, vrow, alpha, D, acc);
+  }
+}
+#endif
+
 // s[x][t] for the tile's nr rows and the block's keys t < bt rounded up to 8 (krow[t] past bt:
 // zeros); s[x][t] = 0 beyond. Rows are of type `e` (the portable build: always fp32 copies).
 template <int DFIX>
 inline void tile_scores(Elt e, int nr, const float* const* q, const char* const* krow, int64_t bt, int64_t D,
                         float (*s)[BLK]) {
+#if defined(__AVX512F__)
+  return tile_scores_512<DFIX>(e, nr, q, krow, bt, D, s);   // D: a multiple of 8 (checked by the op)
+#endif
   for (int t0 = 0; t0 < BLK; t0 += 8) {
     float* out[NR];
     for (int x = 0; x < nr; ++x) out[x] = s[x] + t0;
@@ -327,6 +488,13 @@ inline void tile_scores(Elt e, int nr, const float* const* q, const char* const*
 template <int DFIX>
 inline void tile_values(Elt el, int nr, const float (*e)[BLK], const int64_t* vis, const char* const* vrow,
                         const float* alpha, int64_t D, float* const* acc) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    if (el == F16) return tile_values_512<F16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+    if (el == BF16) return tile_values_512<BF16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+    return tile_values_512<F32, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (el == F16) return tile_values_v<F16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
   if (el == BF16) return tile_values_v<BF16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
