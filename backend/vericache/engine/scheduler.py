@@ -31,6 +31,7 @@ from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.cost import Calibrated, DraftCost
 from vericache.drafting.guide import SeenRecorder, guide_store
 from vericache.drafting.round import (
+    DraftState,
     SharedAcceptance,
     add_checked_proposal,
     add_draft,
@@ -42,6 +43,7 @@ from vericache.drafting.round import (
 from vericache.engine.config import EngineConfig
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
+from vericache.engine.options import ResolvedOptions
 from vericache.engine.remote_rounds import PrefixSource, RemoteRounds, VerifierSource
 from vericache.engine.requests import DONE, Instruments, Request, RequestTable, State
 from vericache.kv.full import FullKVCache
@@ -119,11 +121,16 @@ class DraftPlanner:
         self.cost = DraftCost(calibrate=calibrate)   # draft lengths from this engine's step costs
         self.pools: dict[str, SharedAcceptance] = {}   # rounds pooled per compressor (a request's prior)
 
+    def new_state(self, opts: ResolvedOptions) -> DraftState:
+        """A new request's draft-length state: its policy's, its acceptance starting from the rounds of
+        the engine's requests with the same compressor (``SharedAcceptance``; at admission, not in a step)."""
+        st = opts.policy.new_state()
+        st.pool = self.pools.setdefault(opts.compressor_label, SharedAcceptance())
+        return st
+
     def new_round(self, r: Request) -> int:
         """The draft length of ``r``'s next round (0: a plain full-KV step)."""
-        policy, st = r.opts.policy, r.drafting.policy_state
-        if st.pool is None:   # the request's acceptance starts from its neighbours' (``SharedAcceptance``)
-            st.pool = self.pools.setdefault(r.opts.compressor_label, SharedAcceptance())
+        policy = r.opts.policy
         k = policy.next_len(r.drafting.policy_state, r.seq.remaining)
         if r.placement.offloaded:
             if k and policy.fixed is None and self.offload.stretches:
