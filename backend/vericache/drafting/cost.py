@@ -42,18 +42,15 @@ TERMS = ("c0", "t_row", "t_seq", "t_byte", "t_pair")
 
 
 class StepSample(Protocol):
-    """One forward as the fit reads it (``engine.requests.StepRecord``): its row kinds, sequences, rows,
-    the K/V bytes its attention read, its query-key pairs, when it ran, the seconds of its planning
-    before it and of its update after it (and of that, the drafted rounds' own updates, priced per round
-    instead: ``DraftCost.round_s``)."""
+    """One forward as the fit reads it (``engine.requests.StepRecord``): its row kinds, rows, the K/V bytes
+    its attention read, its query-key pairs, when it ran, and the seconds of its update after it (and
+    of that, the drafted rounds' own updates, priced per round instead: ``DraftCost.round_s``)."""
     kinds: str
-    seqs: int
     rows: int
     kv_bytes: int
     pairs: int
     start: float
     end: float
-    pre: float
     post: float
     round_post: float
 
@@ -83,42 +80,19 @@ class StepCosts:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None,
-            shape: StepCosts | None = None) -> StepCosts | None:
+    def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None) -> StepCosts | None:
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
         weights' measured seconds at a row count) that curve in place of rows * t_row. A step's seconds
         are its forward's and its update's (``post``: the round's accept and commits, the compressed
         cache's moves, guided swaps) less the drafted rounds' own updates (``round_post``), which
-        ``DraftCost`` prices per round; and its planning before it (``pre``: a step's fixed work too).
-        With ``shape`` (a calibration's costs: ``drafting.calibrate``) only a fixed cost and one scale of
-        its per-sequence, per-byte and per-pair prices are fitted (``scaled``): a batch's mixed
-        draft + verify steps hold bytes and pairs in nearly fixed proportions, and a free fit of both
-        there priced bytes at 0 and decode rows far above their measured cost (SmolLM2 8 x 2K on AMX: 7-13
-        ms a request's full row against 5.9). None until there are enough steps, with and without verification."""
+        ``DraftCost`` prices per round. None until there are enough steps, with and without verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
-        seconds = np.array([s.pre + s.end - s.start + s.post - s.round_post for s in steps])
-        if shape is not None:
-            return cls.scaled(shape, steps, seconds)
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        return cls.from_samples(x, seconds, matmuls)
-
-    @classmethod
-    def scaled(cls, shape: StepCosts, steps: Sequence[StepSample],
-               seconds: npt.NDArray[np.float64]) -> StepCosts | None:
-        """``shape``'s prices fitted to steps' ``seconds`` by a fixed cost c0 and one scale a of its
-        sequences', bytes' and pairs' prices (its weights as they are): seconds - weights(rows) =
-        c0 + a * (seqs t_seq + kv_bytes t_byte + pairs t_pair), both >= 0. None where a comes out 0
-        (steps too fast for the clock: they say nothing of attention's cost)."""
-        rest = seconds - np.array([shape.weights(s.rows) for s in steps])
-        attention = np.array([shape.t_seq * s.seqs + shape.t_byte * s.kv_bytes + shape.t_pair * s.pairs for s in steps])
-        c0, a = nonnegative_lstsq(np.stack([np.ones(len(steps)), attention], axis=1), rest)
-        if not a > 0:
-            return None
-        return cls(c0, shape.t_row, a * shape.t_seq, a * shape.t_byte, a * shape.t_pair, matmuls=shape.matmuls)
+        return cls.from_samples(x, np.array([s.end - s.start + s.post - s.round_post for s in steps]), matmuls)
 
     @classmethod
     def from_samples(cls, x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
@@ -229,7 +203,6 @@ class DraftCost:
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
     round_s: float = 0.0          # a drafted round's update, seconds (the mean of the latest)
-    shape: StepCosts | None = field(default=None, repr=False)   # the calibration's costs: what the fit scales
     _fitted_at: int = field(default=0, repr=False)
 
     def refit(self, steps: Sequence[StepSample], n_steps: int, round_updates: Sequence[float] = ()) -> None:
@@ -242,12 +215,12 @@ class DraftCost:
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
             if calibration.costs is not None and calibration.costs.usable():
-                self.matmuls, self.shape = calibration.costs.matmuls, calibration.costs
+                self.matmuls = calibration.costs.matmuls
                 if self.fitted is None:
                     self.fitted, self.source = calibration.costs, "calibrated"
         if n_steps - self._fitted_at >= self.every:
             self._fitted_at = n_steps
-            fit = StepCosts.fit(list(steps)[-96:], self.matmuls, self.shape)
+            fit = StepCosts.fit(list(steps)[-96:], self.matmuls)
             if fit is not None and fit.usable():
                 self.fitted, self.source = fit, "fitted"
 

@@ -266,7 +266,6 @@ class StepRecord:
     kv_bytes: int     # K/V bytes its attention reads (all layers)
     pairs: int        # query-key pairs per query head and layer
     by_kind: dict[str, tuple[int, int]] = field(default_factory=dict)   # row kind -> (rows, tokens)
-    pre: float = 0.0   # seconds of the step's planning before the forward (the scheduler's ``plan``)
     post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
     round_post: float = 0.0  # of ``post``: the drafted rounds' own updates (``Instruments.note_round_update``)
 

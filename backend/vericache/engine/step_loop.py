@@ -163,10 +163,9 @@ class StepLoop:
         self.scheduler.admit()
         if self.remote is not None:   # apply the verifier's replies and landed fetches
             self.remote.poll()
-        planned = time.perf_counter()
         plan = self.scheduler.plan()
         if plan.rows:
-            self._run(plan, time.perf_counter() - planned)
+            self._run(plan)
         if self.remote is not None:   # drafter role: complete rounds go to the verifier
             self.remote.send_verifies()
         if self.link is not None:
@@ -175,7 +174,7 @@ class StepLoop:
             self._wait_if_idle()
         return self.collect_outputs()
 
-    def _run(self, plan: StepPlan, plan_s: float = 0.0) -> None:
+    def _run(self, plan: StepPlan) -> None:
         """run -> update. If the forward raises, each row runs again alone (a row writes its cache at
         its own positions, and its bits do not depend on the batch): the rows that raise alone fail
         their requests, the others go on as if nothing happened."""
@@ -190,7 +189,7 @@ class StepLoop:
             return
         self.instruments.record_step(record, self.runner.cfg.num_hidden_layers)
         self.scheduler.update(plan, result)
-        record.pre, record.post = plan_s, time.perf_counter() - record.end
+        record.post = time.perf_counter() - record.end
         record.round_post = self.instruments.take_round_post()
 
     def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepResult]:
