@@ -1,7 +1,8 @@
 """Kernel builds that survive interruption (``kernels/build.py``): a build stopped mid-way by SIGTERM or
 SIGKILL leaves nothing that blocks the next one, which finishes in the same cache. The builds here go
-through the kernels' own build path (``load_extension``) with a small pybind11 module, so they take
-seconds, not the packed kernels' minute."""
+through the kernels' own build path (``load_extension``, ``load_cached``) with a small pybind11 module
+(a compile long enough to stop mid-way) or a plain library, so they take seconds, not the packed
+kernels' minute."""
 
 from __future__ import annotations
 
@@ -25,10 +26,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("squares", &squares); }
 BUILD = ("import sys; from pathlib import Path; from vericache.kernels import load_extension; "
          "m = load_extension('vc_build_test', [Path(sys.argv[1])], ['-O2']); print('built', sum(m.squares(4)))")
 
+PLAIN_SOURCE = 'extern "C" int squares_sum(int n) { int s = 0; for (int i = 0; i < n; ++i) s += i * i; return s; }\n'
+PLAIN_BUILD = ("import ctypes, sys; from pathlib import Path; from vericache.kernels.build import Library, load_cached; "
+               "lib = Library('vc_build_test', (Path(sys.argv[1]),), ('-O2',)); "
+               "print('built', load_cached(lib, lambda path: ctypes.CDLL(str(path))).squares_sum(4))")
 
-def _start(kernel_dir: Path, source: Path) -> subprocess.Popen:
+
+def _start(kernel_dir: Path, source: Path, build: str = BUILD) -> subprocess.Popen:
     env = {**os.environ, "VERICACHE_KERNEL_DIR": str(kernel_dir)}
-    return subprocess.Popen([sys.executable, "-c", BUILD, str(source)], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", build, str(source)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -54,14 +60,15 @@ def test_a_build_stopped_midway_does_not_block_the_next(tmp_path, sig):
 
 def test_a_library_that_does_not_load_is_built_again(tmp_path):
     """A cached file that is no library (overwritten, say: the builds themselves are renamed into place
-    whole) is removed and built again, once, and says so."""
-    source, kernels = tmp_path / "ext.cpp", tmp_path / "kernels"
-    source.write_text(SOURCE)
-    out, err = _start(kernels, source).communicate(timeout=300)
+    whole) is removed and built again, once, and says so. A plain library loaded by ctypes, as the linear
+    op's is (the same ``load_cached``; no pybind11 headers, so each build takes a fraction of a second)."""
+    source, kernels = tmp_path / "sums.cpp", tmp_path / "kernels"
+    source.write_text(PLAIN_SOURCE)
+    out, err = _start(kernels, source, PLAIN_BUILD).communicate(timeout=300)
     assert out.strip() == "built 14", err[-2000:]
     built = next(kernels.glob("vc_build_test-*.so"))
     built.write_bytes(b"not a shared library")
-    out, err = _start(kernels, source).communicate(timeout=300)
+    out, err = _start(kernels, source, PLAIN_BUILD).communicate(timeout=300)
     assert out.strip() == "built 14" and "does not load" in err, err[-2000:]
     assert built.stat().st_size > 1000
 

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "exp_neg.h"
@@ -188,6 +189,18 @@ struct Work { int64_t part, head, split; };
 // bits.
 constexpr int NR = 4;
 
+// f(std::integral_constant<int, n>{}) for a tile of n = 1 .. NR rows: each row count its own
+// instantiation of a kernel, so its accumulators stay in registers.
+template <typename F>
+inline void with_tile_rows(int nr, F&& f) {
+  switch (nr) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 // dot8, the reference every build equals.
 inline float dot8_ref(const float* q, const float* k, int64_t D) {
   float a[8] = {};
@@ -276,27 +289,6 @@ inline void values(const float (*e)[BLK], const int64_t* vis, const char* const*
 #pragma GCC unroll 8
       for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc[x] + j0 + 8 * c, a[x][c]);
     }
-  }
-}
-
-template <Elt E, int DFIX>
-inline void tile_scores_v(int nr, const float* const* q, const char* const* krow, int64_t D, float* const* out) {
-  switch (nr) {
-    case 1: return scores8<E, 1, DFIX>(q, krow, D, out);
-    case 2: return scores8<E, 2, DFIX>(q, krow, D, out);
-    case 3: return scores8<E, 3, DFIX>(q, krow, D, out);
-    default: return scores8<E, 4, DFIX>(q, krow, D, out);
-  }
-}
-
-template <Elt E, int DFIX>
-inline void tile_values_v(int nr, const float (*e)[BLK], const int64_t* vis, const char* const* vrow,
-                          const float* alpha, int64_t D, float* const* acc) {
-  switch (nr) {
-    case 1: return values<E, 1, DFIX>(e, vis, vrow, alpha, D, acc);
-    case 2: return values<E, 2, DFIX>(e, vis, vrow, alpha, D, acc);
-    case 3: return values<E, 3, DFIX>(e, vis, vrow, alpha, D, acc);
-    default: return values<E, 4, DFIX>(e, vis, vrow, alpha, D, acc);
   }
 }
 #endif
@@ -446,17 +438,6 @@ inline void values16(const float (*e)[BLK], const int64_t* vis, const char* cons
     }
   }
 }
-
-template <Elt E, int DFIX>
-inline void tile_values_512(int nr, const float (*e)[BLK], const int64_t* vis, const char* const* vrow,
-                            const float* alpha, int64_t D, float* const* acc) {
-  switch (nr) {
-    case 1: return values16<E, 1, DFIX>(e, vis, vrow, alpha, D, acc);
-    case 2: return values16<E, 2, DFIX>(e, vis, vrow, alpha, D, acc);
-    case 3: return values16<E, 3, DFIX>(e, vis, vrow, alpha, D, acc);
-    default: return values16<E, 4, DFIX>(e, vis, vrow, alpha, D, acc);
-  }
-}
 #endif
 
 // s[x][t] for the tile's nr rows and the block's keys t < bt rounded up to 8 (krow[t] past bt:
@@ -475,9 +456,12 @@ inline void tile_scores(Elt e, int nr, const float* const* q, const char* const*
       continue;
     }
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (e == F16) tile_scores_v<F16, DFIX>(nr, q, krow + t0, D, out);
-    else if (e == BF16) tile_scores_v<BF16, DFIX>(nr, q, krow + t0, D, out);
-    else tile_scores_v<F32, DFIX>(nr, q, krow + t0, D, out);
+    with_tile_rows(nr, [&](auto rows) {
+      constexpr int NRT = decltype(rows)::value;
+      if (e == F16) scores8<F16, NRT, DFIX>(q, krow + t0, D, out);
+      else if (e == BF16) scores8<BF16, NRT, DFIX>(q, krow + t0, D, out);
+      else scores8<F32, NRT, DFIX>(q, krow + t0, D, out);
+    });
 #else
     for (int x = 0; x < nr; ++x)
       for (int t = 0; t < 8; ++t) out[x][t] = dot8_ref(q[x], (const float*)krow[t0 + t], D);
@@ -490,15 +474,21 @@ inline void tile_values(Elt el, int nr, const float (*e)[BLK], const int64_t* vi
                         const float* alpha, int64_t D, float* const* acc) {
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
-    if (el == F16) return tile_values_512<F16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
-    if (el == BF16) return tile_values_512<BF16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
-    return tile_values_512<F32, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+    return with_tile_rows(nr, [&](auto rows) {
+      constexpr int NRT = decltype(rows)::value;
+      if (el == F16) values16<F16, NRT, DFIX>(e, vis, vrow, alpha, D, acc);
+      else if (el == BF16) values16<BF16, NRT, DFIX>(e, vis, vrow, alpha, D, acc);
+      else values16<F32, NRT, DFIX>(e, vis, vrow, alpha, D, acc);
+    });
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (el == F16) return tile_values_v<F16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
-  if (el == BF16) return tile_values_v<BF16, DFIX>(nr, e, vis, vrow, alpha, D, acc);
-  return tile_values_v<F32, DFIX>(nr, e, vis, vrow, alpha, D, acc);
+  return with_tile_rows(nr, [&](auto rows) {
+    constexpr int NRT = decltype(rows)::value;
+    if (el == F16) values<F16, NRT, DFIX>(e, vis, vrow, alpha, D, acc);
+    else if (el == BF16) values<BF16, NRT, DFIX>(e, vis, vrow, alpha, D, acc);
+    else values<F32, NRT, DFIX>(e, vis, vrow, alpha, D, acc);
+  });
 #else
   for (int x = 0; x < nr; ++x) {
     float* a = acc[x];
