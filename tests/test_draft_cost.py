@@ -115,9 +115,10 @@ def test_a_requests_acceptance_starts_from_its_neighbours_rounds():
     assert pool.accepted / pool.rejections == pytest.approx(3.0, rel=0.05)   # the old rounds faded
 
 
-def test_the_planner_pools_acceptance_per_compressor(llm):
+def test_the_planner_pools_acceptance_per_compressor(llm, monkeypatch):
     """One pool per compressor in an engine, given at admission: requests with the same compressor share
-    one, another compressor's requests have their own."""
+    one, another compressor's requests have their own; the engine keeps the latest ``MAX_POOLS``."""
+    import vericache.engine.scheduler as scheduler
     from vericache import Engine, SamplingParams
     from vericache.engine.options import RequestOptions
 
@@ -128,6 +129,10 @@ def test_the_planner_pools_acceptance_per_compressor(llm):
         engine.add_request(prompt, params, options)
     a, b, c = (r.drafting.policy_state.pool for r in engine.loop.requests)
     assert a is b and c is not a and c is not None
+    monkeypatch.setattr(scheduler, "MAX_POOLS", 2)
+    engine.add_request(prompt, params, RequestOptions(compressor="h2o:ratio=0.25"))   # a third spec: the oldest goes
+    pools = engine.loop.scheduler.planner.pools
+    assert len(pools) == 2 and all(p is not a for p in pools.values()) and any(p is c for p in pools.values())
 
 
 def test_a_probe_round_drafts_what_the_costs_call_for_within_the_policy(llm, monkeypatch):

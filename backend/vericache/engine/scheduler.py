@@ -53,6 +53,7 @@ from vericache.kv.tee import TeeCache
 from vericache.model.loader import LoadedModel
 
 log = logging.getLogger("vericache.engine")
+MAX_POOLS = 64   # acceptance pools an engine keeps (one per compressor spec its requests name)
 
 
 class RowKind(StrEnum):
@@ -125,6 +126,8 @@ class DraftPlanner:
         """A new request's draft-length state: its policy's, its acceptance starting from the rounds of
         the engine's requests with the same compressor (``SharedAcceptance``; at admission, not in a step)."""
         st = opts.policy.new_state()
+        if opts.compressor_label not in self.pools and len(self.pools) >= MAX_POOLS:
+            del self.pools[next(iter(self.pools))]   # requests' own compressor specs: keep the latest few
         st.pool = self.pools.setdefault(opts.compressor_label, SharedAcceptance())
         return st
 
