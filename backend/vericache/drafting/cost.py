@@ -208,10 +208,9 @@ class DraftCost:
     def refit(self, steps: Sequence[StepSample], n_steps: int, round_updates: Sequence[float] = ()) -> None:
         """Before a choice: calibrate if not yet asked (once), then refit from the latest 96 ``steps``
         when ``every`` forwards ran since the last fit (``n_steps``: forwards recorded so far), and
-        ``round_s`` from the latest 64 ``round_updates`` (seconds of drafted rounds' updates)."""
+        ``round_s`` as the mean of ``round_updates`` (the latest drafted rounds' updates, seconds)."""
         if round_updates:
-            latest = list(round_updates)[-64:]
-            self.round_s = sum(latest) / len(latest)
+            self.round_s = sum(round_updates) / len(round_updates)
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
             if calibration.costs is not None and calibration.costs.usable():

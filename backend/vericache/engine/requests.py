@@ -290,7 +290,7 @@ class Instruments:
     steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))   # per forward, the latest
 
     n_steps: int = 0              # forwards recorded, ever (``steps`` keeps the latest)
-    round_updates: deque[float] = field(default_factory=lambda: deque(maxlen=256))   # seconds, the latest
+    round_updates: deque[float] = field(default_factory=lambda: deque(maxlen=64))   # seconds, the latest 64
     _step_round_post: float = 0.0  # this step's round updates so far (``take_round_post``)
 
     def note_round_update(self, seconds: float) -> None:
