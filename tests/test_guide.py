@@ -51,8 +51,7 @@ def test_attended_missing_tokens_replace_the_least_attended(llm, spec):
     held[before[0, 0].long()] = True
     wanted = (~held[: draft.res_start]).nonzero()[:5, 0]          # 5 positions layer 0, head 0 lacks
     sinks = draft.kept().scores[:, :, :count] == float("inf")
-    swapped = guide_store(draft, full, _seen_favouring(draft, wanted), N, swaps=3,
-                          native_select=packed_kernels().guide_select)
+    swapped = guide_store(draft, full, _seen_favouring(draft, wanted), N, swaps=3, kernels=packed_kernels())
     assert draft.count == count                                     # the store keeps its size
     pos = draft.kept().pos[0, 0, :count].long()
     got = [int(p) in set(pos.tolist()) for p in wanted]
@@ -112,6 +111,45 @@ def test_the_native_choice_is_the_torch_one(llm):
         assert torch.equal(native_memory, torch_memory), swaps
     with pytest.raises(RuntimeError, match="outside"):   # positions past the limit
         packed_kernels().guide_select(seen, N, kept.pos, kept.scores, native_memory, kept.count, 10, 8, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_native_trade_is_the_choice_then_the_torch_trade(llm, dtype):
+    """``guide_trade`` (choose and trade in one call, a plain store) leaves the store as ``guide_select``
+    followed by ``CompressedKVCache.trade`` does: the same K/V rows, positions, scores and memory, round
+    after round, with sinks (inf scores) in the store and the lower of two middle scores as the median (torch's)."""
+    stores = []
+    for _ in range(2):
+        draft, full = _caches(llm, "snapkv:ratio=0.25,guided=true")
+        full.k, full.v = full.k.to(dtype), full.v.to(dtype)
+        draft.fields = {name: x.to(dtype) for name, x in draft.fields.items()}
+        scores = draft.kept().scores[:, :, : draft.count]                  # an even count: two middle scores
+        scores.copy_(torch.rand(scores.shape, generator=torch.Generator().manual_seed(9)))
+        scores[:, :, :8] = float("inf")                                    # sinks: never traded
+        stores.append((draft, full))
+    assert stores[0][0].count % 2 == 0
+    g = torch.Generator().manual_seed(7)
+    kernels = packed_kernels()
+    cfg = stores[0][0].cfg
+    for swaps in (3, 64, 10_000):
+        seen = torch.randn(cfg.num_hidden_layers, cfg.num_attention_heads, N, generator=g) * 3 - math.log(N)
+        (native, full), (twin, twin_full) = stores
+        kept, ref = native.kept(), twin.kept()
+        traded = kernels.guide_trade(seen, N, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps,
+                                     0.1, full.k, full.v, *kept.rows)
+        trades = kernels.guide_select(seen, N, ref.pos, ref.scores, ref.memory, ref.count, ref.res_start, swaps, 0.1)
+        twin.trade(trades, twin_full)
+        assert len(traded) > 0 and torch.equal(traded, trades), swaps
+        for name in ("pos", "scores", "memory"):
+            assert torch.equal(getattr(kept, name), getattr(ref, name)), (swaps, name)
+        for name in ("k.tok.x", "v.tok.x"):
+            assert torch.equal(native.fields[name], twin.fields[name]), (swaps, name)
+    # and guide_store takes that path for a plain store: the same trades again
+    assert guide_store(native, full, seen, N, 16, kernels) == guide_store(twin, twin_full, seen, N, 16)
+    assert torch.equal(native.fields["k.tok.x"], twin.fields["k.tok.x"])
+    with pytest.raises(RuntimeError, match="one dtype"):               # a store of another element type
+        kernels.guide_trade(seen, N, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, 8, 0.1,
+                            full.k, full.v, kept.rows[0].double(), kept.rows[1])
 
 
 def test_what_a_recent_round_attended_is_remembered(llm):

@@ -12,7 +12,8 @@ kept token's *memory* becomes max(memory - MEMORY_DECAY, att) (what a recent rou
 counts); and the store trades its least remembered tokens for the most attended ones it lacks: the
 t-th most attended missing token replaces the t-th least remembered kept one while its attention beats
 that memory and a uniform share (1/n), at most ``swaps`` a KV head and round
-(``kernels/guide_select.cpp``: O(keys) a head; its torch twin ``select_trades_torch`` runs elsewhere).
+(``kernels/guide_select.cpp``: O(keys) a head; its torch twin ``select_trades_torch`` runs elsewhere; for a
+plain store the native op also makes the trades, ~30 small torch ops fewer a round).
 The incoming token's exact K/V come from the full cache, stored as the store holds tokens (quantized
 for a ``+quant`` composition); it carries the larger of its slot's old score and the head's median, so
 the method's own moves do not evict it at once. The store keeps its size, and tokens that must stay
@@ -24,7 +25,7 @@ Drafts stay drafts: the full verification decides every token, so the output is 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -87,18 +88,32 @@ def select_trades_torch(seen: torch.Tensor, n: int, kept: KeptTokens, swaps: int
     return torch.stack([li, hi, slot, cand_pos[li, hi, ji]], dim=1).cpu()
 
 
+class GuideKernels(Protocol):
+    """``guide_select.cpp``'s ops (the packed kernels' module): the choice of trades, [T, 4] (layer, head,
+    slot, position), and the same choice made and applied to a plain store's K/V rows."""
+    def guide_select(self, seen: torch.Tensor, n: int, pos: torch.Tensor, scores: torch.Tensor,
+                     memory: torch.Tensor, count: int, limit: int, swaps: int, decay: float) -> torch.Tensor: ...
+
+    def guide_trade(self, seen: torch.Tensor, n: int, pos: torch.Tensor, scores: torch.Tensor,
+                    memory: torch.Tensor, count: int, limit: int, swaps: int, decay: float, full_k: torch.Tensor,
+                    full_v: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor) -> torch.Tensor: ...
+
+
 def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor, n: int, swaps: int,
-                native_select: Callable[..., torch.Tensor] | None = None) -> int:
+                kernels: GuideKernels | None = None) -> int:
     """Trade the store's least remembered tokens for the most attended missing ones (the module doc), after
     a verification over positions 0..n-1 recorded ``seen``; ``full`` holds every committed position.
-    ``native_select``: ``guide_select.cpp``'s op (CPU tensors), else the torch twin runs. Returns the
+    ``kernels``: ``guide_select.cpp``'s ops (CPU tensors), else the torch twin runs. Returns the
     tokens traded (all layers and heads)."""
     kept = draft.kept()   # positions >= res_start are in the residual, held whole
     if kept is None or not kept.count or kept.res_start <= kept.count:
         return 0
-    if native_select is not None and seen.device.type == "cpu":
-        trades = native_select(seen, n, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps,
-                               MEMORY_DECAY)
+    if kernels is not None and seen.device.type == "cpu":
+        args = (seen, n, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps, MEMORY_DECAY)
+        rows = kept.rows
+        if rows is not None and all(x.dtype == full.k.dtype and x.is_contiguous() for x in (*rows, full.k, full.v)):
+            return len(kernels.guide_trade(*args, full.k, full.v, *rows))   # chosen and made in one call
+        trades = kernels.guide_select(*args)
     else:
         trades = select_trades_torch(seen, n, kept, swaps, MEMORY_DECAY)
     if len(trades):

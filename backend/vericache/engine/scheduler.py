@@ -227,8 +227,8 @@ class Scheduler:
                                     lambda: model_calibration(loaded))
         self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
                                    self.charge) if prefix is not None or verifier is not None else None
-        native = getattr(loaded.model, "native", None)   # guided selection's native choice, where the step is native
-        self.guide_select = None if native is None else native.kernels.guide_select
+        native = getattr(loaded.model, "native", None)   # guided selection's native ops, where the step is native
+        self.guide_kernels = None if native is None else native.kernels
 
     # ------------------------------------------------------------------ admit
     def admit(self) -> None:
@@ -438,7 +438,7 @@ class Scheduler:
         swapped = 0
         if isinstance(row.cache, SeenRecorder):   # the drafter's store takes what the verifier attended to
             swapped = guide_store(draft, full, row.cache.seen, row.start + len(row.tokens),
-                                  req.opts.compressor.swaps, self.guide_select)
+                                  req.opts.compressor.swaps, self.guide_kernels)
         self.requests.round_done(req, m, swapped)
         if drafted:
             self.instruments.note_round_update(time.perf_counter() - began)

@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
   m.def("guide_select", &guide_select, "a guided store's trades from a verification's attention (guide_select.cpp)");
+  m.def("guide_trade", &guide_trade, "the same trades, applied to a plain store (guide_select.cpp)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up of each row of a fused gate/up output (row_ops.h)");
   pybind11::class_<StepWeights>(m, "StepWeights", pybind11::module_local())   // one per ISA build
       .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())

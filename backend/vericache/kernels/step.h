@@ -107,6 +107,10 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
 // guide_select.cpp
 at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
                         const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps, double decay);
+at::Tensor guide_trade(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
+                       const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps, double decay,
+                       const at::Tensor& full_k, const at::Tensor& full_v, const at::Tensor& store_k,
+                       const at::Tensor& store_v);
 // step.cpp
 at::Tensor forward_step(const vc_step::StepWeights& W, const at::Tensor& tokens, const at::Tensor& cos,
                         const at::Tensor& sin, const std::vector<int64_t>& seq_lens, int64_t n_draft,

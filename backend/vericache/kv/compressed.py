@@ -99,12 +99,15 @@ class KeptTokens:
     """An evicting store's bookkeeping, for verification-guided selection (``drafting.guide``): per layer,
     KV head and slot, ``pos`` [L, Hkv, C] int32 and ``scores`` [L, Hkv, C] (read only), ``memory``
     [L, Hkv, C] (the guide's own: each kept token's verifier attention, log; updated in place by it);
-    slots < ``count`` in use, holding positions < ``res_start``."""
+    slots < ``count`` in use, holding positions < ``res_start``. ``rows``: a plain store's K and V [L, Hkv,
+    C, D] (one row a token, as the full cache holds them: a native trade copies into them), None for a
+    quantized one."""
     pos: torch.Tensor
     scores: torch.Tensor
     memory: torch.Tensor
     count: int
     res_start: int
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def store_capacity(comp: Compressor, capacity: int) -> int:
@@ -440,7 +443,10 @@ class CompressedKVCache(KVCache):
         """An evicting store's bookkeeping (``KeptTokens``), for verification-guided selection; None for a
         store that keeps every token."""
         slots = self.slots
-        return None if slots is None else KeptTokens(slots.pos, slots.scores, slots.memory, self.count, self.res_start)
+        if slots is None:
+            return None
+        rows = None if self.layouts is not None else (self.fields["k.tok.x"], self.fields["v.tok.x"])
+        return KeptTokens(slots.pos, slots.scores, slots.memory, self.count, self.res_start, rows)
 
     def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
         """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
