@@ -5,7 +5,9 @@ verification attends k+1 new queries over *every* key of the full cache: exactly
 will need (Vegas, arXiv 2602.07223; SparseSpec, arXiv 2512.01278). The attention op records it as it
 goes, at the cost of a max per score (``KeyPart.seen``: per layer and query head, a log softmax over
 the keys of each key's max scaled score over the verified rows: an estimate, in logs, of how much the
-rows attended to it, [L, Hq, n]; measured better than normalising by the rows' own log-sum-exp).
+rows attended to it, [L, Hq, n]; measured better than normalising by the rows' own log-sum-exp). The
+op leaves the max over each KV head's query heads in the group's first row, so the selection reads
+one row a KV head ([L, Hkv, n], a strided view).
 
 After the round, per layer and KV head: att[j] = the max of those over the group's query heads; each
 kept token's *memory* becomes max(memory - MEMORY_DECAY, att) (what a recent round attended still
@@ -108,6 +110,7 @@ def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor,
     kept = draft.kept()   # positions >= res_start are in the residual, held whole
     if kept is None or not kept.count or kept.res_start <= kept.count:
         return 0
+    seen = seen[:, :: seen.shape[1] // kept.pos.shape[1]]   # [L, Hkv, n]: each group's max, its first row
     if kernels is not None and seen.device.type == "cpu":
         args = (seen, n, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps, MEMORY_DECAY)
         rows = kept.rows

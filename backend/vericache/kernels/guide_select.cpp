@@ -86,36 +86,30 @@ void select_head(const at::Tensor& seen, const Store& s, int64_t lh, float thr, 
   const size_t m = std::min<size_t>((size_t)swaps, w.victim.size());
   if (m == 0) return;
   for (int64_t i = 0; i < s.count; ++i) att[ph[i]] = -INFINITY;              // held: never a candidate
-  // the m most attended missing positions: a min-heap of m; a block of 16 keys none of which beats
-  // the bar to enter (most blocks, once the heap is full) is skipped by one vector compare
+  // the m most attended missing positions: every key above the bar (a few percent: a block of 16 keys
+  // none of which is above it is skipped by one vector compare), then the top m of those, in order
   const float bar = std::max(thr, least);
   std::vector<Scored>& cand = w.cand;
   cand.clear();
-  const auto later = [](const Scored& a, const Scored& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);   // heap top: the weakest
-  };
-  const auto consider = [&](int64_t j) {
-    if (!(att[j] > bar)) return;
-    if (cand.size() < m) {
-      cand.emplace_back(att[j], j);
-      std::push_heap(cand.begin(), cand.end(), later);
-    } else if (att[j] > cand.front().first) {
-      std::pop_heap(cand.begin(), cand.end(), later);
-      cand.back() = {att[j], j};
-      std::push_heap(cand.begin(), cand.end(), later);
-    }
-  };
   int64_t j = 0;
   for (; j + 16 <= limit; j += 16) {
-    const float entry = cand.size() < m ? bar : std::max(bar, cand.front().first);
     int any = 0;
 #pragma omp simd reduction(| : any)
-    for (int i = 0; i < 16; ++i) any |= att[j + i] > entry;
+    for (int i = 0; i < 16; ++i) any |= att[j + i] > bar;
     if (any)
-      for (int i = 0; i < 16; ++i) consider(j + i);
+      for (int64_t i = j; i < j + 16; ++i)
+        if (att[i] > bar) cand.emplace_back(att[i], i);
   }
-  for (; j < limit; ++j) consider(j);
-  std::sort_heap(cand.begin(), cand.end(), later);                           // most attended first
+  for (; j < limit; ++j)
+    if (att[j] > bar) cand.emplace_back(att[j], j);
+  const auto before = [](const Scored& a, const Scored& b) {   // most attended first, ties: the lower position
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  if (m < cand.size()) {
+    std::nth_element(cand.begin(), cand.begin() + m, cand.end(), before);
+    cand.resize(m);
+  }
+  std::sort(cand.begin(), cand.end(), before);
   std::vector<Scored>& victim = w.victim;
   if (m < victim.size()) std::nth_element(victim.begin(), victim.begin() + m, victim.end());
   std::sort(victim.begin(), victim.begin() + std::min(m, victim.size()));

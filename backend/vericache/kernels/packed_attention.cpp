@@ -773,8 +773,17 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
         }
       }
       for (const Part& p : parts)
-        if (p.seen && p.seq == s)
-          for (int64_t g = 0; g < G; ++g) normalize_seen(p.seen + (h * G + g) * p.seen_h, p.n);
+        if (p.seen && p.seq == s) {
+          float* first = p.seen + h * G * p.seen_h;   // the group's first query head
+          for (int64_t g = 0; g < G; ++g) normalize_seen(first + g * p.seen_h, p.n);
+          // the group's max into its first row while the rows are hot: guided selection reads one row a
+          // KV head (``drafting.guide``), a G-th of the bytes (a max is exact: every build the same bits)
+          for (int64_t g = 1; g < G; ++g) {
+            const float* x = first + g * p.seen_h;
+#pragma omp simd
+            for (int64_t j = 0; j < p.n; ++j) first[j] = x[j] > first[j] ? x[j] : first[j];
+          }
+        }
     }
   });
   return out;

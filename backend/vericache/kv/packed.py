@@ -37,7 +37,8 @@ class KeyPart:
     ``seen`` (optional, an output) [Hq, >= n] fp32: the op writes, per query head, a log softmax over keys
     j < n of the max over the head's rows that see j of the scaled score q.k / sqrt(D) (about -1e30 where
     no row sees j): in logs, how much the verified rows attended to j, for a guided drafter
-    (``drafting.guide``).
+    (``drafting.guide``); then the first query head of each KV head's group holds the max over the
+    group's heads (what the drafter reads: one row a KV head).
     """
 
     k: torch.Tensor | StoredFields
@@ -147,7 +148,8 @@ def record_seen_torch(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[
 
 def seen_scores(q: torch.Tensor, p: KeyPart) -> torch.Tensor:
     """Reference of the op's ``seen`` for one dense part: q [Hq, T, D] -> [Hq, n]: per query head, a log
-    softmax over keys of each key's max scaled score over the rows that see it."""
+    softmax over keys of each key's max scaled score over the rows that see it; each KV head's first
+    query head then holds its group's max."""
     if p.layouts is not None:
         raise ValueError("seen scores are recorded over dense parts (a full cache) only")
     hq, t, d = q.shape
@@ -158,7 +160,10 @@ def seen_scores(q: torch.Tensor, p: KeyPart) -> torch.Tensor:
         visible = torch.arange(p.n, device=q.device)[None] <= torch.arange(t, device=q.device)[:, None] + p.diag
         scores = scores.masked_fill(~visible, -1e30)
     top = scores.amax(dim=1)                                                        # [Hq, n]
-    return top - torch.logsumexp(top, dim=-1, keepdim=True)
+    seen = top - torch.logsumexp(top, dim=-1, keepdim=True)
+    group = hq // k.shape[0]
+    seen[::group] = seen.view(k.shape[0], group, -1).amax(dim=1)                    # each group's max, first row
+    return seen
 
 
 def torch_part(q: torch.Tensor, p: KeyPart) -> list[Part]:
