@@ -226,6 +226,26 @@ def test_a_measured_weights_curve_prices_the_rows_and_the_rest_is_fitted():
     assert cost.matmuls is curve and cost.source == "calibrated"     # the engine's own fits take the curve
 
 
+def test_a_draft_costs_its_step_over_the_drafts_a_step_gives():
+    """A draft step that checks a lookup proposal carries more rows and may give several drafts: where
+    single-row drafting does not pay, drafts at 1.5 a step of 1.5 rows do (their step's fixed cost and
+    weights shared among more drafts); the measured yield is the request's own."""
+    from vericache.drafting.round import MIN_YIELD_STEPS, RoundState, draft_step_yield
+
+    costs = StepCosts(c0=0.004, t_byte=1e-9, t_pair=1e-7, matmuls=lambda rows: 0.010 + 0.0005 * rows)
+    cost = DraftCost(fitted=costs, source="fitted")
+    full_kv = lambda k: (4e6, (k + 1) * 4000)   # noqa: E731 - a chunk reads the full KV once
+    draft_row = (0.5e6, 500)
+    assert cost.choose(0.8, 1, draft_row, full_kv, 16) == 0
+    assert cost.choose(0.8, 1, draft_row, full_kv, 16, draft_yield=(1.5, 1.5)) >= 1
+    # more rows for no more drafts only costs more
+    assert cost.choose(0.8, 1, draft_row, full_kv, 16, draft_yield=(1.0, 3.0)) == 0
+    rs = RoundState()
+    assert draft_step_yield(rs, proposed=0) == (1.0, 1.0)            # nothing measured yet
+    rs.draft_steps, rs.drafted = MIN_YIELD_STEPS * 10, MIN_YIELD_STEPS * 15
+    assert draft_step_yield(rs, proposed=MIN_YIELD_STEPS * 8) == pytest.approx((1.5, 1.8))
+
+
 def test_draft_cost_chooses_full_steps_where_no_round_pays():
     cost = DraftCost(fitted=StepCosts(c0=0.001, t_byte=1e-9))          # a step's fixed cost plus its bytes
     full_row = lambda k: (1e6, 0)                                       # noqa: E731 - a chunk reads the full KV once

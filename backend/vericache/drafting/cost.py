@@ -224,7 +224,7 @@ class DraftCost:
                 self.fitted, self.source = fit, "fitted"
 
     @staticmethod
-    def _batch_prices(f: StepCosts, n_active: int) -> tuple[float, Callable[[int], float]]:
+    def _batch_prices(f: StepCosts, n_active: int) -> tuple[float, Callable[[float], float]]:
         """One request's part of a step among ``n_active``: (its share of the step's fixed cost and of the
         weights' matmuls at one row each, the seconds ``extra`` rows of its own add to those matmuls). A
         CPU's integer matmuls hardly grow with rows (AMX, the 0.5B code model: 31 ms at 1 row, 41 at 9),
@@ -235,18 +235,22 @@ class DraftCost:
         return (f.c0 + base) / n, lambda extra: f.weights(n + extra) - base
 
     def choose(self, alpha: float, n_active: int, draft_cost: tuple[int, int], verify_cost: Callable[[int], tuple[int, int]],
-               k_max: int) -> int | None:
+               k_max: int, draft_yield: tuple[float, float] = (1.0, 1.0)) -> int | None:
         """The best k for one request: 0 when a plain full step yields more tokens a second than any
         round (``verify_cost(0)``: one row over the full KV), None before the fit exists. A round's
         price includes its update (``round_s``).
         ``draft_cost``: (K/V bytes, pairs) of one draft row over its compressed KV; ``verify_cost(k)``:
         the same for a chunk of k + 1 rows over its full KV. The step's fixed cost and its weights are
-        shared by the ``n_active`` requests (``_batch_prices``)."""
+        shared by the ``n_active`` requests (``_batch_prices``). ``draft_yield``: (drafts, rows) of the
+        request's draft steps as measured (``drafting.round.draft_step_yield``): a step checking a lookup
+        proposal carries more rows and may give several drafts, so a draft costs its step over its yield."""
         if self.fitted is None or k_max < 1:
             return None
         f = self.fitted
         share, extra_rows = self._batch_prices(f, n_active)
-        draft_s = share + f.seq(*draft_cost)
+        drafts, rows = draft_yield
+        kv_bytes, pairs = draft_cost
+        draft_s = (share + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
 
         def verify_s(k: int) -> float:   # k = 0: a plain full step, no round to update
             return share + extra_rows(k) + f.seq(*verify_cost(k)) + (self.round_s if k else 0.0)

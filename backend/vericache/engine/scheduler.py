@@ -37,6 +37,7 @@ from vericache.drafting.round import (
     add_draft,
     catch_up,
     draft_position,
+    draft_step_yield,
     finish_round,
     verify_for_drafter,
 )
@@ -187,15 +188,18 @@ class DraftPlanner:
         two thirds of a full row, and short probe rounds there cost 12%: "never slower than full"). Until
         the engine's own fit exists the calibration only vetoes rounds (timed on random K/V it prices
         attention above real steps' cost: ~60 vs ~42 ms a row at 8K on a Zen 2), so the policy sizes the
-        rounds it lets through. The draft row is priced at the drafter's last commit (``draft_position``), and
+        rounds it lets through. The draft row is priced at the drafter's last commit (``draft_position``), a
+        draft at its step's price over the drafts a step has given (lookup proposals: ``draft_step_yield``), and
         a drafted round's update after its verification as measured (``DraftCost.round_s``)."""
         st, policy = r.drafting.policy_state, r.opts.policy
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
+        lookup = r.drafting.lookup
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.kv.draft_kv().attention_cost(draft_position(r.kv.draft_kv(), pos), 1),
-                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max)
+                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max,
+                                  draft_step_yield(r.drafting.round, lookup.proposed if lookup is not None else 0))
         if choice is None:
             return k
         if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
