@@ -246,6 +246,25 @@ def test_a_draft_costs_its_step_over_the_drafts_a_step_gives():
     assert draft_step_yield(rs, proposed=MIN_YIELD_STEPS * 8) == pytest.approx((1.5, 1.8))
 
 
+def test_a_round_is_drafted_only_where_it_beats_full_steps_by_the_margin(monkeypatch):
+    """The fitted prices carry a few percent of error, so a round must beat plain full steps by more than
+    ``MARGIN``: at the acceptances where the best round gains less, full steps; elsewhere the same
+    choice as without the margin."""
+    from vericache.drafting import cost as cost_module
+
+    cost = DraftCost(fitted=StepCosts(c0=0.001, t_byte=1e-9), source="fitted")   # a full step: 2 ms
+    full_row, draft_row = lambda k: (1e6, 0), (0.1e6, 0)                         # noqa: E731
+    alphas = [a / 200 for a in range(1, 200)]
+    with_margin, margin = [cost.choose(a, 1, draft_row, full_row, 8) for a in alphas], cost_module.MARGIN
+    monkeypatch.setattr(cost_module, "MARGIN", 0.0)
+    without = [cost.choose(a, 1, draft_row, full_row, 8) for a in alphas]
+    marginal = [(a, k) for a, w, k in zip(alphas, with_margin, without) if w != k]
+    assert marginal and all(w == 0 for a, w, k in zip(alphas, with_margin, without) if w != k)
+    for a, k in marginal:   # the round it declined: faster than full steps, by less than the margin
+        gain = expected_tokens(a, k) / (k * 0.0011 + 0.002) / (1 / 0.002)
+        assert 1.0 < gain <= 1.0 + margin
+
+
 def test_draft_cost_chooses_full_steps_where_no_round_pays():
     cost = DraftCost(fitted=StepCosts(c0=0.001, t_byte=1e-9))          # a step's fixed cost plus its bytes
     full_row = lambda k: (1e6, 0)                                       # noqa: E731 - a chunk reads the full KV once
