@@ -135,8 +135,9 @@ def test_the_native_trade_is_the_choice_then_the_torch_trade(llm, dtype):
         seen = torch.randn(cfg.num_hidden_layers, cfg.num_attention_heads, N, generator=g) * 3 - math.log(N)
         (native, full), (twin, twin_full) = stores
         kept, ref = native.kept(), twin.kept()
+        rows = native.fields["k.tok.x"], native.fields["v.tok.x"]
         traded = kernels.guide_trade(seen, N, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps,
-                                     0.1, full.k, full.v, *kept.rows)
+                                     0.1, full.k, full.v, *rows)
         trades = kernels.guide_select(seen, N, ref.pos, ref.scores, ref.memory, ref.count, ref.res_start, swaps, 0.1)
         twin.trade(trades, twin_full)
         assert len(traded) > 0 and torch.equal(traded, trades), swaps
@@ -149,7 +150,7 @@ def test_the_native_trade_is_the_choice_then_the_torch_trade(llm, dtype):
     assert torch.equal(native.fields["k.tok.x"], twin.fields["k.tok.x"])
     with pytest.raises(RuntimeError, match="one dtype"):               # a store of another element type
         kernels.guide_trade(seen, N, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, 8, 0.1,
-                            full.k, full.v, kept.rows[0].double(), kept.rows[1])
+                            full.k, full.v, rows[0].double(), rows[1])
 
 
 def test_what_a_recent_round_attended_is_remembered(llm):

@@ -113,9 +113,9 @@ def guide_store(draft: CompressedKVCache, full: FullKVCache, seen: torch.Tensor,
     seen = seen[:, :: seen.shape[1] // kept.pos.shape[1]]   # [L, Hkv, n]: each group's max, its first row
     if kernels is not None and seen.device.type == "cpu":
         args = (seen, n, kept.pos, kept.scores, kept.memory, kept.count, kept.res_start, swaps, MEMORY_DECAY)
-        rows = kept.rows
-        if rows is not None and all(x.dtype == full.k.dtype and x.is_contiguous() for x in (*rows, full.k, full.v)):
-            return len(kernels.guide_trade(*args, full.k, full.v, *rows))   # chosen and made in one call
+        traded = draft.trade_in_one_call(kernels.guide_trade, args, full)   # a plain store: chosen and made at once
+        if traded is not None:
+            return traded
         trades = kernels.guide_select(*args)
     else:
         trades = select_trades_torch(seen, n, kept, swaps, MEMORY_DECAY)

@@ -24,6 +24,7 @@ therefore not in position order (``pos`` says where each token lies; attention d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -99,15 +100,12 @@ class KeptTokens:
     """An evicting store's bookkeeping, for verification-guided selection (``drafting.guide``): per layer,
     KV head and slot, ``pos`` [L, Hkv, C] int32 and ``scores`` [L, Hkv, C] (read only), ``memory``
     [L, Hkv, C] (the guide's own: each kept token's verifier attention, log; updated in place by it);
-    slots < ``count`` in use, holding positions < ``res_start``. ``rows``: a plain store's K and V [L, Hkv,
-    C, D] (one row a token, as the full cache holds them: a native trade copies into them), None for a
-    quantized one."""
+    slots < ``count`` in use, holding positions < ``res_start``."""
     pos: torch.Tensor
     scores: torch.Tensor
     memory: torch.Tensor
     count: int
     res_start: int
-    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def store_capacity(comp: Compressor, capacity: int) -> int:
@@ -443,10 +441,20 @@ class CompressedKVCache(KVCache):
         """An evicting store's bookkeeping (``KeptTokens``), for verification-guided selection; None for a
         store that keeps every token."""
         slots = self.slots
-        if slots is None:
+        return None if slots is None else KeptTokens(slots.pos, slots.scores, slots.memory, self.count, self.res_start)
+
+    def trade_in_one_call(self, op: Callable[..., torch.Tensor], args: tuple[object, ...],
+                          full: FullKVCache) -> int | None:
+        """Trades chosen and made by one native call (``kernels/guide_select.cpp``'s ``guide_trade``: ``op``
+        over ``args``, then the full cache's K, V and this store's K, V [L, Hkv, *, D]), each incoming
+        token's rows copied from ``full`` as ``trade`` would store them: the trades made, or None where
+        this store does not hold plain rows of the full cache's element type (quantized: ``trade``)."""
+        if self.slots is None or self.layouts is not None:
             return None
-        rows = None if self.layouts is not None else (self.fields["k.tok.x"], self.fields["v.tok.x"])
-        return KeptTokens(slots.pos, slots.scores, slots.memory, self.count, self.res_start, rows)
+        k, v = self.fields["k.tok.x"], self.fields["v.tok.x"]
+        if not all(x.dtype == full.k.dtype and x.is_contiguous() for x in (k, v, full.k, full.v)):
+            return None
+        return len(op(*args, full.k, full.v, k, v))
 
     def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
         """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
