@@ -145,6 +145,29 @@ def test_remote_prefix_model_charges_each_link_where_it_is_crossed():
     assert apart["vericache"]["round_s"] >= 4 * _costs().verify(1)
 
 
+def test_a_verifiers_opens_land_in_turn_and_share_prefills_that_find_them_waiting():
+    """``open_pipeline``: each session's first token once its fetch (the i-th in turn) is in and the
+    loop's next forward, which prefills every tail then in, is done; VeriCache's predicted TTFT is the
+    mean over the sessions (as the bench's measured one)."""
+    from vericache_lab.sim.remote_prefix import open_pipeline, predict_remote
+
+    def per_forward(m: int) -> float:
+        return 0.4 + 0.1 * m     # the weights once a forward, then per tail
+
+    assert open_pipeline(4, 1.0, per_forward) == ([1.5, 2.5, 3.5, 4.5], 2.0)   # each alone: the store's pace
+    # a slow forward: the opens that land meanwhile share the next one
+    first, busy = open_pipeline(4, 0.25, lambda m: 1.0 + 0.1 * m)
+    assert first == pytest.approx([1.35, 2.65, 2.65, 2.65]) and busy == pytest.approx(2.4)
+    assert open_pipeline(0, 1.0, per_forward)[0] == [1.5]
+    s, c = _setting(), _costs()
+    opens, _ = open_pipeline(s.n, s.full_bytes / s.store_Bps, c.prefill_tails)
+    vc = predict_remote(s, c)["vericache"]
+    assert vc["ttft_s"] == pytest.approx(1.5 * s.rtt_s + sum(opens) / s.n) and vc["ttft_s"] < 1.5 * s.rtt_s + opens[-1]
+    slow_store = predict_remote(_setting(store_Bps=s.store_Bps / 4), c)["vericache"]   # each fetch 4x as long
+    assert slow_store["ttft_s"] > vc["ttft_s"] + 1.5 * (s.n + 1) / 2 * s.full_bytes / s.store_Bps
+    assert slow_store["e2e_s"] > vc["e2e_s"]
+
+
 def test_sim_remote_prefix_command(capsys):
     assert main(["sim", "--remote-prefix", "--context", "32768", "--acceptance-length", "6", "--draft-len", "8",
                  "--json"]) == 0
@@ -186,7 +209,7 @@ def test_remote_costs_are_measured_at_the_bench_geometry(llm):
                              draft_kind="int8", repeats=1)
     for f in (c.decode_full, c.decode_comp, c.draft, c.verify):
         assert 0 < f(1) and 0 < f(2) and f(1.5) == pytest.approx((f(1) + f(2)) / 2)
-    assert c.prefill > 0 and c.prefill_comp > 0
+    assert c.prefill > 0 and c.prefill_comp > 0 and 0 < c.prefill_tails(1) < c.prefill_tails(2) == c.prefill
 
 
 def test_the_cluster_model_is_the_one_node_model_at_one_of_each_and_names_its_limits():
@@ -204,12 +227,16 @@ def test_the_cluster_model_is_the_one_node_model_at_one_of_each_and_names_its_li
         assert one[mode]["ttft_s"] == pytest.approx(ref[mode]["ttft_s"], rel=1e-12), mode
         assert one[mode]["e2e_s"] == pytest.approx(ref[mode]["e2e_s"], rel=1e-12), mode
     shard = 1e9   # bytes/s
-    crowded = predict_cluster(s, Cluster(16, 1, 1, shard, s.store_Bps), _costs(), _costs())
+    # a verifier whose 64 tails' prefills (attention over 6K positions each) take longer than their fetches
+    slow = predict_cluster(s, Cluster(16, 1, 1, shard, s.store_Bps), _costs(), _costs())
+    assert slow["vericache"]["ttft_limit"] == "verifier compute"
+    verifier = _costs(t_pair=1e-7)   # ... and one whose prefills are cheap beside them
+    crowded = predict_cluster(s, Cluster(16, 1, 1, shard, s.store_Bps), _costs(), verifier)
     assert crowded["vericache"]["ttft_limit"] == "store" and crowded["full-remote"]["ttft_limit"] == "store"
-    spread = predict_cluster(s, Cluster(16, 1, 16, shard, s.store_Bps), _costs(), _costs())
+    spread = predict_cluster(s, Cluster(16, 1, 16, shard, s.store_Bps), _costs(), verifier)
     assert spread["vericache"]["ttft_s"] < crowded["vericache"]["ttft_s"]
     assert spread["vericache"]["ttft_limit"] == "verifier fast link"
-    pooled = predict_cluster(s, Cluster(16, 4, 16, shard, s.store_Bps), _costs(), _costs())
+    pooled = predict_cluster(s, Cluster(16, 4, 16, shard, s.store_Bps), _costs(), verifier)
     assert pooled["vericache"]["ttft_s"] < spread["vericache"]["ttft_s"]
     assert pooled["vericache"]["tokens_per_s"] > spread["vericache"]["tokens_per_s"] > crowded["vericache"]["tokens_per_s"]
 

@@ -68,8 +68,10 @@ def measure_remote_costs(llm, compressor, context: int, n: int, tail: int, k: fl
             table["draft"].append(fwd(comps[:m], 1, context, draft=True))
         table["verify"].append(fwd(fulls[:m], rows_v, context))
     prefill = fwd(fulls, tail, context - tail, times=2)
+    prefill_one = fwd(fulls[:1], tail, context - tail, times=2)   # a verifier's open alone
+    prefill_tails = _interpolated([1, n], [prefill_one, prefill]) if n > 1 else (lambda m: prefill)
     prefill_comp = fwd(comps, tail, context, times=2)   # the tails after the stored compressed blocks
-    return RemoteCosts(prefill=prefill, prefill_comp=prefill_comp, decode_full=_interpolated(sessions, table["full"]),
+    return RemoteCosts(prefill=prefill, prefill_tails=prefill_tails, prefill_comp=prefill_comp, decode_full=_interpolated(sessions, table["full"]),
                        decode_comp=_interpolated(sessions, table["comp"]), draft=_interpolated(sessions, table["draft"]),
                        verify=_interpolated(sessions, table["verify"]))
 
@@ -86,7 +88,7 @@ def _costs(model: str, compressor: str, context: int, n: int, tail: int, k: floa
     finally:
         torch.set_num_threads(before)
     log(f"forwards at {context} positions, {threads} thread(s), {n} sessions: prefill of the tails "
-        f"{costs.prefill:.2f} s (over compressed caches {costs.prefill_comp:.2f}); decode full {costs.decode_full(n) * 1e3:.0f} ms, compressed "
+        f"{costs.prefill:.2f} s (one alone {costs.prefill_tails(1):.2f}; over compressed caches {costs.prefill_comp:.2f}); decode full {costs.decode_full(n) * 1e3:.0f} ms, compressed "
         f"{costs.decode_comp(n) * 1e3:.0f}, draft {costs.draft(n) * 1e3:.0f} (1 session {costs.draft(1) * 1e3:.0f}); "
         f"verify {costs.verify(n) * 1e3:.0f} (1 session {costs.verify(1) * 1e3:.0f})")
     return costs

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vericache_lab.sim.remote_prefix import RemoteCosts, RemoteSetting
+from vericache_lab.sim.remote_prefix import RemoteCosts, RemoteSetting, open_pipeline
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,15 @@ def predict_cluster(s: RemoteSetting, c: Cluster, drafter: RemoteCosts, verifier
     k, a = max(s.drafted, 1.0), max(s.tokens_per_round, 1.0)
     g = min(s.group or n, n)                   # a drafter's sessions per verification forward
     gv = g * per_verifier / n                  # ... and a verifier's: the same share of its sessions
-    fetch, ttft_limit = _longest({"verifier fast link": per_verifier * s.full_bytes / c.fast_Bps,
-                                  "store": d * n * (s.full_bytes + s.comp_bytes) / store})
-    ttft = 1.5 * s.rtt_s + fetch + verifier.prefill
+    sessions = max(round(per_verifier), 1)
+    fetch, fetch_limit = _longest({"verifier fast link": per_verifier * s.full_bytes / c.fast_Bps,
+                                   "store": d * n * (s.full_bytes + s.comp_bytes) / store})
+    # a verifier's opens land in turn (remote_prefix.open_pipeline): its sessions' fetches one after
+    # another at what limits them, the tails in by then prefilled together by its loop
+    opens, busy = open_pipeline(sessions, fetch / sessions, verifier.prefill_tails)
+    first = [1.5 * s.rtt_s + t for t in opens]
+    ttft = sum(first) / len(first)
+    ttft_limit = fetch_limit if fetch >= busy else "verifier compute"
     drafter_fetch = max(n * s.comp_bytes / s.slow_Bps, d * n * s.comp_bytes / store)
     drafter_ready = s.rtt_s + drafter_fetch + drafter.prefill_comp
     exchange = s.rtt_s + g * a * s.kv_pos_bytes / s.slow_Bps
@@ -70,7 +76,7 @@ def predict_cluster(s: RemoteSetting, c: Cluster, drafter: RemoteCosts, verifier
                                       k * drafter.draft(g) + exchange + verifier.verify(gv),
                                       "verifier compute": per_verifier / gv * verifier.verify(gv),
                                       "drafter compute": k * n / g * drafter.draft(g)})
-    e2e = max(ttft, drafter_ready) + math.ceil(later / a) * round_s
+    e2e = sum(max(t, drafter_ready) for t in first) / len(first) + math.ceil(later / a) * round_s
     out["vericache"] = {"ttft_s": ttft, "e2e_s": e2e, "tokens_per_s": tokens / e2e, "ttft_limit": ttft_limit,
                         "decode_limit": decode_limit}
     return out

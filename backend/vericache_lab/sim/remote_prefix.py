@@ -9,15 +9,16 @@ bytes / rate, plus a round trip per exchange) and the store's fetch rate next to
 - full-remote: the n full KVs share the slow link and land together after n B_full / R_slow; one
   forward prefills the n tails; then decode steps of n rows over the full KV.
 - lossy-remote: the same with the compressed bytes, decoding over the compressed KV.
-- vericache: the verifier fetches the n full KVs at the store's rate and prefills the n tails in one
-  forward; the first tokens cross back (the open's round trip). Meanwhile the drafter fetches the
-  compressed KV and prefills its tails. Then rounds (``predict_remote``): k draft steps, the chunk out
-  and the reply back (a round trip and the kept K/V over the slow link), a verification forward
+- vericache: the verifier's opens (``open_pipeline``): the n full KVs come from the store one after
+  another at its rate, and each step of the verifier's loop prefills the tails whose KV is in, so the
+  first tokens cross back (the open's round trip) one after another. Meanwhile the drafter fetches
+  the compressed KV and prefills its tails. Then rounds (``predict_remote``): k draft steps, the chunk
+  out and the reply back (a round trip and the kept K/V over the slow link), a verification forward
   shared by ``group`` sessions; a round emits A tokens per request.
 A role's forward costs (``RemoteCosts``) are measured at the setting's geometry (``bench prefix``)
 or composed from per-step costs (``costs_from_steps``: the GPU roofline below). The requests arrive
-together, so a mode's TTFT and end-to-end time are the same for all of them; the bench prints the
-mean of its measured ones beside these.
+together; a mode's TTFT and end-to-end time are the mean over them (for full-remote and lossy-remote
+the same for all; for VeriCache each session's open lands in turn), as the bench's measured ones are.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class RemoteSetting:
 class RemoteCosts:
     """Forward seconds of one role's engine at the setting's context, by sessions in the forward."""
     prefill: float                        # the n tails in one forward, over full caches
+    prefill_tails: Callable[[float], float]  # m tails in one forward, over full caches (a verifier's opens)
     prefill_comp: float                   # ... over compressed caches (the drafter's own tails)
     decode_full: Callable[[float], float]   # sessions -> one decode row each, full caches
     decode_comp: Callable[[float], float]   # ... compressed caches, exact weights (lossy)
@@ -63,11 +65,29 @@ def costs_from_steps(c: CostsAt, n: int, tail: int, k: float,
     """``RemoteCosts`` composed from per-step costs (fixed + weights(rows) + per sequence)."""
     dw = draft_weights or c.weights
     return RemoteCosts(prefill=c.c0 + c.weights(n * tail) + n * c.verify(tail),
+                       prefill_tails=lambda m: c.c0 + c.weights(round(m * tail)) + m * c.verify(tail),
                        prefill_comp=c.c0 + c.weights(n * tail) + n * c.draft * tail,
                        decode_full=lambda m: c.c0 + c.weights(round(m)) + m * c.full,
                        decode_comp=lambda m: c.c0 + c.weights(round(m)) + m * c.draft,
                        draft=lambda m: c.c0 + dw(round(m)) + m * c.draft,
                        verify=lambda m: c.c0 + c.weights(round(m * (k + 1))) + m * c.verify(k + 1))
+
+
+def open_pipeline(sessions: int, fetch_s: float, prefill: Callable[[int], float]) -> tuple[list[float], float]:
+    """A verifier that ``sessions`` opens reach together: the store answers their fetches in turn
+    (``fetch_s`` each: the i-th full KV is in at i * fetch_s); each step of the verifier's loop prefills
+    the tails of every session whose KV is in (``prefill(m)``: m tails in one forward), so opens that land
+    while a forward runs share the next. (seconds to each session's first token, the loop's busy seconds)."""
+    arrivals = [i * fetch_s for i in range(1, max(sessions, 1) + 1)]
+    first: list[float] = []
+    t = busy = 0.0
+    while len(first) < len(arrivals):
+        t = max(t, arrivals[len(first)])
+        ready = sum(1 for a in arrivals[len(first):] if a <= t)
+        step = prefill(ready)
+        t, busy = t + step, busy + step
+        first += [t] * ready
+    return first, busy
 
 
 def predict_remote(s: RemoteSetting, single: RemoteCosts, verifier: RemoteCosts | None = None) -> dict[str, dict]:
@@ -87,12 +107,15 @@ def predict_remote(s: RemoteSetting, single: RemoteCosts, verifier: RemoteCosts 
         ttft = s.rtt_s + n * nbytes / s.slow_Bps + prefill
         out[mode] = {"ttft_s": ttft, "e2e_s": ttft + later * step}
     k, a, g = max(s.drafted, 1.0), max(s.tokens_per_round, 1.0), min(s.group or n, n)
-    ttft = 1.5 * s.rtt_s + n * s.full_bytes / s.store_Bps + v.prefill   # the open, the fetch, the tails, the reply
+    # the open out, each session's fetch and tail in turn, its first token back
+    opens, _ = open_pipeline(n, s.full_bytes / s.store_Bps, v.prefill_tails)
+    first = [1.5 * s.rtt_s + t for t in opens]
     drafter_ready = s.rtt_s + n * s.comp_bytes / s.slow_Bps + single.prefill_comp
     exchange = s.rtt_s + g * a * s.kv_pos_bytes / s.slow_Bps
     chain = k * single.draft(g) + exchange + v.verify(g)
     round_s = max(chain, n / g * v.verify(g), k * n / g * single.draft(g))
-    out["vericache"] = {"ttft_s": ttft, "e2e_s": max(ttft, drafter_ready) + math.ceil(later / a) * round_s,
+    rounds = math.ceil(later / a) * round_s
+    out["vericache"] = {"ttft_s": sum(first) / n, "e2e_s": sum(max(t, drafter_ready) for t in first) / n + rounds,
                         "round_s": round_s, "chain_s": chain}
     return out
 
