@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python -m vericache.kernels  # compile the native kernels (attention, linear op) for this CPU
 	touch $@
 
-.PHONY: install demo test wheel docker models system-deps-install system-deps-test
+.PHONY: install demo test test-slow test-images wheel docker models system-deps-install system-deps-test
 system-deps-install system-deps-test: system-deps-%:
 	bash scripts/system-deps $*
 
@@ -24,8 +24,18 @@ install: system-deps-install $(VENV)/.installed
 demo: system-deps-install $(VENV)/.installed
 	$(VENV)/bin/vericache demo
 
-test: system-deps-test $(VENV)/.installed models
+test: system-deps-test $(VENV)/.installed models test-images
 	$(VENV)/bin/python -m pytest -q
+
+# The tests marked slow (pyproject's addopts leaves them out of `make test`): the real code model read by
+# transformers beside us, ~1 minute on 2 cores
+test-slow: $(VENV)/.installed models
+	$(VENV)/bin/python -m pytest -q -m slow
+
+# The images the Docker tests run, built before the suite (its time is its tests'); skipped, with the
+# reason, where Docker cannot build here
+test-images: $(VENV)/.installed
+	scripts/docker-test-images $(VENV)/bin/python
 
 # A wheel carrying the native kernels for every x86-64 variant (setup.py, vericache/kernels/prebuilt.py):
 # it runs without a compiler. Built without isolation: the attention extension links this venv's torch.

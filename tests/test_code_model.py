@@ -1,7 +1,9 @@
 """The real code model (issue 53): Qwen2.5-Coder-0.5B-Instruct's GGUF, as ``make models`` installs it
 (``make test`` does), read by us and by transformers from the same file: its tokenizer (151,936 tokens,
 the qwen2 pre-tokenizer), its own chat template, logits and greedy tokens in the fp32 numerics; and
-VeriCache equal to full decoding."""
+VeriCache equal to full decoding. The logits beside transformers' are `make test-slow`'s (transformers
+takes ~40 s to read the file; the qwen2 path against transformers on a small synthetic file is in
+tests/test_gguf.py, which `make test` runs)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def test_the_tokenizer_and_chat_template_are_transformers(ours, model_path):
     assert tok.eos_token_ids == [tok.token_to_id("<|im_end|>")]   # the chat turn's end stops generation
 
 
+# transformers dequantizes the 0.5B file in ~40 s; tests/test_gguf.py checks the qwen2 path on a synthetic file
+@pytest.mark.slow
 def test_logits_and_greedy_tokens_are_transformers(ours, model_path):
     from vericache import SamplingParams
 

@@ -16,28 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from docker_env import docker_ready
 from vericache.kernels.cpu import best_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def quicksort(items):"
-# what building the images takes under Docker's data root on a clean machine: the build stages (~3.4 GB),
-# gateway and Triton (1.8 + 2.1 GB unique), redis, prometheus and the base (0.7 GB), and room to unpack
-NEEDS_FREE_BYTES = 10 << 30
 MAX_TOKENS = 16
-
-
-def docker_ready() -> str | None:
-    """Why the Docker tests cannot run here, or None."""
-    if shutil.which("docker") is None:
-        return "no docker CLI (scripts/system-deps installs docker.io for make test)"
-    done = subprocess.run(["docker", "info", "--format", "{{.DockerRootDir}}"], capture_output=True, text=True)
-    if done.returncode != 0:
-        return f"no Docker daemon answers: {done.stderr.strip()[-300:]}"
-    free = shutil.disk_usage(done.stdout.strip() or "/").free
-    if free < NEEDS_FREE_BYTES:   # a build that fills the disk fails midway and leaves layers behind
-        return (f"{free / 2**30:.1f} GiB free under Docker's data root {done.stdout.strip()}; building the images "
-                f"needs {NEEDS_FREE_BYTES / 2**30:.0f} GiB")
-    return None
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:

@@ -364,14 +364,14 @@ def test_an_engine_fault_is_a_500_and_the_server_goes_on(llm, server, client, mo
     assert server.service.num_running() == 0
 
 
-def test_a_thousand_cancelled_streams_leave_nothing_behind(server):
-    """1,000 streaming requests at concurrency 32, each cut at a random point (before the first chunk
+def test_four_hundred_cancelled_streams_leave_nothing_behind(server):
+    """400 streaming requests at concurrency 32 (`vericache bench serve --soak` runs such load for minutes), each cut at a random point (before the first chunk
     up to a few chunks in): afterwards no request runs, no KV block is held, and the gauges read zero."""
     import asyncio
     import random
 
     rng = random.Random(7)
-    cuts = [rng.randint(0, 6) for _ in range(1000)]
+    cuts = [rng.randint(0, 6) for _ in range(400)]
 
     async def one(client: httpx.AsyncClient, cut: int, gate: asyncio.Semaphore) -> None:
         async with gate:
