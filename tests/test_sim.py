@@ -149,18 +149,18 @@ def test_a_verifiers_opens_land_in_turn_and_share_prefills_that_find_them_waitin
     """``open_pipeline``: each session's first token once its fetch (the i-th in turn) is in and the
     loop's next forward, which prefills every tail then in, is done; VeriCache's predicted TTFT is the
     mean over the sessions (as the bench's measured one)."""
-    from vericache_lab.sim.remote_prefix import open_pipeline, predict_remote
+    from vericache_lab.sim.remote_prefix import in_turn, open_pipeline, predict_remote
 
     def per_forward(m: int) -> float:
         return 0.4 + 0.1 * m     # the weights once a forward, then per tail
 
-    assert open_pipeline(4, 1.0, per_forward) == ([1.5, 2.5, 3.5, 4.5], 2.0)   # each alone: the store's pace
+    assert in_turn(4, 1.0) == [1.0, 2.0, 3.0, 4.0]
+    assert open_pipeline(in_turn(4, 1.0), per_forward) == ([1.5, 2.5, 3.5, 4.5], 2.0)   # each alone: the store's pace
     # a slow forward: the opens that land meanwhile share the next one
-    first, busy = open_pipeline(4, 0.25, lambda m: 1.0 + 0.1 * m)
+    first, busy = open_pipeline(in_turn(4, 0.25), lambda m: 1.0 + 0.1 * m)
     assert first == pytest.approx([1.35, 2.65, 2.65, 2.65]) and busy == pytest.approx(2.4)
-    assert open_pipeline(0, 1.0, per_forward)[0] == [1.5]
     s, c = _setting(), _costs()
-    opens, _ = open_pipeline(s.n, s.full_bytes / s.store_Bps, c.prefill_tails)
+    opens, _ = open_pipeline(in_turn(s.n, s.full_bytes / s.store_Bps), c.prefill_tails)
     vc = predict_remote(s, c)["vericache"]
     assert vc["ttft_s"] == pytest.approx(1.5 * s.rtt_s + sum(opens) / s.n) and vc["ttft_s"] < 1.5 * s.rtt_s + opens[-1]
     slow_store = predict_remote(_setting(store_Bps=s.store_Bps / 4), c)["vericache"]   # each fetch 4x as long
@@ -237,6 +237,11 @@ def test_the_cluster_model_is_the_one_node_model_at_one_of_each_and_names_its_li
     assert spread["vericache"]["ttft_s"] < crowded["vericache"]["ttft_s"]
     assert spread["vericache"]["ttft_limit"] == "verifier fast link"
     pooled = predict_cluster(s, Cluster(16, 4, 16, shard, s.store_Bps), _costs(), verifier)
+    # one store answering in turn: its fetches dealt round four verifiers land when they would at one
+    alone, dealt = (predict_cluster(s, Cluster(1, v, 1, 0.3e9, s.store_Bps), _costs(), verifier)["vericache"]
+                    for v in (1, 4))
+    assert dealt["ttft_s"] == pytest.approx(alone["ttft_s"]) and dealt["e2e_s"] <= alone["e2e_s"]
+    assert alone["ttft_limit"] == "store"
     assert pooled["vericache"]["ttft_s"] < spread["vericache"]["ttft_s"]
     assert pooled["vericache"]["tokens_per_s"] > spread["vericache"]["tokens_per_s"] > crowded["vericache"]["tokens_per_s"]
 

@@ -6,8 +6,8 @@ prefix plus a tail each, ``max_tokens`` out). Prefixes are placed on verifiers b
 each verifier holds about D n / V sessions; a prefix's blocks are spread over every shard (hash tags),
 so each fetch draws on all of them. What each shared part costs:
 
-- the store: S shards, each answering ``shard_Bps`` (one Redis thread's reply rate); every fetch of a
-  wave shares S * shard_Bps;
+- the store: S shards, each answering ``shard_Bps`` (one Redis thread's reply rate), S * shard_Bps in
+  all, the sessions' fetches answered in turn (a verifier's first tokens come as its fetches land);
 - a drafter's slow link (``slow_Bps``, ``rtt_s``): its own fetches and its rounds' traffic;
 - a verifier's fast link (``fast_Bps``): its sessions' full KV;
 - compute: a drafter's forwards over its n sessions, a verifier's over its D n / V (``RemoteCosts``).
@@ -60,15 +60,20 @@ def predict_cluster(s: RemoteSetting, c: Cluster, drafter: RemoteCosts, verifier
     k, a = max(s.drafted, 1.0), max(s.tokens_per_round, 1.0)
     g = min(s.group or n, n)                   # a drafter's sessions per verification forward
     gv = g * per_verifier / n                  # ... and a verifier's: the same share of its sessions
-    sessions = max(round(per_verifier), 1)
-    fetch, fetch_limit = _longest({"verifier fast link": per_verifier * s.full_bytes / c.fast_Bps,
-                                   "store": d * n * (s.full_bytes + s.comp_bytes) / store})
-    # a verifier's opens land in turn (remote_prefix.open_pipeline): its sessions' fetches one after
-    # another at what limits them, the tails in by then prefilled together by its loop
-    opens, busy = open_pipeline(sessions, fetch / sessions, verifier.prefill_tails)
-    first = [1.5 * s.rtt_s + t for t in opens]
+    # The store answers the D n sessions' fetches in turn (each its full form for a verifier and its
+    # compressed one for a drafter: ``slot`` seconds); rendezvous placement deals them round the verifiers,
+    # each of which takes its own in over its fast link and prefills them as they land (open_pipeline).
+    slot, link = (s.full_bytes + s.comp_bytes) / store, s.full_bytes / c.fast_Bps
+    first, busy = [], 0.0
+    for verifier_index in range(min(v, d * n)):
+        mine = range(verifier_index, d * n, v)        # the global turns of this verifier's sessions
+        arrivals = [max((turn + 1) * slot, (j + 1) * link) for j, turn in enumerate(mine)]
+        opens, loop = open_pipeline(arrivals, verifier.prefill_tails)
+        first += [1.5 * s.rtt_s + t for t in opens]
+        busy = max(busy, loop)
     ttft = sum(first) / len(first)
-    ttft_limit = fetch_limit if fetch >= busy else "verifier compute"
+    fetch, ttft_limit = _longest({"verifier fast link": math.ceil(d * n / v) * link, "store": d * n * slot})
+    ttft_limit = ttft_limit if fetch >= busy else "verifier compute"
     drafter_fetch = max(n * s.comp_bytes / s.slow_Bps, d * n * s.comp_bytes / store)
     drafter_ready = s.rtt_s + drafter_fetch + drafter.prefill_comp
     exchange = s.rtt_s + g * a * s.kv_pos_bytes / s.slow_Bps

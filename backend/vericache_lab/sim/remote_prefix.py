@@ -73,12 +73,11 @@ def costs_from_steps(c: CostsAt, n: int, tail: int, k: float,
                        verify=lambda m: c.c0 + c.weights(round(m * (k + 1))) + m * c.verify(k + 1))
 
 
-def open_pipeline(sessions: int, fetch_s: float, prefill: Callable[[int], float]) -> tuple[list[float], float]:
-    """A verifier that ``sessions`` opens reach together: the store answers their fetches in turn
-    (``fetch_s`` each: the i-th full KV is in at i * fetch_s); each step of the verifier's loop prefills
-    the tails of every session whose KV is in (``prefill(m)``: m tails in one forward), so opens that land
-    while a forward runs share the next. (seconds to each session's first token, the loop's busy seconds)."""
-    arrivals = [i * fetch_s for i in range(1, max(sessions, 1) + 1)]
+def open_pipeline(arrivals: list[float], prefill: Callable[[int], float]) -> tuple[list[float], float]:
+    """A verifier's opens: its sessions' full KVs in at ``arrivals`` (seconds, ascending: the store answers
+    fetches in turn); each step of its loop prefills the tails of every session whose KV is in
+    (``prefill(m)``: m tails in one forward), so opens that land while a forward runs share the next.
+    (seconds to each session's first token, the loop's busy seconds)."""
     first: list[float] = []
     t = busy = 0.0
     while len(first) < len(arrivals):
@@ -88,6 +87,11 @@ def open_pipeline(sessions: int, fetch_s: float, prefill: Callable[[int], float]
         t, busy = t + step, busy + step
         first += [t] * ready
     return first, busy
+
+
+def in_turn(sessions: int, fetch_s: float) -> list[float]:
+    """When each of ``sessions`` fetches answered one after another lands (``fetch_s`` each)."""
+    return [i * fetch_s for i in range(1, sessions + 1)]
 
 
 def predict_remote(s: RemoteSetting, single: RemoteCosts, verifier: RemoteCosts | None = None) -> dict[str, dict]:
@@ -108,7 +112,7 @@ def predict_remote(s: RemoteSetting, single: RemoteCosts, verifier: RemoteCosts 
         out[mode] = {"ttft_s": ttft, "e2e_s": ttft + later * step}
     k, a, g = max(s.drafted, 1.0), max(s.tokens_per_round, 1.0), min(s.group or n, n)
     # the open out, each session's fetch and tail in turn, its first token back
-    opens, _ = open_pipeline(n, s.full_bytes / s.store_Bps, v.prefill_tails)
+    opens, _ = open_pipeline(in_turn(n, s.full_bytes / s.store_Bps), v.prefill_tails)
     first = [1.5 * s.rtt_s + t for t in opens]
     drafter_ready = s.rtt_s + n * s.comp_bytes / s.slow_Bps + single.prefill_comp
     exchange = s.rtt_s + g * a * s.kv_pos_bytes / s.slow_Bps
