@@ -205,6 +205,31 @@ def test_shared_prefill_equals_own_prefill_in_every_mode(kv_loaded, identity_pro
         runner.generate([runner.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])
 
 
+def test_one_shared_prefill_for_requests_that_run_together(kv_loaded, identity_prompts):
+    """A request decodes in its shared prefill's cache, so one prefill given for several requests of one
+    ``generate`` is copied for all but the first: each decodes as with its own prefill (before the copy
+    they all wrote into one cache: verifications failed past its capacity). Adding a request over a
+    prefill another unfinished request holds is a ValueError naming the holder, and changes nothing."""
+    runner = Engine(kv_loaded, compressor="snapkv:ratio=0.1", mode="vericache")
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    prompt = identity_prompts[0]
+    own = runner.generate([runner.new_sequence(i, prompt, p) for i, p in enumerate(params)])
+    shared = runner.shared_prefill(runner.new_sequence(0, prompt, params[0]))
+    prefills = [shared] * 3
+    reused = runner.generate([runner.new_sequence(i, prompt, p) for i, p in enumerate(params)], prefills=prefills)
+    assert [o.token_ids for o in reused] == [o.token_ids for o in own]
+    assert len({tuple(o.token_ids) for o in own}) > 1 and prefills == [shared] * 3   # three seeds, three texts
+    holder = runner.add_sequence(runner.new_sequence(7, prompt, params[0]), prefill=shared)
+    with pytest.raises(ValueError, match=f"held by request {holder} until it finishes; give request 8 prefill.copy"):
+        runner.add_sequence(runner.new_sequence(8, prompt, params[1]), prefill=shared)
+    assert runner.counts() == (0, 1)
+    while runner.has_unfinished():
+        runner.step()
+    runner.add_sequence(runner.new_sequence(9, prompt, params[1]), prefill=shared)   # free again once it is done
+    while runner.has_unfinished():
+        runner.step()
+
+
 def test_a_prefill_extending_a_shared_prefix_is_the_whole_prompts_bits(kv_loaded, identity_prompts):
     """``shared_prefill(prefix=)`` (an evaluation grid's long context prefilled once, each problem's
     prompt after it): the same K/V, logits and query window bit for bit as prefilling the whole prompt;

@@ -123,10 +123,11 @@ def test_sampling_is_lossless_in_distribution(llm, code_prompts, mode, acceptanc
     params = dict(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)  # t0, one drafted t1, bonus
     exact = _exact_two_token_distribution(llm, prompt, SamplingParams(**{**params, "max_tokens": 2}))
     runner = Engine(llm.loaded, mode=mode, compressor="streaming:ratio=0.1,window=4", draft_len=1, acceptance=acceptance)
+    shared = runner.shared_prefill(runner.new_sequence(0, prompt, SamplingParams(**params)))   # the prompt, once
     n, counts, drafted, accepted = 0, Counter(), 0, 0
     for chunk in range(4):
         seqs = [runner.new_sequence(i, prompt, SamplingParams(seed=1000 * chunk + i, **params)) for i in range(100)]
-        for out in runner.generate(seqs):
+        for out in runner.generate(seqs, prefills=[shared] * len(seqs)):
             counts[tuple(out.token_ids[:2])] += 1
             drafted += out.stats.get("drafted_tokens", 0)
             accepted += out.stats.get("accepted_tokens", 0)

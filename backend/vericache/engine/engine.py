@@ -169,10 +169,18 @@ class Engine:
     def generate(self, seqs: list[Sequence], mode: str | None = None, prefills: list[SharedPrefill] | None = None,
                  progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
         """Run ``seqs`` to completion together in ``mode`` (default: the engine's); ``prefills[i]``,
-        when given, is seqs[i]'s prompt already prefilled (``shared_prefill``). ``progress(done, total)``:
-        called after each step that prefilled (``prefill_progress``). RuntimeError if one fails."""
+        when given, is seqs[i]'s prompt already prefilled (``shared_prefill``; one given for several
+        requests is copied for all but the first). ``progress(done, total)``: called after each step that
+        prefilled (``prefill_progress``). RuntimeError if one fails."""
         if prefills is not None and len(prefills) != len(seqs):
             raise ValueError(f"got {len(prefills)} prefills for {len(seqs)} requests")
+        if prefills is not None:   # the caller's list is left as it is
+            seen: set[int] = set()
+            own = []
+            for p in prefills:
+                own.append(p.copy() if id(p) in seen else p)
+                seen.add(id(p))
+            prefills = own
         opts = self.resolve(RequestOptions(mode=check_mode(mode or self.config.mode)))
         rids = [self.add_sequence(s, opts, prefill=prefills[i] if prefills else None) for i, s in enumerate(seqs)]
         errors: dict[int, str] = {}

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,9 @@ from vericache.sampling import Sequence
 class SharedPrefill:
     """One exact prefill of a prompt, reused by every mode and compressor (evaluation grids).
 
-    Decoding writes past the prompt into ``full``; ``reset()`` drops those positions again.
+    A request decodes in ``full`` itself, writing past the prompt; ``reset()`` drops those positions for
+    the next one. So one request at a time holds it (``Engine`` refuses a second); requests that run
+    together each take a ``copy()``.
     """
     full: FullKVCache            # the prompt's K/V, capacity for prompt + max_tokens + 1
     queries: list[torch.Tensor | None]  # per layer, the last queries [Hq, W, D] (eviction scorers read them)
@@ -37,3 +39,9 @@ class SharedPrefill:
         self.check(seq)
         self.full.truncate(self.prompt_len)
         return self.full
+
+    def copy(self) -> SharedPrefill:
+        """The same prefill in a cache of its own: a request decoding in it leaves this one untouched."""
+        full = FullKVCache(self.full.cfg, self.full.device, self.full.k.dtype, capacity=self.full.capacity)
+        full.load(self.full, self.prompt_len)
+        return replace(self, full=full)

@@ -129,6 +129,10 @@ class StepLoop:
         prompt_ids, params = seq.prompt_ids, seq.params
         if prefill is not None:
             prefill.check(seq)
+            holder = next((r.id for r in self.requests if not r.done and r.prefill.shared is prefill), None)
+            if holder is not None:   # it would decode in the holder's cache: its copy() is the request's own
+                raise ValueError(f"this shared prefill is held by request {holder} until it finishes; "
+                                 f"give request {seq.request_id} prefill.copy()")
         if placement.remote and not seq.params.greedy:
             raise ValueError(f"a remote verifier verifies greedy drafts only: temperature must be 0, "
                              f"got {seq.params.temperature}")
