@@ -151,21 +151,38 @@ def test_custom_metrics_on_tritons_endpoint(triton):
     assert _metric(triton["metrics"], "vericache_triton_accepted_tokens_total") >= 0
 
 
-def _gateway(triton_grpc: str, free_port):
-    import threading
+class _Gateway:
+    """The gateway over Triton on a free port, in a thread. ``stop`` shuts it down as `vericache serve` does
+    (its Triton client closed, then the thread joined): a Triton stopped after it has no client stream left
+    open to wait its 30 s exit timeout for."""
 
-    import uvicorn
+    def __init__(self, triton_grpc: str, free_port) -> None:
+        import threading
 
-    from vericache_gateway.app import create_app
-    from vericache_gateway.backends import TritonBackend
+        import uvicorn
 
-    app = create_app(TritonBackend(triton_grpc), model_name="smollm2-135m")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}"
+        from vericache_gateway.app import create_app
+        from vericache_gateway.backends import TritonBackend
+
+        backend = TritonBackend(triton_grpc)
+        app = create_app(backend, model_name="smollm2-135m")
+        app.router.on_shutdown.append(backend.close)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def _gateway(triton_grpc: str, free_port) -> tuple[_Gateway, str]:
+    gateway = _Gateway(triton_grpc, free_port)
+    return gateway, gateway.url
 
 
 def test_gateway_over_triton_streams_the_same_text(triton, smollm, free_port):
@@ -182,7 +199,7 @@ def test_gateway_over_triton_streams_the_same_text(triton, smollm, free_port):
         r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "x", "max_tokens": 0}, timeout=30)
         assert r.status_code == 400
     finally:
-        server.should_exit = True
+        server.stop()
 
 
 def test_chat_completion_over_triton_uses_the_models_template(triton, smollm, free_port):
@@ -198,7 +215,7 @@ def test_chat_completion_over_triton_uses_the_models_template(triton, smollm, fr
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0)
     finally:
-        server.should_exit = True
+        server.stop()
     ref = smollm.generate(render_chat(smollm.tokenizer, messages), SamplingParams(max_tokens=40))[0]
     assert r.choices[0].message.content == ref.text and ref.finish_reason == "stop"
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
@@ -219,7 +236,7 @@ def test_gateway_503_while_triton_is_down_then_recovers(tmp_path, free_port):
         r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "x = ", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # no gateway restart
     finally:
-        server.should_exit = True
+        server.stop()
         if proc is not None:
             stop_triton(proc)
 
