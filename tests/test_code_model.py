@@ -30,9 +30,10 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def ours():
+    """The model as users load it (its default numerics: q8 for a GGUF with integer blocks)."""
     import vericache
 
-    return vericache.LLM(NAME, mode="full", numerics="fp32")
+    return vericache.LLM(NAME, mode="full")
 
 
 def test_the_tokenizer_and_chat_template_are_transformers(ours, model_path):
@@ -57,9 +58,11 @@ def test_the_tokenizer_and_chat_template_are_transformers(ours, model_path):
 
 # transformers dequantizes the 0.5B file in ~40 s; tests/test_gguf.py checks the qwen2 path on a synthetic file
 @pytest.mark.slow
-def test_logits_and_greedy_tokens_are_transformers(ours, model_path):
+def test_logits_and_greedy_tokens_are_transformers(model_path):
+    import vericache
     from vericache import SamplingParams
 
+    ours = vericache.LLM(NAME, mode="full", numerics="fp32")   # exact dequantization: transformers' arithmetic
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
                                                            dtype=torch.float32).eval()
     ids = ours.tokenizer.encode(PROMPT)
