@@ -9,7 +9,8 @@ or not: set THP_MEM_ALLOC_ENABLE=1 for PyTorch's huge-page allocations, as the b
 Without --url it starts its own redis-server on 127.0.0.1 (loopback). ``--cluster``: one redis-server and
 a 3-master, 3-replica Redis Cluster on loopback (``vericache_lab.redis_local``), the same prefix in
 both, the verifier's fetch (``get_full_into``, 4 connections) timed on each in turns: the cluster's
-rate over the single server's, measured in one run (issue 55's target: >= 1.5x). Values are real codec blocks
+rate over the single server's, measured in one run (issue 55's target: >= 1.5x), and how many cores the
+reader and the Redis processes kept busy while fetching (their CPU seconds over the fetches' wall time). Values are real codec blocks
 of SmolLM2-135M's KV shape (256 positions: 11.8 MB each); the timed work is ``PrefixStore.get``
 into a session's cache, checksum included, over 1 and 4 connections (``--connections``). Prints Gbit/s
 per reader (best of --repeat).
@@ -51,6 +52,12 @@ def _fill(store: PrefixStore, ids: list[int], shape: tuple) -> None:
         store.client.set(store.key(h, "full"), pack({"k": torch.randn(shape), "v": torch.randn(shape)}))
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat: utime, stime)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cluster_vs_single(blocks: int, repeat: int) -> None:
     from vericache_lab.redis_local import LocalRedisCluster, free_port
 
@@ -69,16 +76,25 @@ def cluster_vs_single(blocks: int, repeat: int) -> None:
         print(f"{blocks} blocks of {BLOCK_TOKENS} positions (SmolLM2-135M's KV); CPU {cpu}, {os.cpu_count()} cores; "
               f"get_full_into over {stores['one redis-server'].connections} connections, best of {repeat} in turns")
         best = dict.fromkeys(stores, float("inf"))
+        servers = {"one redis-server": [single.pid], "3-master cluster": [p.pid for p in cluster.procs.values()]}
+        busy = {name: [0.0, 0.0, 0.0] for name in stores}   # wall, the reader's CPU, the servers' CPU (seconds)
         nbytes = 0
         for _ in range(repeat):
             for name, store in stores.items():
                 full = FullKVCache(cfg, "cpu", torch.float32, capacity=len(ids))
+                before = [sum(_cpu_seconds(p) for p in servers[name]), time.process_time()]
                 t0 = time.perf_counter()
                 got = store.get_full_into(ids, full, blocks)
-                best[name], nbytes = min(best[name], time.perf_counter() - t0), got.nbytes
+                wall = time.perf_counter() - t0
+                best[name], nbytes = min(best[name], wall), got.nbytes
+                busy[name][0] += wall
+                busy[name][1] += time.process_time() - before[1]
+                busy[name][2] += sum(_cpu_seconds(p) for p in servers[name]) - before[0]
                 assert got.count == blocks, got.reason
         for name, seconds in best.items():
-            print(f"{name:20s} {nbytes * 8 / seconds / 1e9:6.2f} Gbit/s  ({nbytes / 1e6:.0f} MB in {seconds:.3f} s)")
+            wall, reader, server = busy[name]
+            print(f"{name:20s} {nbytes * 8 / seconds / 1e9:6.2f} Gbit/s  ({nbytes / 1e6:.0f} MB in {seconds:.3f} s); "
+                  f"cores busy while fetching: the reader {reader / wall:.2f}, Redis {server / wall:.2f}")
         print(f"cluster / single: {best['one redis-server'] / best['3-master cluster']:.2f}x")
     finally:
         single.terminate()
