@@ -43,9 +43,10 @@ def test_bench_prefix_refuses_without_namespaces(monkeypatch, capsys):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_bench_prefix_short_run(capsys):
-    """``bench prefix`` end to end on ``tiny``, small: full-remote and VeriCache on the shaped network,
-    VeriCache's output identical to full-remote's, every row carrying the cost model's prediction, the
-    verifier's prefix fetched from the store over the fast link."""
+    """``bench prefix`` end to end on ``tiny``, small: full-remote and VeriCache on the shaped network with
+    the store a 3-master Redis Cluster (the drafter reaching its nodes through their slow-link relays:
+    ``remap``), VeriCache's output identical to full-remote's, every row carrying the cost model's
+    prediction, the verifier's prefix fetched from the store over the fast link."""
     import json
 
     from vericache.cli import main
@@ -53,8 +54,9 @@ def test_bench_prefix_short_run(capsys):
     system_command("redis-server")
     assert main(["bench", "prefix", "--model", "tiny", "--prefix-tokens", "600", "--requests", "2", "--max-tokens", "8",
                  "--slow-gbps", "0.5", "--fast-gbps", "5", "--modes", "full-remote,vericache",
-                 "--compressor", "snapkv:ratio=0.25", "--json"]) == 0
+                 "--compressor", "snapkv:ratio=0.25", "--store", "cluster", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
+    assert list(res["stores"]) == ["cluster"] and "3-master" in res["stores"]["cluster"]
     rows = {r["mode"]: r for r in res["rows"]}
     assert set(rows) == {"full-remote", "vericache"} and rows["vericache"]["identical_to_full"]
     for row in rows.values():
@@ -62,3 +64,5 @@ def test_bench_prefix_short_run(capsys):
     veri = rows["vericache"]
     assert veri["verifier_prefix_tokens"] == veri["prefix_tokens"] and veri["fast_link_bytes"] > 0   # from the store
     assert rows["vericache"]["slow_link_bytes"] < rows["full-remote"]["slow_link_bytes"]
+    full = rows["full-remote"]   # the drafter reached the cluster's nodes only through their slow-link relays
+    assert min(full["prefix_tokens"]) > 0 and full["slow_link_bytes"] >= full["drafter_fetch_bytes"] > 0

@@ -76,6 +76,40 @@ def test_a_prefix_spreads_over_every_master_and_comes_back_whole(llm, cluster, s
     assert store.match(prefix) == entry["blocks"] and store.match(list(reversed(prefix))) == 0
 
 
+def test_a_remap_says_where_the_announced_nodes_are_reached(llm, cluster, stored, prefix, reference_kv):
+    """``?remap=ANNOUNCED=REACHED,...`` (a client behind NAT or a relay, as ``bench prefix --store cluster``'s
+    drafter): the slot map's nodes are reached where it says, the data too (a relay per master; one
+    relay stopped loses that master's blocks, computed again, none wrong); a malformed pair is a ValueError
+    naming it, before any connection."""
+    import subprocess
+    import sys
+
+    from vericache_lab.redis_local import free_port
+
+    store, entry = stored
+    masters = cluster.masters()
+    ports = {p: free_port() for p in masters}   # master -> its relay's port
+    relays = {p: subprocess.Popen([sys.executable, "-m", "vericache.remote.relay", f"127.0.0.1:{r}", f"127.0.0.1:{p}",
+                                   "0"], stdout=subprocess.PIPE, text=True) for p, r in ports.items()}
+    try:
+        assert all(proc.stdout.readline().strip() == "ready" for proc in relays.values())
+        remap = ",".join(f"127.0.0.1:{p}=127.0.0.1:{r}" for p, r in ports.items())
+        relayed = PrefixStore(f"{cluster.url}?remap={remap}", store.model_id, BT, timeout_s=2.0)
+        assert relayed.masters() == sorted(f"127.0.0.1:{r}" for r in ports.values())
+        full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
+        assert relayed.get_full_into(prefix, full).reason == "hit" and same_rows(full, reference_kv, full.length)
+        first = int(store.shards.node_of(store.key(store.hashes(prefix)[0], "full")).port)
+        relays[next(p for p in masters if p != first)].kill()   # one whose blocks come after some kept ones
+        full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
+        got = relayed.get_full_into(prefix, full)
+        assert got.reason != "hit" and got.count < entry["blocks"] and same_rows(full, reference_kv, got.count * BT)
+    finally:
+        for proc in relays.values():
+            proc.kill()
+    with pytest.raises(ValueError, match="7000=nowhere"):
+        PrefixStore(f"{cluster.url}?remap=127.0.0.1:7000=nowhere", store.model_id, BT)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_compressed_forms_come_back_alike_through_both_readers(llm, cluster, stored, prefix, spec):
     store, entry = stored

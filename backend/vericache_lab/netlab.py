@@ -127,15 +127,22 @@ def up(shape: Shape) -> Lab:
     lab = Lab(shape)
     os.makedirs(RUN_DIR, exist_ok=True)
     for role in ("store", "verify"):  # the slow links' delay, in front of each service
-        port = SERVICE_PORTS[role]
-        listen = f"{lab.addresses[role]['from_draft']}:{port + RELAY_PORT_OFFSET}"
-        proc = subprocess.Popen(exec_in(role, sys.executable, "-m", "vericache.remote.relay", listen,
-                                        f"127.0.0.1:{port}", str(shape.rtt_ms / 2)),
-                                stdout=subprocess.PIPE, text=True, start_new_session=True)
-        proc.stdout.readline()  # "ready"
-        with open(os.path.join(RUN_DIR, f"relay-{role}.pid"), "w") as f:
-            f.write(str(proc.pid))
+        slow_relay(lab, role, SERVICE_PORTS[role])
     return lab
+
+
+def slow_relay(lab: Lab, role: str, port: int) -> str:
+    """A delay relay in ``role``'s namespace in front of its service on 127.0.0.1:``port``, listening on
+    the drafter's side of the slow link at port + RELAY_PORT_OFFSET (stopped by ``down``); returns
+    that host:port. ``up`` starts one per service; a store cluster needs one per node."""
+    listen = f"{lab.addresses[role]['from_draft']}:{port + RELAY_PORT_OFFSET}"
+    proc = subprocess.Popen(exec_in(role, sys.executable, "-m", "vericache.remote.relay", listen,
+                                    f"127.0.0.1:{port}", str(lab.shape.rtt_ms / 2)),
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc.stdout.readline()  # "ready"
+    with open(os.path.join(RUN_DIR, f"relay-{role}-{port}.pid"), "w") as f:
+        f.write(str(proc.pid))
+    return listen
 
 
 def status() -> dict:

@@ -17,11 +17,13 @@ def free_port() -> int:
 
 
 class LocalRedisCluster:
-    """A real Redis Cluster on 127.0.0.1: ``masters`` masters with one replica each (redis-server
-    --cluster-enabled, joined by ``redis-cli --cluster create``), no persistence, a one-second node
-    timeout so a killed master's replica takes over in a few seconds."""
+    """A real Redis Cluster on this machine: ``masters`` masters with ``replicas`` replicas each
+    (redis-server --cluster-enabled, joined by ``redis-cli --cluster create``), no persistence, a
+    one-second node timeout so a killed master's replica takes over in a few seconds. Nodes listen on
+    127.0.0.1 and on ``host``, the address they announce in the slot map (a network namespace's link,
+    ``bench prefix --store cluster``)."""
 
-    def __init__(self, tmp_dir, masters: int = 3) -> None:
+    def __init__(self, tmp_dir, masters: int = 3, replicas: int = 1, host: str = "127.0.0.1") -> None:
         import redis
 
         exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
@@ -30,18 +32,23 @@ class LocalRedisCluster:
         self.procs: dict[int, subprocess.Popen] = {}
         self.commands: dict[int, list[str]] = {}   # each node's command line: ``restart`` runs it again
         self.n_masters = masters
-        for _ in range(2 * masters):
+        if masters < 1 or replicas < 0:
+            raise ValueError(f"a cluster needs masters >= 1 and replicas >= 0, got {masters} and {replicas}")
+        binds = ["127.0.0.1"] + ([host] if host != "127.0.0.1" else [])
+        for _ in range(masters * (1 + replicas)):
             port, bus = free_port(), free_port()
             node_dir = Path(tmp_dir) / f"node-{port}"
             node_dir.mkdir()
-            self.commands[port] = [exe, "--port", str(port), "--cluster-port", str(bus), "--bind", "127.0.0.1",
+            self.commands[port] = [exe, "--port", str(port), "--cluster-port", str(bus), "--bind", *binds,
+                                   "--cluster-announce-ip", host, "--protected-mode", "no",
                                    "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled",
                                    "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"]
             self.procs[port] = subprocess.Popen(self.commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for port in self.procs:
             self._wait(lambda: redis.Redis(port=port).ping(), f"redis-server on port {port} did not start")
-        done = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
-                               "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([cli, "--cluster", "create", *(f"{host}:{p}" for p in self.procs),
+                               "--cluster-replicas", str(replicas), "--cluster-yes"], capture_output=True, text=True,
+                              timeout=60)
         if done.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-1000:]} {done.stderr[-1000:]}")
@@ -49,7 +56,8 @@ class LocalRedisCluster:
         # a replica takes over only with a recent copy of its master: wait for every link to be up
         replicas = [n["port"] for n in self.nodes() if "slave" in n["flags"]]
         self.wait_synced(replicas)
-        self.url = f"redis://127.0.0.1:{self.live()[0]}"
+        self.host = host
+        self.url = f"redis://{host}:{self.live()[0]}"
 
     def wait_synced(self, replicas: list[int]) -> None:
         """Until each of ``replicas`` (ports) has its link to its master up (a full copy received)."""
@@ -127,3 +135,28 @@ class LocalRedisCluster:
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m vericache_lab.redis_local --host IP --masters 3 --replicas 0 DIR``: a cluster started in
+    this process's network namespace; prints its masters' ports as one JSON line, runs until SIGTERM
+    (or stdin closes), then stops its nodes (``bench prefix --store cluster`` starts it in vc-store)."""
+    import argparse
+    import json
+    import signal
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m vericache_lab.redis_local")
+    p.add_argument("dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--masters", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=1)
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with LocalRedisCluster(a.dir, a.masters, a.replicas, a.host) as nodes:
+        print(json.dumps({"masters": nodes.masters(), "host": a.host}), flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

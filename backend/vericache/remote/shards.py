@@ -18,19 +18,52 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from vericache.remote.bulk import BulkReader, RedisReplyError
 
+Address = tuple[str, int]
+
+
+def split_remap(url: str) -> tuple[str, dict[Address, Address]]:
+    """``url`` without its ``remap`` query parameter, and that parameter's map. A cluster's slot map names
+    each node by the address it announces; a client that reaches the nodes elsewhere (through NAT, a port
+    forward, or a relay on a slow link) says where: ``redis://HOST:PORT?remap=ANNOUNCED=REACHED,...``,
+    each side ``host:port``. Raises ValueError naming a malformed pair."""
+    u = urlsplit(url)
+    query = parse_qsl(u.query, keep_blank_values=True)
+    remap: dict[Address, Address] = {}
+    for name, value in query:
+        if name != "remap":
+            continue
+        for pair in filter(None, value.split(",")):
+            try:
+                announced, reached = (_address(side) for side in pair.split("="))
+            except ValueError:
+                raise ValueError(f"remap pairs are ANNOUNCED_HOST:PORT=REACHED_HOST:PORT, got {pair!r} in {url!r}") from None
+            remap[announced] = reached
+    rest = urlencode([(k, v) for k, v in query if k != "remap"])
+    return urlunsplit((u.scheme, u.netloc, u.path, rest, u.fragment)), remap
+
+
+def _address(side: str) -> Address:
+    host, _, port = side.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(side)
+    return host, int(port)
+
 
 def connect(url: str, timeout_s: float, redis_module):
-    """A redis-py client for ``url``: ``RedisCluster`` when the node is in a cluster, else ``Redis``.
-    Raises redis-py's ConnectionError / TimeoutError when the node cannot be reached."""
+    """A redis-py client for ``url``: ``RedisCluster`` when the node is in a cluster, else ``Redis``
+    (``split_remap``: where the cluster's nodes are reached). Raises redis-py's ConnectionError /
+    TimeoutError when the node cannot be reached."""
+    url, remap = split_remap(url)
     plain = redis_module.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     if str(plain.info("cluster").get("cluster_enabled", 0)) != "1":
         return plain
     plain.close()
-    return redis_module.cluster.RedisCluster.from_url(url, socket_timeout=timeout_s,
-                                                      socket_connect_timeout=timeout_s)
+    return redis_module.cluster.RedisCluster.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                      address_remap=lambda a: remap.get((a[0], int(a[1])), a))
 
 
 def is_cluster(client) -> bool:

@@ -27,7 +27,7 @@ from vericache.remote.bulk import BulkReader, RedisReplyError
 from vericache.remote.chain import BLOCK_TOKENS, block_hashes
 from vericache.remote.codec import CorruptValue, pack, unpack
 from vericache.remote.forms import Form
-from vericache.remote.shards import Shards, connect
+from vericache.remote.shards import Shards, connect, split_remap
 
 READERS = ("bulk", "redis-py")
 FETCH_CONNECTIONS = 4   # connections one full-KV fetch is spread over (the verifier's open)
@@ -85,6 +85,7 @@ class PrefixStore:
             raise ValueError("model_id must be a non-empty string")
         if reader not in READERS:
             raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
+        split_remap(url)   # a malformed ``remap`` is the caller's ValueError now, not at the first fetch
         if reader == "bulk" and not url.startswith("redis://"):
             reader = "redis-py"   # TLS and unix sockets: redis-py's own connections
         self.url, self.model_id, self.block_tokens, self.reader = url, model_id, block_tokens, reader

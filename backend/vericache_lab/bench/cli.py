@@ -130,7 +130,7 @@ def _cmd_prefix(args) -> int:
         res = run_prefix_bench(args.model, args.prefix_tokens, args.requests, args.max_tokens,
                                Shape(args.slow_gbps, args.rtt_ms, args.fast_gbps), args.compressor,
                                mode_labels(args.modes), args.draft_dtype, args.threads_per_device,
-                               not args.no_predict, log=progress(args))
+                               not args.no_predict, args.store.split(","), log=progress(args))
     except RuntimeError as exc:  # no namespaces, no redis-server, a failed run: say so, exit non-zero
         import sys
         print(f"vericache bench prefix: error: {exc}", file=sys.stderr)
@@ -158,6 +158,9 @@ def _add_prefix(bsub) -> None:
     px.add_argument("--threads-per-device", type=int, default=1,
                     help="threads of each engine (full-remote's, the drafter, the verifier): one device each; "
                          "full-remote-all gets every core")
+    px.add_argument("--store", default="redis",
+                    help="comma-separated, run in turn: redis (one server), cluster (a 3-master Redis Cluster, "
+                         "each node behind its own relay on the drafter's slow link)")
     px.add_argument("--no-predict", action="store_true", help="skip the cost model's rows (measuring its step costs)")
     px.add_argument("--draft-dtype", default="float32", help="the drafter's weights (lossy-remote, vericache)")
     px.add_argument("--json", action="store_true")

@@ -71,11 +71,11 @@ class Procs:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir, self.procs = log_dir, []
 
-    def start(self, role: str, name: str, cmd: list[str], threads: int) -> subprocess.Popen:
+    def start(self, role: str, name: str, cmd: list[str], threads: int, stdin=None) -> subprocess.Popen:
         # THP_MEM_ALLOC_ENABLE: PyTorch's large buffers (a session's KV) on huge pages, far fewer page faults
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "THP_MEM_ALLOC_ENABLE": "1"}
         log = open(self.log_dir / f"{name}.log", "w")
-        p = subprocess.Popen(netlab.exec_in(role, *cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+        p = subprocess.Popen(netlab.exec_in(role, *cmd), stdout=log, stderr=subprocess.STDOUT, env=env, stdin=stdin)
         self.procs.append(p)
         return p
 
@@ -98,76 +98,113 @@ class Procs:
         self.procs = []
 
 
+STORES = ["redis", "cluster"]
+
+
 def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: int, shape: netlab.Shape,
                      compressor: str, modes: list[str] = MODES, draft_dtype: str = "float32",
-                     threads_per_device: int = 1, predict: bool = True, log=print) -> dict:
-    """The modes, side by side in one run. Exact outputs (recompute, full-remote, the verifier)
-    come from fp32 weights; the drafter's weights (lossy-remote, vericache's drafter) are
+                     threads_per_device: int = 1, predict: bool = True, stores: list[str] = STORES[:1],
+                     log=print) -> dict:
+    """The modes, side by side in one run, on each of ``stores`` in turn ("redis": one server;
+    "cluster": a 3-master Redis Cluster, its nodes announcing the fast link's address and reached by
+    the drafter through a relay each on the slow link). Exact outputs (recompute, full-remote, the
+    verifier) come from fp32 weights; the drafter's weights (lossy-remote, vericache's drafter) are
     ``draft_dtype``: its output is a draft, so a cheaper dtype only costs acceptance."""
-    # Long: one bench run read top to bottom (the network, the store, each mode's processes side by side,
-    # then the model's predictions); the modes share the network, prompts and reference outputs.
-    bad = sorted(set(modes) - set(MODES))
-    if bad or threads_per_device < 1:
-        raise ValueError(f"modes must be among {MODES} (got {bad}) and threads_per_device >= 1 "
-                         f"(got {threads_per_device})")
+    bad = sorted(set(modes) - set(MODES)) + sorted(set(stores) - set(STORES))
+    if bad or threads_per_device < 1 or not stores:
+        raise ValueError(f"modes must be among {MODES}, stores among {STORES} (got {bad}; stores {stores}) "
+                         f"and threads_per_device >= 1 (got {threads_per_device})")
     reason = netlab.available()
     if reason:
         raise RuntimeError(f"bench prefix needs network namespaces: {reason}")
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("bench prefix needs redis-server (apt-get install redis-server)")
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        raise RuntimeError("bench prefix needs redis-server and redis-cli (apt-get install redis-server)")
     vc = [sys.executable, "-m", "vericache.cli"]
     cores = os.cpu_count() or 2
     work = Path(tempfile.mkdtemp(prefix="vericache-prefix-bench-"))
-    procs = Procs(work)
     log(f"netlab up: slow {shape.slow_gbps} Gbps / {shape.rtt_ms} ms RTT, fast {shape.fast_gbps} Gbps")
     lab = netlab.up(shape)
     try:
         measured = netlab.measure(lab)
         log(f"measured links: {json.dumps(measured)}")
-        ep = lab.endpoints
-        procs.start("store", "redis", ["redis-server", "--port", str(netlab.SERVICE_PORTS["store"]), "--bind",
-                                       "127.0.0.1", ep["store_from_verify"].split(":")[0], "--save", "",
-                                       "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)], 1)
-        procs.wait_line("redis", "Ready to accept connections")
-        version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2].removeprefix("v=")
         prefixes, prompts, lens, kv_id = _prompts(model, requests, prefix_tokens)
         (work / "prompts.json").write_text(json.dumps(prompts))
-        near, far = f"redis://{ep['store_from_verify']}", f"redis://{ep['store_from_draft']}"
-        for i, text in enumerate(prefixes):
-            f = work / f"prefix{i}.txt"
-            f.write_text(text)
-            t0 = time.perf_counter()
-            r = subprocess.run(netlab.exec_in("verify", *vc, "prefix", "put", "--redis", near, "--model", model,
-                                              "--dtype", "float32",
-                                              "--prompt-file", str(f), "--compressor", compressor, "--json"),
-                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(cores)})
-            if r.returncode:
-                raise RuntimeError(f"prefix put failed: {r.stderr[-2000:]}")
-            entry = json.loads(r.stdout)
-            log(f"stored prefix {i + 1}/{requests}: {entry['tokens']} of {lens[i]} tokens, "
-                f"{entry['bytes'] / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
-        rows, outputs = [], {}
-        for mode in modes:
-            log(f"mode {mode} ...")
-            threads = cores if mode == "full-remote-all" else threads_per_device
-            rows.append(_run_mode(mode, Procs(work), vc, model, compressor, near, far, ep, threads, work, max_tokens,
-                                  kv_id, draft_dtype, measured["fast"]["gbps"]))
-            outputs[mode] = rows[-1].pop("texts")
-            log(f"  {json.dumps(rows[-1])}")
-        ref = outputs.get("full-remote", outputs.get("full-remote-all"))
-        for row in rows:
-            row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
-        if predict:
-            from vericache_lab.bench.prefix_model import add_predictions
-            add_predictions(rows, model, compressor, measured, requests, prefix_tokens, max_tokens,
-                            threads_per_device, cores, log)
-        return {"threads_per_device": threads_per_device, "store": f"redis {version}", "network": measured, "model": model, "compressor": compressor,
-                "draft_dtype": draft_dtype,
+        rows, described = [], {}
+        for store in stores:
+            store_procs = Procs(work)
+            try:
+                near, far, described[store] = _start_store(store, store_procs, lab, work)
+                _put_prefixes(vc, model, compressor, near, prefixes, lens, work, cores, log)
+                store_rows, outputs = [], {}
+                for mode in modes:
+                    log(f"{store}: mode {mode} ...")
+                    threads = cores if mode == "full-remote-all" else threads_per_device
+                    store_rows.append(_run_mode(mode, Procs(work), vc, model, compressor, near, far, lab.endpoints,
+                                                threads, work, max_tokens, kv_id, draft_dtype, measured["fast"]["gbps"]))
+                    store_rows[-1]["store"] = store
+                    outputs[mode] = store_rows[-1].pop("texts")
+                    log(f"  {json.dumps(store_rows[-1])}")
+            finally:
+                store_procs.stop()
+            ref = outputs.get("full-remote", outputs.get("full-remote-all"))
+            for row in store_rows:
+                row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
+            if predict:
+                from vericache_lab.bench.prefix_model import add_predictions
+                add_predictions(store_rows, model, compressor, measured, requests, prefix_tokens, max_tokens,
+                                threads_per_device, cores, log)
+            rows += store_rows
+        return {"threads_per_device": threads_per_device, "stores": described, "network": measured, "model": model,
+                "compressor": compressor, "draft_dtype": draft_dtype,
                 "prefix_tokens": prefix_tokens, "requests": requests, "max_tokens": max_tokens, "cores": cores,
                 "rows": rows, "work_dir": str(work)}
     finally:
-        procs.stop()
         netlab.down()
+
+
+def _start_store(store: str, procs: Procs, lab: netlab.Lab, work: Path) -> tuple[str, str, str]:
+    """The store in vc-store: (the verifier's URL over the fast link, the drafter's over the slow one,
+    what it is). A cluster's nodes announce the fast link's address; the drafter reaches each through
+    its own slow-link relay, which its URL's ``remap`` names (``remote.shards.split_remap``)."""
+    near_host = lab.endpoints["store_from_verify"].split(":")[0]
+    version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]
+    if store == "redis":
+        port = netlab.SERVICE_PORTS["store"]
+        procs.start("store", "redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", near_host,
+                                       "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)], 1)
+        procs.wait_line("redis", "Ready to accept connections")
+        return (f"redis://{near_host}:{port}", f"redis://{lab.endpoints['store_from_draft']}",
+                f"one redis-server {version.removeprefix('v=')}")
+    node_dir = work / "cluster"
+    node_dir.mkdir(exist_ok=True)
+    proc = procs.start("store", "cluster", [sys.executable, "-m", "vericache_lab.redis_local", str(node_dir),
+                                            "--host", near_host, "--masters", "3", "--replicas", "0"], 1,
+                       stdin=subprocess.PIPE)
+    procs.wait_line("cluster", '"masters"', timeout_s=60)
+    if proc.poll() is not None:
+        raise RuntimeError(f"the store cluster did not start; see {work / 'cluster.log'}")
+    masters = json.loads((work / "cluster.log").read_text().splitlines()[-1])["masters"]
+    relays = {port: netlab.slow_relay(lab, "store", port) for port in masters}
+    remap = ",".join(f"{near_host}:{port}={relays[port]}" for port in masters)
+    return (f"redis://{near_host}:{masters[0]}", f"redis://{relays[masters[0]]}?remap={remap}",
+            f"a {len(masters)}-master Redis Cluster {version.removeprefix('v=')}")
+
+
+def _put_prefixes(vc, model, compressor, near, prefixes, lens, work, cores, log) -> None:
+    """Each prefix's full and compressed KV put in the store from the verifier's side."""
+    for i, text in enumerate(prefixes):
+        f = work / f"prefix{i}.txt"
+        f.write_text(text)
+        t0 = time.perf_counter()
+        r = subprocess.run(netlab.exec_in("verify", *vc, "prefix", "put", "--redis", near, "--model", model,
+                                          "--dtype", "float32",
+                                          "--prompt-file", str(f), "--compressor", compressor, "--json"),
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(cores)})
+        if r.returncode:
+            raise RuntimeError(f"prefix put failed: {r.stderr[-2000:]}")
+        entry = json.loads(r.stdout)
+        log(f"stored prefix {i + 1}/{len(prefixes)}: {entry['tokens']} of {lens[i]} tokens, "
+            f"{entry['bytes'] / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
 
 
 def _client_command(work: Path, max_tokens: int) -> list[str]:
@@ -254,19 +291,25 @@ def prefix_markdown(res: dict) -> str:
                       f"{', ' + str(v['shaped_rtt_ms']) + ' ms' if v['shaped_rtt_ms'] else ''})" for k, v in net.items())
     rows = [{**r, "slow_link_MB": round(r["slow_link_bytes"] / 1e6, 1), "fast_link_MB": round(r["fast_link_bytes"] / 1e6, 1)}
             for r in res["rows"]]
-    table = markdown_table(rows, ["mode", "ttft_s", "predicted_ttft_s", "e2e_s", "predicted_e2e_s", "e2e_over_predicted",
-                                  "tokens_per_s", "identical_to_full", "slow_link_MB", "fast_link_MB", "threads",
-                                  "drafter_busy", "verifier_busy", "verifier_fetch_gbps", "fetch_over_fast_link"])
-    by = {r["mode"]: r for r in res["rows"]}
-    ratios = ""
-    for base in ("full-remote", "full-remote-all"):
-        if "vericache" in by and base in by:
-            v, f = by["vericache"], by[base]
-            ratios += (f"\n\nVeriCache vs {base} ({f['threads']} threads): TTFT {v['ttft_s'] / f['ttft_s']:.3f}x, "
-                       f"end-to-end {f['e2e_s'] / v['e2e_s']:.2f}x faster (makespan {f['makespan_s'] / v['makespan_s']:.2f}x), "
-                       f"slow-link bytes {v['slow_link_bytes'] / max(f['slow_link_bytes'], 1):.3f}x; "
-                       f"{v.get('tokens_per_round', 0)} tokens per verification round "
-                       f"({v.get('drafted_per_round', 0)} drafted).")
-    return (f"Store: {res['store']}. Measured links: {links}. Model {res['model']}, {res['requests']} requests, "
+    table = markdown_table(rows, ["store", "mode", "ttft_s", "predicted_ttft_s", "e2e_s", "predicted_e2e_s",
+                                  "e2e_over_predicted", "tokens_per_s", "identical_to_full", "slow_link_MB", "fast_link_MB",
+                                  "threads", "drafter_busy", "verifier_busy", "verifier_fetch_gbps", "fetch_over_fast_link"])
+    ratios, fetch = "", {}
+    for store in res["stores"]:
+        by = {r["mode"]: r for r in res["rows"] if r["store"] == store}
+        fetch[store] = by.get("vericache", {}).get("verifier_fetch_gbps")
+        for base in ("full-remote", "full-remote-all"):
+            if "vericache" in by and base in by:
+                v, f = by["vericache"], by[base]
+                ratios += (f"\n\n{store}: VeriCache vs {base} ({f['threads']} threads): TTFT {v['ttft_s'] / f['ttft_s']:.3f}x, "
+                           f"end-to-end {f['e2e_s'] / v['e2e_s']:.2f}x faster (makespan {f['makespan_s'] / v['makespan_s']:.2f}x), "
+                           f"slow-link bytes {v['slow_link_bytes'] / max(f['slow_link_bytes'], 1):.3f}x; "
+                           f"{v.get('tokens_per_round', 0)} tokens per verification round "
+                           f"({v.get('drafted_per_round', 0)} drafted).")
+    if fetch.get("redis") and fetch.get("cluster"):
+        ratios += (f"\n\nThe verifier's full-prefix fetch: cluster {fetch['cluster']} Gbit/s over one server's "
+                   f"{fetch['redis']}: {fetch['cluster'] / fetch['redis']:.2f}x.")
+    stores = "; ".join(f"{k}: {v}" for k, v in res["stores"].items())
+    return (f"Stores: {stores}. Measured links: {links}. Model {res['model']}, {res['requests']} requests, "
             f"{res['prefix_tokens']}-token prefixes, {res['max_tokens']} new tokens, compressor {res['compressor']}, "
             f"{res['cores']} cores.\n\n{table}{ratios}")

@@ -111,7 +111,8 @@ def plot_prefix(res: dict, path: str) -> None:
         for req in row["timeline"]:
             ax.plot([req["ttft_s"]], [4.2], "kv", markersize=4)
         ax.set_yticks([0.5, 1.15, 2.5, 3.15, 4.2], ["drafter", "fetch", "verifier", "fetch", "first tokens"], fontsize=7)
-        ax.set_title(f"{row['mode']} ({row['threads']} thread(s) per engine)", fontsize=9, loc="left")
+        where = f" on {row['store']}" if len(res["stores"]) > 1 else ""
+        ax.set_title(f"{row['mode']}{where} ({row['threads']} thread(s) per engine)", fontsize=9, loc="left")
         twin = ax.twinx()
         for link, series in row.get("link_gbps", {}).items():
             series = [(t, g) for t, g in series if t >= 0]
