@@ -24,8 +24,13 @@ install: system-deps-install $(VENV)/.installed
 demo: system-deps-install $(VENV)/.installed
 	$(VENV)/bin/vericache demo
 
+# Two pytest workers of one thread each (pytest-xdist; a file's tests stay on one worker, so its module
+# fixtures and fixed names are its own): half the suite waits on servers, containers and compiles, so one
+# process with two threads kept 1.1 of 2 cores busy (679 s on AMX); two of one thread keep both (~450 s).
+# Two processes of two threads each oversubscribe the cores and ran slower than one (860 s).
+TEST_WORKERS ?= 2
 test: system-deps-test $(VENV)/.installed models test-images
-	$(VENV)/bin/python -m pytest -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The tests marked slow (pyproject's addopts leaves them out of `make test`): the real code model read by
 # transformers beside us, ~1 minute on 2 cores
