@@ -52,6 +52,37 @@ def test_codec_round_trip_and_corruption():
         unpack(b"garbage")
 
 
+def with_digest(value: bytes, digest) -> bytes:
+    """``value`` (a ``pack``ed one) with its header's digest replaced by ``digest(body)``."""
+    import struct
+
+    from vericache.remote.codec import MAGIC
+
+    (hlen,) = struct.unpack("<I", value[len(MAGIC): len(MAGIC) + 4])
+    header = json.loads(value[len(MAGIC) + 4: len(MAGIC) + 4 + hlen])
+    body = value[len(MAGIC) + 4 + hlen:]
+    header["digest"] = digest(body)
+    head = json.dumps(header).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head + body
+
+
+def test_values_are_crc32c_and_the_older_crc32_ones_still_read():
+    """pack writes CRC-32C; a value written with zlib's CRC-32 (before session 35) still unpacks; a digest
+    naming another checksum, or a right name with a wrong value, is corrupt."""
+    import zlib
+
+    import crc32c
+
+    t = {"a": torch.randn(3, 5)}
+    value = pack(t)
+    assert f'"crc32c:{crc32c.crc32c(t["a"].numpy().tobytes()):08x}"'.encode() in value
+    older = with_digest(value, lambda body: f"crc32:{zlib.crc32(body):08x}")
+    assert torch.equal(unpack(older)[0]["a"], t["a"])
+    for bad in (lambda body: f"md5:{zlib.crc32(body):08x}", lambda body: f"crc32:{zlib.crc32(body) ^ 1:08x}", lambda _: 7):
+        with pytest.raises(CorruptValue, match="checksum"):
+            unpack(with_digest(value, bad))
+
+
 def test_hash_chain_shares_leading_blocks():
     a = list(range(1000))
     b = a[:600] + [7] * 400
@@ -108,6 +139,22 @@ def test_bulk_reader_matches_redis_py_and_streams_into_a_cache(llm, stored, pref
         assert one.get_full_into(prefix, spread).reason == "hit" and spread.length == full.length
         assert torch.equal(spread.k[:, :, : full.length], full.k[:, :, : full.length])
         assert torch.equal(spread.v[:, :, : full.length], full.v[:, :, : full.length])
+    # a block written with zlib's CRC-32 (before session 35) reads alike; one naming no known checksum is corrupt
+    import zlib
+
+    import redis
+
+    client, key = redis.Redis.from_url(redis_server.url), store.key(store.hashes(prefix)[0], "full")
+    current = client.get(key)
+    try:
+        for digest, reason in ((lambda body: f"crc32:{zlib.crc32(body):08x}", "hit"), (lambda _: "sha0:0", "corrupt")):
+            client.set(key, with_digest(current, digest))
+            again = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(prefix))
+            got = store.get_full_into(prefix, again)
+            assert got.reason == reason and (reason != "hit" or torch.equal(again.k[:, :, : full.length],
+                                                                           full.k[:, :, : full.length])), got
+    finally:
+        client.set(key, current)
     with pytest.raises(ValueError, match="connections must be an integer >= 1, got 0"):
         PrefixStore(redis_server.url, "m", BT, connections=0)
     with pytest.raises(ValueError, match="reader"):

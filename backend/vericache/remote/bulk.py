@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import zlib
 from collections.abc import Callable, Generator, Iterator
 from urllib.parse import unquote, urlparse
 
-from vericache.remote.codec import MAGIC, CorruptValue, digest_of
+from vericache.remote.codec import MAGIC, BodyCheck, CorruptValue
 
 READ_SIZE = 1 << 20
 
@@ -151,12 +150,12 @@ class _Replies:
         if views is None or sum(v.nbytes for v in views) != body:
             self._skip(body + 2)
             return "corrupt"
-        crc = 0
+        check = BodyCheck(header.get("digest"))
         for v in views:
             self._into(v)
-            crc = zlib.crc32(v, crc)
+            check.add(v)
         self._take(2)
-        return "ok" if digest_of(crc) == header.get("digest") else "corrupt"
+        return "ok" if check.ok() else "corrupt"
 
     def read(self) -> bytearray | None:
         """One reply: a bulk string's bytes, None for a null, the status line's for +OK."""

@@ -1,10 +1,12 @@
 """Tensors <-> bytes for the wire and the store, without pickle.
 
 Layout: ``MAGIC`` | 4-byte little-endian header length | JSON header | raw tensor buffers.
-The header names each tensor's dtype, shape and offset, carries caller metadata, and a CRC-32 of
-the buffers (about 2 GB/s here, 3x BLAKE2b: blocks are megabytes and read on the critical path),
-so a truncated or corrupted value is detected, never silently used. (It guards against accidents,
-not tampering: the store is trusted.)
+The header names each tensor's dtype, shape and offset, carries caller metadata, and a checksum of
+the buffers, so a truncated or corrupted value is detected, never silently used. (It guards against
+accidents, not tampering: the store is trusted.) Values are written with CRC-32C (the ``crc32c``
+package: the CPU's crc32 instruction, ~9 GB/s a core on the Xeon here, against zlib's CRC-32 at ~2:
+the verifier checksums every block of a prefix as it lands, on the fetch's critical path, so at
+~1 GB/s zlib's CRC alone kept half a core busy); values written before with CRC-32 still read.
 """
 
 from __future__ import annotations
@@ -27,16 +29,47 @@ class CorruptValue(ValueError):
     """A value failed its checksum or does not parse: treat it as missing."""
 
 
-def _digest(parts: Sequence[bytes | memoryview]) -> str:
-    crc = 0
+def _crc32c(data: bytes | memoryview, crc: int = 0) -> int:
+    try:
+        import crc32c
+    except ImportError:  # pragma: no cover - the serve extra installs it
+        raise RuntimeError("VeriCache's KV values need the crc32c package (pip install 'vericache[serve]')") from None
+    return crc32c.crc32c(data, crc)
+
+
+# digest name -> (data, running value) -> running value; pack writes the first
+CHECKSUMS = {"crc32c": _crc32c, "crc32": zlib.crc32}
+WRITTEN = "crc32c"
+
+
+class BodyCheck:
+    """A value's body checked against its header's ``digest`` as it arrives (``add`` each part in order,
+    then ``ok``); a digest naming no known checksum never checks out."""
+
+    def __init__(self, digest: object) -> None:
+        self.digest = digest
+        self.name = digest.split(":", 1)[0] if isinstance(digest, str) else ""
+        self.update = CHECKSUMS.get(self.name)
+        self.crc = 0
+
+    def add(self, data: bytes | memoryview) -> None:
+        if self.update is not None:
+            self.crc = self.update(data, self.crc)
+
+    def ok(self) -> bool:
+        return self.update is not None and digest_of(self.crc, self.name) == self.digest
+
+
+def digest_of(crc: int, name: str = WRITTEN) -> str:
+    """The header's digest of a body whose checksum ``name`` is ``crc`` (readers that checksum as they receive)."""
+    return f"{name}:{crc:08x}"
+
+
+def _digest(parts: Sequence[bytes | memoryview], name: str = WRITTEN) -> str:
+    crc, update = 0, CHECKSUMS[name]
     for p in parts:
-        crc = zlib.crc32(p, crc)
-    return digest_of(crc)
-
-
-def digest_of(crc: int) -> str:
-    """The header's digest of a body whose CRC-32 is ``crc`` (readers that checksum as they receive)."""
-    return f"crc32:{crc:08x}"
+        crc = update(p, crc)
+    return digest_of(crc, name)
 
 
 def pack(tensors: dict[str, torch.Tensor], meta: dict | None = None) -> bytes:
@@ -70,7 +103,9 @@ def unpack(data: bytes, device: torch.device | str = "cpu", copy: bool = True) -
     except (ValueError, KeyError) as exc:
         raise CorruptValue(f"unreadable header: {exc}") from None
     body = view[start:]
-    if sum(e["nbytes"] for e in entries) != len(body) or _digest([body]) != header.get("digest"):
+    check = BodyCheck(header.get("digest"))
+    check.add(body)
+    if sum(e["nbytes"] for e in entries) != len(body) or not check.ok():
         raise CorruptValue("checksum mismatch: the value is truncated or corrupted")
     out = {}
     for e in entries:
