@@ -30,10 +30,10 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def run_at(tree: Path, args: list[str]) -> dict[str, dict]:
+def run_at(tree: Path, args: list[str], extra_env: dict[str, str] | None = None) -> dict[str, dict]:
     """The bench command's rows (mode -> its row: tokens/s, steps, tokens a round), run with ``tree``'s
-    packages first on the path."""
-    env = dict(os.environ, PYTHONPATH=f"{tree / 'backend'}:{tree / 'gateway'}")
+    packages first on the path (and ``extra_env``)."""
+    env = dict(os.environ, PYTHONPATH=f"{tree / 'backend'}:{tree / 'gateway'}", **(extra_env or {}))
     out = subprocess.run([sys.executable, "-m", "vericache.cli", *args], capture_output=True, text=True, env=env,
                          cwd=tree)
     if out.returncode:
@@ -46,9 +46,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the commit to compare against")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--base-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set for the base's runs only: VERICACHE_CACHE_DIR=DIR for a commit whose model cache "
+                             "layout differs from the head's (its converted models and kernel builds kept apart)")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the vericache arguments")
     args = parser.parse_args()
     bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    bad = [kv for kv in args.base_env if "=" not in kv]
+    if bad:
+        parser.error(f"--base-env takes KEY=VALUE, got {bad}")
+    base_env = dict(kv.split("=", 1) for kv in args.base_env)
     runs: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
@@ -57,7 +64,7 @@ def main() -> int:
         try:
             for i in range(args.repeats):
                 for side, tree in (("base", base_tree), ("head", ROOT)):
-                    rows = run_at(tree, bench)
+                    rows = run_at(tree, bench, base_env if side == "base" else None)
                     for mode, row in rows.items():
                         runs[side].setdefault(mode, []).append(row)
                     print(f"[{i + 1}/{args.repeats}] {side}: {({m: r['tokens_per_s'] for m, r in rows.items()})}",
