@@ -143,7 +143,9 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
                                                 threads, work, max_tokens, kv_id, draft_dtype, measured["fast"]["gbps"]))
                     store_rows[-1]["store"] = store
                     outputs[mode] = store_rows[-1].pop("texts")
-                    log(f"  {json.dumps(store_rows[-1])}")
+                    row = store_rows[-1]
+                    log(f"  TTFT {row['ttft_s']} s, end to end {row['e2e_s']} s, {row['tokens_per_s']} tokens/s, "
+                        f"slow link {row['slow_link_bytes'] / 1e6:.1f} MB, fast link {row['fast_link_bytes'] / 1e6:.1f} MB")
             finally:
                 store_procs.stop()
             ref = outputs.get("full-remote", outputs.get("full-remote-all"))
