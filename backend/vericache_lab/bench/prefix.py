@@ -148,9 +148,7 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
                         f"slow link {row['slow_link_bytes'] / 1e6:.1f} MB, fast link {row['fast_link_bytes'] / 1e6:.1f} MB")
             finally:
                 store_procs.stop()
-            ref = outputs.get("full-remote", outputs.get("full-remote-all"))
-            for row in store_rows:
-                row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
+            _mark_identical(store_rows, outputs)
             if predict:
                 from vericache_lab.bench.prefix_model import add_predictions
                 add_predictions(store_rows, model, compressor, measured, requests, prefix_tokens, max_tokens,
@@ -162,6 +160,13 @@ def run_prefix_bench(model: str, prefix_tokens: int, requests: int, max_tokens: 
                 "rows": rows, "work_dir": str(work)}
     finally:
         netlab.down()
+
+
+def _mark_identical(rows: list[dict], outputs: dict[str, list[str]]) -> None:
+    """Each row's identical_to_full: its texts against full-remote's (full-KV decoding of the same stored KV)."""
+    ref = outputs.get("full-remote", outputs.get("full-remote-all"))
+    for row in rows:
+        row["identical_to_full"] = None if ref is None else outputs[row["mode"]] == ref
 
 
 def _start_store(store: str, procs: Procs, lab: netlab.Lab, work: Path) -> tuple[str, str, str]:
