@@ -56,7 +56,6 @@ class LocalRedisCluster:
         # a replica takes over only with a recent copy of its master: wait for every link to be up
         replicas = [n["port"] for n in self.nodes() if "slave" in n["flags"]]
         self.wait_synced(replicas)
-        self.host = host
         self.url = f"redis://{host}:{self.live()[0]}"
 
     def wait_synced(self, replicas: list[int]) -> None:
