@@ -221,16 +221,21 @@ def test_chat_completion_over_triton_uses_the_models_template(triton, smollm, fr
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
 
 
-def test_the_gateways_triton_channel_caps_its_reconnect_backoff_and_keeps_tritonclients_options():
+def test_our_grpc_clients_cap_their_reconnect_backoff_and_the_gateway_keeps_tritonclients_options():
     """gRPC's reconnect backoff grows to 120 s: without a cap the gateway stayed 503 ~27 s after a Triton
-    that came up late was ready (the test below under load). Passing channel options replaces all of
-    tritonclient's, so its message sizes and keepalive are kept beside the cap."""
+    that came up late was ready (the test below under load), and a drafter would leave a restarted
+    verifier unused as long. Passing channel options replaces all of tritonclient's, so its message sizes
+    and keepalive are kept beside the cap."""
     import tritonclient.grpc.aio as aio
 
+    from vericache.remote.client import VerifierClient
     from vericache_gateway.backends import triton_channel_args
 
     args = dict(triton_channel_args(aio))
     assert args["grpc.max_reconnect_backoff_ms"] <= 5000
+    drafter = VerifierClient("grpc://127.0.0.1:9", "m")   # no connection is made until a call
+    assert dict(drafter.channel_options)["grpc.max_reconnect_backoff_ms"] <= 5000
+    drafter.channel.close()
     assert args["grpc.max_receive_message_length"] == args["grpc.max_send_message_length"] == aio.MAX_GRPC_MESSAGE_SIZE
     assert args["grpc.keepalive_time_ms"] == aio.KeepAliveOptions().keepalive_time_ms
 

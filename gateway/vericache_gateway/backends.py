@@ -18,6 +18,7 @@ import numpy as np
 from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.engine.engine import EngineOutput
 from vericache.engine.options import Intake, RequestOptions, ResolvedOptions, draft_len_to_wire, make_intake
+from vericache.grpc_channel import RECONNECT_BACKOFF
 from vericache.sampling import SamplingParams
 from vericache.serving.service import BackgroundService, QueueFull, ServiceStopped  # noqa: F401 - re-exported
 
@@ -84,22 +85,15 @@ class EmbeddedBackend:
         await asyncio.to_thread(self.service.shutdown, 30)
 
 
-# gRPC's reconnect backoff grows to 120 s: a gateway that started before Triton, or outlived a Triton
-# restart, stayed 503 for up to ~30 s after Triton was ready again (measured: 27 s after a 38 s model
-# load). Capped, a returning Triton is seen within ~2 s.
-RECONNECT_BACKOFF_MS = {"grpc.initial_reconnect_backoff_ms": 250, "grpc.min_reconnect_backoff_ms": 250,
-                        "grpc.max_reconnect_backoff_ms": 2000}
-
-
 def triton_channel_args(grpc_client) -> list[tuple[str, int]]:
     """tritonclient's own channel options (message sizes, keepalive: passing any replaces them all) and
-    the capped reconnect backoff."""
+    the capped reconnect backoff (``vericache.grpc_channel``)."""
     keep = grpc_client.KeepAliveOptions()
     size = grpc_client.MAX_GRPC_MESSAGE_SIZE
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
             ("grpc.keepalive_time_ms", keep.keepalive_time_ms), ("grpc.keepalive_timeout_ms", keep.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", keep.keepalive_permit_without_calls),
-            ("grpc.http2.max_pings_without_data", keep.http2_max_pings_without_data), *RECONNECT_BACKOFF_MS.items()]
+            ("grpc.http2.max_pings_without_data", keep.http2_max_pings_without_data), *RECONNECT_BACKOFF]
 
 
 class TritonBackend:

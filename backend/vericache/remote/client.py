@@ -14,6 +14,7 @@ import time
 import grpc
 
 from vericache.engine.remote_rounds import RemoteUnavailable
+from vericache.grpc_channel import RECONNECT_BACKOFF
 from vericache.remote.codec import pack, unpack
 from vericache.remote.server import CHANNEL_OPTIONS, SERVICE
 
@@ -28,7 +29,8 @@ class VerifierClient:
         if not target or ":" not in target:
             raise ValueError(f"verifier URL must be grpc://host:port, got {url!r}")
         self.url, self.model_id = url, model_id
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel_options = CHANNEL_OPTIONS + RECONNECT_BACKOFF   # a restarted verifier seen within ~2 s
+        self.channel = grpc.insecure_channel(target, options=self.channel_options)
         self._stream = self.channel.stream_stream(f"/{SERVICE}/Session")
         self._health = self.channel.unary_unary(f"/{SERVICE}/Health")
         self.wake = threading.Event()   # set whenever any session has a reply
