@@ -26,7 +26,7 @@ demo: system-deps-install $(VENV)/.installed
 
 # Two pytest workers of one thread each (pytest-xdist; a file's tests stay on one worker, so its module
 # fixtures and fixed names are its own): half the suite waits on servers, containers and compiles, so one
-# process with two threads kept 1.1 of 2 cores busy (679 s on AMX); two of one thread keep both (~450 s).
+# process with two threads kept 1.1 of 2 cores busy (679 s on AMX); two of one thread keep both (496-531 s).
 # Two processes of two threads each oversubscribe the cores and ran slower than one (860 s).
 TEST_WORKERS ?= 2
 test: system-deps-test $(VENV)/.installed models test-images
