@@ -75,6 +75,26 @@ def test_the_grid_shares_a_prefill_checkpoints_and_resumes(tmp_path, monkeypatch
     assert (tmp_path / "he.png").stat().st_size > 10_000
 
 
+def test_rows_name_what_computed_them_and_a_vericache_row_unlike_full_is_reported(tmp_path):
+    """Every row carries the run's provenance (commit, build, numerics, threads), VeriCache rows how their
+    tokens came; a VeriCache row that is not full's token for token is logged loudly with both rows'
+    provenance (shown here by a checkpoint whose full row was changed)."""
+    ckpt, logged = tmp_path / "he.jsonl", []
+    args = dict(model="tiny", contexts=(200,), configs=["streaming:ratio=0.25"], limit=1, max_tokens=12,
+                checkpoint=str(ckpt), log=logged.append)
+    he.run_humaneval(**args)
+    recs = [json.loads(line) for line in ckpt.read_text().splitlines()]
+    assert all(r["built"]["numerics"] and r["built"]["isa"] and r["built"]["threads"] >= 1 for r in recs)
+    assert recs[0]["built"]["commit"] is None or len(recs[0]["built"]["commit"]) >= 7   # None outside git
+    vc = next(r for r in recs if r["config"].startswith("vericache"))
+    assert vc["rounds"]["drafted_tokens"] + vc["rounds"]["full_step_tokens"] > 0
+    assert not any("NOT identical" in m for m in logged)
+    full = next(r for r in recs if r["config"] == "full")
+    ckpt.write_text(json.dumps({**full, "token_ids": full["token_ids"][:-1] + [full["token_ids"][-1] + 1]}) + "\n")
+    he.run_humaneval(**args)
+    assert any("NOT identical to full decoding" in m and "HumanEval/0" in m for m in logged)
+
+
 def test_with_no_context_full_decoding_alone_is_the_baseline(tmp_path):
     """Context 0 and no compressors: the problem alone, full decoding only (the pass@1 a long context is
     held against), drawn dashed beside a context's panel."""

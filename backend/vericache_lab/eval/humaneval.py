@@ -9,6 +9,9 @@ shared by every configuration, so the grid costs one long prefill per context an
 the Codex paper's stop sequences. Scored: pass@1 (greedy: the one completion passes its tests), whether
 the program parses, and whether each completion is full decoding's token for token. Every (context,
 problem, configuration) is appended to ``checkpoint`` (JSON lines) as it finishes; a rerun skips them.
+Each row names what computed it (``provenance``: commit, kernels' build, numerics, threads) and, for
+VeriCache, how its tokens came (drafted and accepted, plain full steps): a row that differs from full's
+can be traced to the run that wrote it.
 """
 
 from __future__ import annotations
@@ -99,6 +102,29 @@ def run_tests(problem: dict, completion: str, timeout_s: float = TEST_TIMEOUT_S,
     return Verdict(False, last[:200], parses)
 
 
+def provenance(loaded) -> dict:
+    """What computes this run's rows: the source's commit (``+dirty`` with uncommitted changes; None
+    outside a git checkout), the kernels' build, the model's numerics and kernels, torch's threads."""
+    import torch
+
+    from vericache.kernels.cpu import best_isa
+
+    src = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        commit = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
+    return {"commit": commit, "isa": best_isa(), "numerics": loaded.numerics, "kernels": loaded.kernels,
+            "threads": torch.get_num_threads()}
+
+
+ROUND_STATS = ("drafted_tokens", "accepted_tokens", "full_step_tokens", "cost_fallbacks", "guided_swaps")
+
+
 def context_ids(tokenizer, n_tokens: int) -> list[int]:
     """``n_tokens`` of held-out source code ending at a line break (``bench.common.code_prompt``); none
     for 0 (the problem alone: the baseline a long context is held against)."""
@@ -126,7 +152,7 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     llm = LLM(model, device="cpu", dtype="float32")
     tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
     done = _read_checkpoint(checkpoint, model, max_tokens)
-    sandbox = sandbox_prefix()
+    sandbox, built = sandbox_prefix(), provenance(llm.loaded)
     log(f"HumanEval: {len(problems)} problems x contexts {list(contexts)} x {len(labels)} configurations "
         f"({'no network' if sandbox else 'network NOT isolated: unshare unavailable'})")
     t0 = time.perf_counter()
@@ -158,8 +184,13 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                 rec = {"model": model, "max_tokens": max_tokens, "context": context, "task_id": problem["task_id"],
                        "config": label, "completion": completion, "token_ids": out.token_ids, "passed": verdict.passed,
                        "reason": verdict.reason, "parses": verdict.parses, "seconds": time.perf_counter() - started,
-                       "kv_kept": out.stats.get("compression_ratio", 1.0)}
+                       "kv_kept": out.stats.get("compression_ratio", 1.0), "built": built,
+                       **({"rounds": {k: out.stats[k] for k in ROUND_STATS}} if mode == "vericache" else {})}
                 done[(context, problem["task_id"], label)] = rec
+                full = done.get((context, problem["task_id"], "full"))
+                if mode == "vericache" and full is not None and out.token_ids != full["token_ids"]:
+                    log(f"{problem['task_id']} {label}: NOT identical to full decoding ({rec['rounds']}, {built}; "
+                        f"full's row: {full.get('built', 'no provenance')})")
                 if checkpoint:
                     with open(checkpoint, "a") as f:
                         f.write(json.dumps(rec) + "\n")
