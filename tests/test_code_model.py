@@ -85,3 +85,22 @@ def test_vericache_is_full_decoding_on_the_code_model(ours):
     veri = engine.generate([engine.new_sequence(0, ours.tokenizer.encode(PROMPT), params)])[0]
     assert veri.token_ids == full.token_ids and veri.stats["rounds"] >= 1
     assert "def is_prime" in full.text
+
+
+def test_the_repository_context_format_uses_the_models_file_headers(ours):
+    """``eval humaneval --context-format repo``: held-out files as one repository in Qwen2.5-Coder's own
+    layout (a repo name, then each file after a <|file_sep|> path header), cut at a line break within
+    the context's length; the problem follows as a file of its own."""
+    from vericache_lab.eval import humaneval as he
+
+    tok = ours.tokenizer
+    sep, repo = tok.token_to_id("<|file_sep|>"), tok.token_to_id("<|repo_name|>")
+    ids = he.context_ids(tok, 3000, "repo")
+    assert 2900 < len(ids) <= 3000 and ids[0] == repo and ids.count(sep) == 1
+    assert he.context_ids(tok, 16000, "repo").count(sep) >= 2   # whole files, then the cut one
+    assert tok.decode(ids[-1:]).endswith("\n") and "Lib/" in tok.decode(ids[:200])
+    problem = he.load_problems(1)[0]
+    tail = he.problem_ids(tok, problem, "repo", 3000)
+    assert tail[0] == sep and tok.decode(tail).endswith(problem["prompt"])
+    assert he.problem_ids(tok, problem, "repo", 0) == tok.encode(problem["prompt"])   # no context: the prompt alone
+    assert he.context_ids(tok, 3000, "documents") != ids

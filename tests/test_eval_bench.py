@@ -180,7 +180,7 @@ def test_a_prefill_kept_in_the_cache_folder_comes_back_equal_and_each_prompt_has
     base = Engine(llm.loaded, mode="full", device_budget_gb=None)
     ids = llm.tokenizer.encode("def add(a, b):\n    return a + b\n" * 8)
     first = cached_prefill(base, base.new_sequence(0, ids, SamplingParams(max_tokens=4)))
-    assert len(list(tmp_path.glob("prefill-*.pt"))) == 1
+    assert len(list(tmp_path.glob("prefill-*.pt"))) == 1 and list(tmp_path.glob("*.tmp")) == []   # renamed whole
     monkeypatch.setattr(base, "shared_prefill", lambda seq, **kw: pytest.fail("ran a prefill the cache holds"))
     again = cached_prefill(base, base.new_sequence(0, ids, SamplingParams(max_tokens=4)))
     n = first.prompt_len

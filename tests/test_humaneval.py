@@ -48,6 +48,7 @@ def test_completions_stop_where_humaneval_stops():
     assert he.cut_at_stops("    return 1\n\ndef g():\n    pass") == "    return 1\n"
     assert he.cut_at_stops("    x = 1\n    return x\n# done") == "    x = 1\n    return x"
     assert he.cut_at_stops("    return 2") == "    return 2"
+    assert he.cut_at_stops("    return [s for s in xs]\n```\nThis function") == "    return [s for s in xs]"
 
 
 def test_the_grid_shares_a_prefill_checkpoints_and_resumes(tmp_path, monkeypatch):
@@ -93,6 +94,26 @@ def test_rows_name_what_computed_them_and_a_vericache_row_unlike_full_is_reporte
     ckpt.write_text(json.dumps({**full, "token_ids": full["token_ids"][:-1] + [full["token_ids"][-1] + 1]}) + "\n")
     he.run_humaneval(**args)
     assert any("NOT identical to full decoding" in m and "HumanEval/0" in m for m in logged)
+
+
+def test_context_formats_keep_their_rows_apart_and_a_model_without_file_headers_is_refused(tmp_path, monkeypatch):
+    """Rows of the "repo" layout are not the "documents" rows of the same problem (a resumed run of one
+    format never takes the other's); the problem alone (context 0) is the same in both. A model without
+    the repository tokens (tiny) cannot use the "repo" layout: a ValueError naming the other."""
+    from vericache.llm import LLM
+
+    with pytest.raises(ValueError, match="'documents'"):
+        he.context_ids(LLM("tiny").tokenizer, 100, "repo")
+    with pytest.raises(ValueError, match="context format"):
+        he.run_humaneval("tiny", contexts=(0,), configs=[], limit=1, context_format="xml", log=lambda m: None)
+    ckpt = tmp_path / "he.jsonl"
+    args = dict(model="tiny", contexts=(0, 150), configs=[], limit=1, max_tokens=6, checkpoint=str(ckpt),
+                log=lambda m: None)
+    he.run_humaneval(**args)
+    monkeypatch.setattr(he, "_repo_tokens", lambda tok: None)   # tiny's tokenizer spells the headers as text
+    he.run_humaneval(**args, context_format="repo")
+    recs = [json.loads(line) for line in ckpt.read_text().splitlines()]
+    assert [(r["context"], r["context_format"]) for r in recs] == [(0, "documents"), (150, "documents"), (150, "repo")]
 
 
 def test_with_no_context_full_decoding_alone_is_the_baseline(tmp_path):

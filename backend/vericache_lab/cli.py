@@ -136,7 +136,7 @@ def _cmd_humaneval(args: argparse.Namespace) -> int:
     contexts = tuple(int(c) for c in args.contexts.split(","))
     rows = run_humaneval(args.model or "qwen2.5-coder-0.5b", contexts, configs, limit=args.limit,
                          max_tokens=args.max_tokens, checkpoint=args.checkpoint,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+                         log=lambda m: print(m, file=sys.stderr, flush=True), context_format=args.context_format)
     cols = ["context", "config", "kv_kept", "pass_at_1", "parses", "identical_to_full", "seconds"]
     return _report_rows(args, rows, cols, plot_humaneval, f"HumanEval after a long code context on "
                         f"{args.model or 'qwen2.5-coder-0.5b'}: full vs lossy vs VeriCache", "pass@1 vs KV kept")
@@ -156,6 +156,9 @@ def _add_eval(sub) -> None:
     h.add_argument("--contexts", default="8000,16000", help="tokens of code before each problem, comma-separated")
     h.add_argument("--limit", type=int, default=None, help="the first N problems (quick runs)")
     h.add_argument("--max-tokens", type=int, default=384)
+    h.add_argument("--context-format", default="documents", choices=["documents", "repo"],
+                   help="documents: stdlib files joined by end-of-text, the problem after the cut; repo: the files "
+                   "in the model's repository format (<|file_sep|> path headers), the problem a file of its own")
     q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid); humaneval: "
                    "'none' runs full decoding alone")
     q.add_argument("--n", type=int, default=20, help="cases per task (code, needle, tool)")

@@ -124,13 +124,15 @@ def cached_prefill(base, seq):
     from vericache.kernels.cpu import best_isa
 
     folder, loaded = os.environ.get("VERICACHE_PREFILL_CACHE"), base.loaded
-    key = hashlib.sha256(repr((loaded.name, loaded.numerics, str(loaded.kv_dtype), best_isa(), seq.capacity,
-                               seq.prompt_ids)).encode()).hexdigest()[:24]
+    key = hashlib.sha256(repr((loaded.name, loaded.numerics, loaded.kernels, str(loaded.kv_dtype), best_isa(),
+                               seq.capacity, seq.prompt_ids)).encode()).hexdigest()[:24]
     path = Path(folder) / f"prefill-{key}.pt" if folder else None
     if path is not None and path.exists():
         return torch.load(path, weights_only=False)
     prefill = base.shared_prefill(seq)
-    if path is not None:
+    if path is not None:   # written whole, then renamed: a run stopped mid-write leaves no partial file
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(prefill, path)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(prefill, tmp)
+        os.replace(tmp, path)
     return prefill

@@ -24,14 +24,19 @@ def is_heldout(path: Path) -> bool:
 
 
 def read_split(heldout: bool) -> list[str]:
-    texts = []
+    return [text for _, text in read_split_files(heldout)]
+
+
+def read_split_files(heldout: bool) -> list[tuple[str, str]]:
+    """(path relative to the stdlib root, text) of each file of the split, in path order."""
+    root, files = Path(sysconfig.get_paths()["stdlib"]), []
     for f in stdlib_files():
         if is_heldout(f) == heldout:
             try:
-                texts.append(f.read_text(encoding="utf-8"))
+                files.append((f.relative_to(root).as_posix(), f.read_text(encoding="utf-8")))
             except (UnicodeDecodeError, OSError):
                 continue
-    return texts
+    return files
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 4096) -> Tokenizer:

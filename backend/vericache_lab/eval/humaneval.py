@@ -33,7 +33,9 @@ from vericache.sampling import SamplingParams
 GRID = [f"{m}:ratio={r}" for m in ("snapkv", "streaming", "h2o", "kvzip") for r in (0.125, 0.25)] + \
     ["kivi:bits=2", "int4"]
 QUICK_GRID = ["snapkv:ratio=0.125", "streaming:ratio=0.125", "kivi:bits=2"]
-STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]   # HumanEval's (Chen et al. 2021)
+# HumanEval's (Chen et al. 2021), and a markdown block's closing fence: an instruct model's end of code (this
+# model ends a file of the "repo" layout with one; no completion of the documents layout reached one first)
+STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```"]
 TEST_TIMEOUT_S = 10.0
 
 
@@ -125,23 +127,64 @@ def provenance(loaded) -> dict:
 ROUND_STATS = ("drafted_tokens", "accepted_tokens", "full_step_tokens", "cost_fallbacks", "guided_swaps")
 
 
-def context_ids(tokenizer, n_tokens: int) -> list[int]:
-    """``n_tokens`` of held-out source code ending at a line break (``bench.common.code_prompt``); none
-    for 0 (the problem alone: the baseline a long context is held against)."""
+# How the code context is laid out before each problem:
+# "documents": held-out stdlib files, one after another with end-of-text between them, cut at the
+#   context's length; the problem follows three line breaks later (as if the cut file went on).
+# "repo": the same files as one repository in the model's own repository format (Qwen2.5-Coder's
+#   ``<|repo_name|>`` / ``<|file_sep|>`` path headers, its repository-level pretraining layout); the last
+#   file cut at a line break; the problem is a file of its own after them (what an assistant that sends
+#   a repository to this model sends). Models without those tokens: ValueError.
+CONTEXT_FORMATS = ("documents", "repo")
+REPO_NAME, FILE_SEP = "<|repo_name|>", "<|file_sep|>"
+
+
+def context_ids(tokenizer, n_tokens: int, form: str = "documents") -> list[int]:
+    """``n_tokens`` of held-out source code laid out as ``form`` (``CONTEXT_FORMATS``); none for 0 (the
+    problem alone: the baseline a long context is held against)."""
     from vericache_lab.bench.common import code_prompt
 
+    if form not in CONTEXT_FORMATS:
+        raise ValueError(f"context format must be one of {', '.join(CONTEXT_FORMATS)}, got {form!r}")
     if n_tokens == 0:
         return []
-    ids = code_prompt(tokenizer, n_tokens)
-    return ids + tokenizer.encode("\n\n\n")
+    if form == "documents":
+        return code_prompt(tokenizer, n_tokens) + tokenizer.encode("\n\n\n")
+    from vericache_lab.data.corpus import read_split_files
+
+    _repo_tokens(tokenizer)
+    ids, files, i = tokenizer.encode(f"{REPO_NAME}cpython\n"), read_split_files(heldout=True), 0
+    while len(ids) < n_tokens:
+        path, text = files[i % len(files)]
+        ids += tokenizer.encode(f"{FILE_SEP}Lib/{path}\n{text.rstrip()}\n")
+        i += 1
+    cut = n_tokens
+    while cut > 0 and "\n" not in tokenizer.decode(ids[cut - 1 : cut]):   # end the last file at a line break
+        cut -= 1
+    return ids[:cut]
+
+
+def problem_ids(tokenizer, problem: dict, form: str = "documents", context: int = 1) -> list[int]:
+    """The problem's prompt as it follows a context laid out as ``form`` (its own file in a repository)."""
+    if form == "repo" and context:
+        _repo_tokens(tokenizer)
+        return tokenizer.encode(f"{FILE_SEP}{problem['entry_point']}.py\n{problem['prompt']}")
+    return tokenizer.encode(problem["prompt"])
+
+
+def _repo_tokens(tokenizer) -> None:
+    missing = [t for t in (REPO_NAME, FILE_SEP) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"the 'repo' context format needs the model's {' and '.join(missing)} tokens "
+                         f"(Qwen2.5-Coder's); this model has none: use 'documents'")
 
 
 def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs: list[str] | None = None,
                   limit: int | None = None, max_tokens: int = 384, checkpoint: str | None = None,
-                  log=print) -> list[dict]:
+                  log=print, context_format: str = "documents") -> list[dict]:
     """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``configs=[]``: full decoding
     alone) on the first ``limit`` problems; one row per (context, configuration). Context 0 is the
-    problem with nothing before it."""
+    problem with nothing before it; ``context_format``: how the context is laid out (``CONTEXT_FORMATS``;
+    rows of each format are kept apart in the checkpoint)."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
     from vericache_lab.bench.common import cached_prefill
@@ -151,7 +194,9 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
     llm = LLM(model, device="cpu", dtype="float32")
     tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
-    done = _read_checkpoint(checkpoint, model, max_tokens)
+    if context_format not in CONTEXT_FORMATS:
+        raise ValueError(f"context format must be one of {', '.join(CONTEXT_FORMATS)}, got {context_format!r}")
+    done = _read_checkpoint(checkpoint, model, max_tokens, context_format)
     sandbox, built = sandbox_prefix(), provenance(llm.loaded)
     log(f"HumanEval: {len(problems)} problems x contexts {list(contexts)} x {len(labels)} configurations "
         f"({'no network' if sandbox else 'network NOT isolated: unshare unavailable'})")
@@ -162,12 +207,12 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
             todo = [lab for lab in labels if (context, problem["task_id"], lab) not in done]
             if not todo:
                 continue
-            tail = tok.encode(problem["prompt"])
+            tail = problem_ids(tok, problem, context_format, context)
             room = limit_positions - max_tokens - len(tail) - 4
             if context > room:
                 raise ValueError(f"context {context} + problem + {max_tokens} new tokens exceed {model}'s "
                                  f"{limit_positions} positions")
-            ctx = context_ids(tok, context) if ctx is None else ctx
+            ctx = context_ids(tok, context, context_format) if ctx is None else ctx
             base = Engine(llm.loaded, mode="full", device_budget_gb=None)
             if ctx_prefill is None and ctx:   # the context alone, once per context length ($VERICACHE_PREFILL_CACHE)
                 ctx_prefill = cached_prefill(base, base.new_sequence(0, ctx, SamplingParams(max_tokens=1)))
@@ -182,7 +227,8 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                 completion = cut_at_stops(out.text)
                 verdict = run_tests(problem, completion, sandbox=sandbox)
                 rec = {"model": model, "max_tokens": max_tokens, "context": context, "task_id": problem["task_id"],
-                       "config": label, "completion": completion, "token_ids": out.token_ids, "passed": verdict.passed,
+                       "config": label, "context_format": context_format, "completion": completion,
+                       "token_ids": out.token_ids, "passed": verdict.passed,
                        "reason": verdict.reason, "parses": verdict.parses, "seconds": time.perf_counter() - started,
                        "kv_kept": out.stats.get("compression_ratio", 1.0), "built": built,
                        **({"rounds": {k: out.stats[k] for k in ROUND_STATS}} if mode == "vericache" else {})}
@@ -199,12 +245,16 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     return [_row(context, label, problems, done) for context in contexts for label in labels]
 
 
-def _read_checkpoint(path: str | None, model: str, max_tokens: int) -> dict:
+def _read_checkpoint(path: str | None, model: str, max_tokens: int, context_format: str) -> dict:
+    """The rows of this model, length and context format (rows from before formats were named: "documents";
+    the problem alone, context 0, is the same in every format)."""
     done: dict[tuple[int, str, str], dict] = {}
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             rec = json.loads(line)
-            if rec.get("model") == model and rec.get("max_tokens") == max_tokens:
+            form = rec.get("context_format", "documents")
+            if rec.get("model") == model and rec.get("max_tokens") == max_tokens and \
+                    (form == context_format or rec["context"] == 0):
                 done[(rec["context"], rec["task_id"], rec["config"])] = rec
     return done
 
