@@ -224,25 +224,36 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                 e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.125", device_budget_gb=None)
                 started = time.perf_counter()
                 out = e.generate([seq(e)], mode, prefills=[shared])[0]
-                completion = cut_at_stops(out.text)
-                verdict = run_tests(problem, completion, sandbox=sandbox)
-                rec = {"model": model, "max_tokens": max_tokens, "context": context, "task_id": problem["task_id"],
-                       "config": label, "context_format": context_format, "completion": completion,
-                       "token_ids": out.token_ids, "passed": verdict.passed,
-                       "reason": verdict.reason, "parses": verdict.parses, "seconds": time.perf_counter() - started,
-                       "kv_kept": out.stats.get("compression_ratio", 1.0), "built": built,
-                       **({"rounds": {k: out.stats[k] for k in ROUND_STATS}} if mode == "vericache" else {})}
+                rec = _record(out, problem, label, sandbox, time.perf_counter() - started, model=model,
+                              max_tokens=max_tokens, context=context, context_format=context_format, built=built)
                 done[(context, problem["task_id"], label)] = rec
-                full = done.get((context, problem["task_id"], "full"))
-                if mode == "vericache" and full is not None and out.token_ids != full["token_ids"]:
-                    log(f"{problem['task_id']} {label}: NOT identical to full decoding ({rec['rounds']}, {built}; "
-                        f"full's row: {full.get('built', 'no provenance')})")
+                _report_unlike_full(rec, done.get((context, problem["task_id"], "full")), log)
                 if checkpoint:
                     with open(checkpoint, "a") as f:
                         f.write(json.dumps(rec) + "\n")
             log(f"[{time.perf_counter() - t0:7.0f} s] context {context}: {i + 1}/{len(problems)} "
                 f"{problem['task_id']} (full {'passed' if done[(context, problem['task_id'], 'full')]['passed'] else 'failed'})")
     return [_row(context, label, problems, done) for context in contexts for label in labels]
+
+
+def _record(out, problem: dict, label: str, sandbox: list[str], seconds: float, **run) -> dict:
+    """A completion's checkpoint row: the run's fields (``run``: model, lengths, context, layout, provenance),
+    its tokens, its test verdict, and for VeriCache how its tokens came."""
+    completion = cut_at_stops(out.text)
+    verdict = run_tests(problem, completion, sandbox=sandbox)
+    rounds = {"rounds": {k: out.stats[k] for k in ROUND_STATS}} if label.startswith("vericache") else {}
+    return {"model": run["model"], "max_tokens": run["max_tokens"], "context": run["context"],
+            "task_id": problem["task_id"], "config": label, "context_format": run["context_format"],
+            "completion": completion, "token_ids": out.token_ids, "passed": verdict.passed, "reason": verdict.reason,
+            "parses": verdict.parses, "seconds": seconds, "kv_kept": out.stats.get("compression_ratio", 1.0),
+            "built": run["built"], **rounds}
+
+
+def _report_unlike_full(rec: dict, full: dict | None, log) -> None:
+    """Log a VeriCache row that is not full decoding's token for token, with both rows' provenance."""
+    if rec["config"].startswith("vericache") and full is not None and rec["token_ids"] != full["token_ids"]:
+        log(f"{rec['task_id']} {rec['config']}: NOT identical to full decoding ({rec['rounds']}, {rec['built']}; "
+            f"full's row: {full.get('built', 'no provenance')})")
 
 
 def _read_checkpoint(path: str | None, model: str, max_tokens: int, context_format: str) -> dict:
