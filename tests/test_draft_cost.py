@@ -242,6 +242,8 @@ def test_a_draft_costs_its_step_over_the_drafts_a_step_gives():
     assert cost.choose(0.8, 1, draft_row, full_kv, 16, draft_yield=(1.0, 3.0)) == 0
     rs = RoundState()
     assert draft_step_yield(rs, proposed=0) == (1.0, 1.0)            # nothing measured yet
+    # ... but a proposal on offer: a step of 1 + 3 rows, its tokens kept at 0.5 each: 1 + .5 + .25 + .125
+    assert draft_step_yield(rs, proposed=0, proposal=3, keep=0.5) == pytest.approx((1.875, 4.0))
     rs.draft_steps, rs.drafted = MIN_YIELD_STEPS * 10, MIN_YIELD_STEPS * 15
     assert draft_step_yield(rs, proposed=MIN_YIELD_STEPS * 8) == pytest.approx((1.5, 1.8))
 
@@ -304,10 +306,11 @@ def _decode_at_fixed_costs(llm, costs: StepCosts) -> tuple[list[int], list[int],
 
 
 def test_a_request_whose_drafts_cannot_pay_decodes_full_steps_and_asks_again(llm):
-    """Every forward costs the same: no round can beat a full step, not even at the optimistic acceptance a
-    first round is priced at, so the request drafts nothing (no losing probe rounds: "never slower than
-    full"): 16 full steps, asks again, 32, again, then 64 (cut by max_tokens): 3 fallbacks."""
-    tokens, full, stats = _decode_at_fixed_costs(llm, StepCosts(c0=1.0))
+    """Every row costs the same (a forward of n rows n times one row's): no round can beat a full step,
+    not even at the optimistic acceptance a first round is priced at nor with lookup proposals checked in
+    a step, so the request drafts nothing (no losing probe rounds: "never slower than full"): 16 full
+    steps, asks again, 32, again, then 64 (cut by max_tokens): 3 fallbacks."""
+    tokens, full, stats = _decode_at_fixed_costs(llm, StepCosts(t_row=1.0))
     assert tokens == full                                                  # the same tokens either way
     assert stats["cost_fallbacks"] == 3 and stats["drafted_tokens"] == 0
     assert stats["full_step_tokens"] == 63                                 # the first token came from prefill
@@ -320,6 +323,25 @@ def test_a_request_whose_rounds_may_pay_drafts_them(llm):
     assert tokens == full
     assert stats["drafted_tokens"] > 0 and stats["round_tokens"] > 0
     assert stats["full_step_tokens"] + stats["round_tokens"] == 63
+
+
+def test_text_that_copies_its_context_is_drafted_from_proposals_the_full_steps_showed_it_follows(llm, monkeypatch):
+    """A forward's rows cost little beside its weights (a row 1/10 of a one-row step: the code model on AMX):
+    single-row drafts never pay, and a step checking a lookup proposal pays only if most of its tokens
+    are kept. The committed output of the plain full steps shows the text follows the proposals (this
+    prompt repeats and its continuation copies it), so the next ask prices a proposal step at that keep
+    rate and the request drafts (the same tokens). Broken control: without the output's observations
+    (the drafter's checks only, none yet) proposals are priced at the prior keep rate (1/2), and the
+    request never drafts."""
+    from vericache.drafting.lookup import LookupIndex
+
+    rows_cheap = StepCosts(matmuls=lambda rows: 1.0 + 0.1 * (rows - 1))
+    tokens, full, stats = _decode_at_fixed_costs(llm, rows_cheap)
+    assert tokens == full and stats["drafted_tokens"] > 0 and stats["lookup_proposed_tokens"] > 0
+    real = LookupIndex.extend
+    monkeypatch.setattr(LookupIndex, "extend", lambda self, tokens, observe_from=None: real(self, tokens))
+    tokens, full, stats = _decode_at_fixed_costs(llm, rows_cheap)
+    assert tokens == full and stats["drafted_tokens"] == 0
 
 
 def test_draft_sources_sum_each_way():

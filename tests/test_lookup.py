@@ -35,6 +35,26 @@ def test_extending_as_tokens_commit_equals_indexing_at_once():
     assert grown.latest == whole.latest
 
 
+def test_committed_output_shows_whether_the_text_follows_the_proposals():
+    """Each output token (past ``observe_from``) is checked against the proposal the index held just
+    before it: followed, or diverged; the prompt's tokens are not counted. Observed in one call or as
+    tokens commit, the counts are the same; they move the keep rate the cost model prices proposals at."""
+    prompt, output = [1, 2, 3, 4, 5, 1, 2, 3], [4, 5, 9, 8]
+    idx = LookupIndex()
+    idx.extend(prompt + output, observe_from=len(prompt))
+    # 4 after [1 2 3] and 5 after [2 3 4] followed; 9 after [3 4 5] (offered 1) diverged; 8 after [4 5 9]
+    # (no 3-gram; the 2-gram [5 9] none) offered nothing
+    assert (idx.followed, idx.diverged) == (2, 1)
+    assert idx.keep_rate() == pytest.approx(3 / 5)
+    grown = LookupIndex()
+    for end in range(len(prompt), len(prompt + output) + 1):
+        grown.extend((prompt + output)[:end], observe_from=len(prompt))
+    assert (grown.followed, grown.diverged, grown.latest) == (2, 1, idx.latest)
+    plain = LookupIndex()
+    plain.extend(prompt + output)                       # no observe_from: nothing observed
+    assert (plain.followed, plain.diverged) == (0, 0) and plain.keep_rate() == 0.5
+
+
 def test_a_checked_proposal_keeps_what_the_drafter_would_draft():
     """Rows [t, p1, p2, p3]: row i's choice is a draft; the next row counts while it equals p(i+1)."""
     from vericache.sampling import Sequence

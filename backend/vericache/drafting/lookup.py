@@ -12,6 +12,11 @@ as always (the output cannot change).
 
 Whether a proposal is worth its rows is the cost model's call (``DraftCost.proposal_len``): a step
 of L + 1 rows against L + 1 single-row steps, at the request's measured rate of kept proposal tokens.
+That rate is measured two ways: the drafter's checks, and, for free, every output token committed
+(``extend``): whether it is what a proposal at that point would have offered (while the cost model
+declines rounds, plain full steps still show whether the text copies its context, so the first round
+can be priced at the rate the text shows, not at a prior: the code model at 8K on a context that
+repeats, 1.05x full with rounds declined at the prior, 2.2x with them drafted).
 """
 
 from __future__ import annotations
@@ -31,14 +36,28 @@ class LookupIndex:
     proposed: int = 0         # proposal tokens checked by the drafter (all rounds)
     kept: int = 0             # of them, the drafter agreed with
     misses: int = 0           # proposals the drafter left before their end
+    followed: int = 0         # output tokens a proposal at their place would have offered first ...
+    diverged: int = 0         # ... and those where it offered another
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Index the n-grams of ``tokens`` (all committed tokens so far) whose next token is new."""
-        n = len(tokens)
-        for g in NGRAMS:
-            for s in range(max(self.indexed - g, 0), n - g):
-                self.latest[tuple(tokens[s : s + g])] = s
-        self.indexed = n
+    def extend(self, tokens: Sequence[int], observe_from: int | None = None) -> None:
+        """Index the n-grams of ``tokens`` (all committed tokens so far) whose next token is new; each new
+        token at or past ``observe_from`` (the prompt's length: output tokens) is first checked against
+        the proposal the index held just before it (``followed`` / ``diverged``)."""
+        n, latest = len(tokens), self.latest
+        observe = n if observe_from is None else observe_from
+        for i in range(max(self.indexed, 1), n):   # token i: its n-grams' starts i - g end just before it
+            if i >= observe:
+                starts = [latest.get(tuple(tokens[i - g : i])) for g in NGRAMS if i >= g]
+                s, g = next(((s, g) for s, g in zip(starts, NGRAMS) if s is not None), (None, 0))
+                if s is not None:
+                    if tokens[s + g] == tokens[i]:
+                        self.followed += 1
+                    else:
+                        self.diverged += 1
+            for g in NGRAMS:
+                if i >= g:
+                    latest[tuple(tokens[i - g : i])] = i - g
+        self.indexed = max(self.indexed, n)
 
     def propose(self, tokens: Sequence[int], tail: Sequence[int], max_len: int) -> list[int]:
         """Up to ``max_len`` tokens that followed the latest earlier occurrence of ``tail``'s last 3 (or
@@ -53,8 +72,10 @@ class LookupIndex:
         return []
 
     def keep_rate(self) -> float:
-        """Per-token chance the drafter agrees with a proposal token (Laplace-smoothed geometric estimate)."""
-        return (self.kept + 1) / (self.kept + self.misses + 2)
+        """Per-token chance a proposal token is kept (Laplace-smoothed geometric estimate): from the
+        drafter's checks and the committed output tokens a proposal would have offered."""
+        agreed = self.kept + self.followed
+        return (agreed + 1) / (agreed + self.misses + self.diverged + 2)
 
     def record(self, proposed: int, kept: int) -> None:
         self.proposed, self.kept, self.misses = self.proposed + proposed, self.kept + kept, self.misses + (kept < proposed)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vericache.drafting.cost import expected_tokens
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
 from vericache.sampling import Sequence, probs_from_logits, speculative_accept
@@ -212,14 +213,15 @@ def record_round(rs: RoundState, k: int, m: int) -> None:
 MIN_YIELD_STEPS = 4   # draft steps before a request's measured yield prices its drafts
 
 
-def draft_step_yield(rs: RoundState, proposed: int) -> tuple[float, float]:
+def draft_step_yield(rs: RoundState, proposed: int, proposal: int = 0, keep: float = 0.5) -> tuple[float, float]:
     """What one of a request's draft steps gives and carries, over its rounds so far: (drafts a step, rows
     a step); ``proposed``: the lookup proposal tokens its steps checked (``drafting.lookup``). A step
     checking a proposal is several rows and, where the drafter agrees, several drafts (SmolLM2 8 x 4K,
-    3-draft rounds: 410 drafts from 279 steps), so a round of k drafts takes fewer than k steps. (1, 1)
-    until ``MIN_YIELD_STEPS`` steps ran."""
+    3-draft rounds: 410 drafts from 279 steps), so a round of k drafts takes fewer than k steps. Until
+    ``MIN_YIELD_STEPS`` steps ran: a step checking the ``proposal`` tokens the lookup offers now (0: none),
+    each kept at the rate ``keep`` (``LookupIndex.keep_rate``), else (1, 1)."""
     if rs.draft_steps < MIN_YIELD_STEPS:
-        return 1.0, 1.0
+        return (expected_tokens(keep, proposal), 1.0 + proposal) if proposal else (1.0, 1.0)
     return max(rs.drafted / rs.draft_steps, 1.0), 1.0 + proposed / rs.draft_steps
 
 

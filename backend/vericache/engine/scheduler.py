@@ -155,7 +155,7 @@ class DraftPlanner:
         if room < 1:
             return []
         tokens = seq.prompt_ids + seq.output_ids
-        r.drafting.lookup.extend(tokens)
+        r.drafting.lookup.extend(tokens, observe_from=len(seq.prompt_ids))
         proposal = r.drafting.lookup.propose(tokens, (tokens[-3:] + rs.drafts)[-3:], room)
         if not proposal:
             return []
@@ -195,11 +195,10 @@ class DraftPlanner:
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
-        lookup = r.drafting.lookup
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.kv.draft_kv().attention_cost(draft_position(r.kv.draft_kv(), pos), 1),
                                   lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max,
-                                  draft_step_yield(r.drafting.round, lookup.proposed if lookup is not None else 0))
+                                  self._step_yield(r, k_max))
         if choice is None:
             return k
         if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
@@ -214,6 +213,22 @@ class DraftPlanner:
             return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
         st.backoff = 0
         return choice
+
+
+    def _step_yield(self, r: Request, k_max: int) -> tuple[float, float]:
+        """(drafts, rows) a draft step of ``r`` gives (``draft_step_yield``): as measured, or before that
+        from the proposal the lookup offers now (as long as ``proposal`` would check), kept at the rate its
+        checks and the committed output show."""
+        lookup, seq = r.drafting.lookup, r.seq
+        if lookup is None:
+            return draft_step_yield(r.drafting.round, 0)
+        tokens = seq.prompt_ids + seq.output_ids
+        lookup.extend(tokens, observe_from=len(seq.prompt_ids))
+        offered, keep = len(lookup.propose(tokens, tokens[-3:], k_max - 1)), lookup.keep_rate()
+        if offered:
+            draft, pos = r.kv.draft_kv(), draft_position(r.kv.draft_kv(), r.position)
+            offered = self.cost.proposal_len(keep, self.n_active(), lambda rows: draft.attention_cost(pos, rows), offered)
+        return draft_step_yield(r.drafting.round, lookup.proposed, offered, keep)
 
 
 class Scheduler:
