@@ -214,7 +214,6 @@ class DraftPlanner:
         st.backoff = 0
         return choice
 
-
     def _step_yield(self, r: Request, k_max: int) -> tuple[float, float]:
         """(drafts, rows) a draft step of ``r`` gives (``draft_step_yield``): as measured, or before that
         from the proposal the lookup offers now (as long as ``proposal`` would check), kept at the rate its
