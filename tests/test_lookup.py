@@ -44,7 +44,7 @@ def test_committed_output_shows_whether_the_text_follows_the_proposals():
     idx.extend(prompt + output, observe_from=len(prompt))
     # 4 after [1 2 3] and 5 after [2 3 4] followed; 9 after [3 4 5] (offered 1) diverged; 8 after [4 5 9]
     # (no 3-gram; the 2-gram [5 9] none) offered nothing
-    assert (idx.followed, idx.diverged) == (2, 1)
+    assert (idx.followed, idx.diverged) == (2, 1) and idx.evidence() == 3
     assert idx.keep_rate() == pytest.approx(3 / 5)
     grown = LookupIndex()
     for end in range(len(prompt), len(prompt + output) + 1):

@@ -77,5 +77,9 @@ class LookupIndex:
         agreed = self.kept + self.followed
         return (agreed + 1) / (agreed + self.misses + self.diverged + 2)
 
+    def evidence(self) -> int:
+        """Proposal tokens the keep rate rests on: the drafter's checks and the observed output tokens."""
+        return self.kept + self.misses + self.followed + self.diverged
+
     def record(self, proposed: int, kept: int) -> None:
         self.proposed, self.kept, self.misses = self.proposed + proposed, self.kept + kept, self.misses + (kept < proposed)

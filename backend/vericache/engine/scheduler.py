@@ -31,6 +31,7 @@ from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.cost import Calibrated, DraftCost
 from vericache.drafting.guide import SeenRecorder, guide_store
 from vericache.drafting.round import (
+    MIN_KEEP_EVIDENCE,
     DraftState,
     SharedAcceptance,
     add_checked_proposal,
@@ -217,12 +218,14 @@ class DraftPlanner:
     def _step_yield(self, r: Request, k_max: int) -> tuple[float, float]:
         """(drafts, rows) a draft step of ``r`` gives (``draft_step_yield``): as measured, or before that
         from the proposal the lookup offers now (as long as ``proposal`` would check), kept at the rate its
-        checks and the committed output show."""
+        checks and the committed output show, once they show it (``MIN_KEEP_EVIDENCE``)."""
         lookup, seq = r.drafting.lookup, r.seq
         if lookup is None:
             return draft_step_yield(r.drafting.round, 0)
         tokens = seq.prompt_ids + seq.output_ids
         lookup.extend(tokens, observe_from=len(seq.prompt_ids))
+        if lookup.evidence() < MIN_KEEP_EVIDENCE:
+            return draft_step_yield(r.drafting.round, lookup.proposed)
         offered, keep = len(lookup.propose(tokens, tokens[-3:], k_max - 1)), lookup.keep_rate()
         if offered:
             draft, pos = r.kv.draft_kv(), draft_position(r.kv.draft_kv(), r.position)
