@@ -144,6 +144,7 @@ def _cmd_humaneval(args: argparse.Namespace) -> int:
 
 def _add_eval(sub) -> None:
     from vericache.model.draft_weights import DRAFT_WEIGHTS
+    from vericache_lab.eval.humaneval import CONTEXT_FORMATS
 
     q = sub.add_parser("eval", help="quality under KV compression, full vs lossy vs vericache: long-context code, "
                        "needle and tool calls (default), or HumanEval after a long code context (eval humaneval)")
@@ -156,7 +157,7 @@ def _add_eval(sub) -> None:
     h.add_argument("--contexts", default="8000,16000", help="tokens of code before each problem, comma-separated")
     h.add_argument("--limit", type=int, default=None, help="the first N problems (quick runs)")
     h.add_argument("--max-tokens", type=int, default=384)
-    h.add_argument("--context-format", default="documents", choices=["documents", "repo"],
+    h.add_argument("--context-format", default="documents", choices=CONTEXT_FORMATS,
                    help="documents: stdlib files joined by end-of-text, the problem after the cut; repo: the files "
                    "in the model's repository format (<|file_sep|> path headers), the problem a file of its own")
     q.add_argument("--compressors", default=None, help="';'-separated specs (overrides --grid); humaneval: "
