@@ -30,6 +30,7 @@ import torch
 from vericache.drafting.calibrate import model_calibration
 from vericache.drafting.cost import Calibrated, DraftCost
 from vericache.drafting.guide import SeenRecorder, guide_store
+from vericache.drafting.lookup import LookupIndex
 from vericache.drafting.round import (
     MIN_KEEP_EVIDENCE,
     DraftState,
@@ -151,12 +152,11 @@ class DraftPlanner:
         as the round has room for beyond the step's own draft and the fitted costs find worth checking."""
         if r.drafting.lookup is None:
             return []
-        rs, seq = r.drafting.round, r.seq
+        rs = r.drafting.round
         room = rs.k - len(rs.drafts) - 1
         if room < 1:
             return []
-        tokens = seq.prompt_ids + seq.output_ids
-        r.drafting.lookup.extend(tokens, observe_from=len(seq.prompt_ids))
+        tokens = self._indexed_tokens(r, r.drafting.lookup)
         proposal = r.drafting.lookup.propose(tokens, (tokens[-3:] + rs.drafts)[-3:], room)
         if not proposal:
             return []
@@ -215,15 +215,23 @@ class DraftPlanner:
         st.backoff = 0
         return choice
 
+    @staticmethod
+    def _indexed_tokens(r: Request, lookup: LookupIndex) -> list[int]:
+        """``r``'s committed tokens (prompt, then output), with ``lookup`` extended over them (its output
+        tokens observed against the proposals: ``LookupIndex.extend``)."""
+        seq = r.seq
+        tokens = seq.prompt_ids + seq.output_ids
+        lookup.extend(tokens, observe_from=len(seq.prompt_ids))
+        return tokens
+
     def _step_yield(self, r: Request, k_max: int) -> tuple[float, float]:
         """(drafts, rows) a draft step of ``r`` gives (``draft_step_yield``): as measured, or before that
         from the proposal the lookup offers now (as long as ``proposal`` would check), kept at the rate its
         checks and the committed output show, once they show it (``MIN_KEEP_EVIDENCE``)."""
-        lookup, seq = r.drafting.lookup, r.seq
+        lookup = r.drafting.lookup
         if lookup is None:
             return draft_step_yield(r.drafting.round, 0)
-        tokens = seq.prompt_ids + seq.output_ids
-        lookup.extend(tokens, observe_from=len(seq.prompt_ids))
+        tokens = self._indexed_tokens(r, lookup)
         if lookup.evidence() < MIN_KEEP_EVIDENCE:
             return draft_step_yield(r.drafting.round, lookup.proposed)
         offered, keep = len(lookup.propose(tokens, tokens[-3:], k_max - 1)), lookup.keep_rate()
