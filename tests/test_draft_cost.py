@@ -517,3 +517,20 @@ def test_nothing_is_timed_under_tritons_interpreter(llm, monkeypatch):
     monkeypatch.setattr(cal, "best_seconds", lambda *a: pytest.fail("a forward was timed"))
     assert cal.calibrate(interpreted).costs is None and len(cal.calibrate(interpreted).x) == 0
     assert cal.model_calibration(interpreted).costs is None
+
+
+def test_rounds_declined_before_the_copying_showed_are_priced_again_once_it_shows(llm, monkeypatch):
+    """The first ask comes before the output showed whether the text copies (no keep rate yet): the round
+    is declined and the request cools down for 16 full steps. Once 8 output tokens showed it follows the
+    proposals, the proposal on offer beats the price of that decline by a draft a step or more
+    (``OFFER_GAIN``) and the next full step asks again: the request drafts sooner (fewer tokens from plain
+    full steps), the same tokens. Broken control: no early ask (an infinite gain) waits out the cool-down."""
+    import vericache.engine.scheduler as scheduler
+
+    rows_cheap = StepCosts(matmuls=lambda rows: 1.0 + 0.1 * (rows - 1))
+    tokens, full, asked = _decode_at_fixed_costs(llm, rows_cheap)
+    monkeypatch.setattr(scheduler, "OFFER_GAIN", float("inf"))
+    waited_tokens, _, waited = _decode_at_fixed_costs(llm, rows_cheap)
+    assert tokens == waited_tokens == full
+    assert asked["full_step_tokens"] < waited["full_step_tokens"]
+    assert asked["drafted_tokens"] > waited["drafted_tokens"]

@@ -278,6 +278,7 @@ class DraftState:
     cost_fallbacks: int = 0       # times the cost model found full steps faster than drafting
     probe: bool = False           # after such a fallback: one round at the policy's length, to re-measure
     backoff: int = 0              # full steps of the next such fallback: doubles while probes keep failing
+    declined_yield: float = 0.0   # in such a fallback: the drafts a step it priced (0: none in force)
     accepted_total: int = 0       # drafted tokens accepted, all rounds
     rejections: int = 0           # rounds that ended at a mismatch
     pool: SharedAcceptance | None = None   # the engine's pooled rounds with this compressor (the prior)

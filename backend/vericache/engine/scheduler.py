@@ -57,6 +57,7 @@ from vericache.model.loader import LoadedModel
 
 log = logging.getLogger("vericache.engine")
 MAX_POOLS = 64   # acceptance pools an engine keeps (one per compressor spec its requests name)
+OFFER_GAIN = 1.0   # drafts a step more than at a cost decline before its cool-down ends early (DraftPlanner._better_offer)
 
 
 class RowKind(StrEnum):
@@ -136,8 +137,10 @@ class DraftPlanner:
 
     def new_round(self, r: Request) -> int:
         """The draft length of ``r``'s next round (0: a plain full-KV step)."""
-        policy = r.opts.policy
-        k = policy.next_len(r.drafting.policy_state, r.seq.remaining)
+        policy, st = r.opts.policy, r.drafting.policy_state
+        if st.cooldown and st.declined_yield and self._better_offer(r):
+            st.cooldown = 0   # the text copies now as it did not when rounds were declined: price one again
+        k = policy.next_len(st, r.seq.remaining)
         if r.placement.offloaded:
             if k and policy.fixed is None and self.offload.stretches:
                 k = max(k, min(self.offload.draft_to_cover_link(), policy.max_len, r.seq.remaining - 1))
@@ -178,7 +181,7 @@ class DraftPlanner:
         to the engine's own forwards); the policy's ``k`` when no costs exist. Where they find plain full
         steps faster than any round at the request's acceptance, the request decodes full steps (the same
         tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
-        asks again as a probe. A probe, and a request's first round, is priced at an optimistic acceptance
+        asks again as a probe (sooner where the lookup now offers a better step: ``_better_offer``). A probe, and a request's first round, is priced at an optimistic acceptance
         (``DraftState.acceptance``, which starts from the rounds of the engine's other requests with the
         same compressor: ``SharedAcceptance``): where a round may pay at it, the request drafts the length
         the costs call for there, the policy's ``k`` at most (one request at 8K: a long first round measures
@@ -196,17 +199,18 @@ class DraftPlanner:
         probing = st.probe or not st.measured
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
+        step_yield = self._step_yield(r, k_max)
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.kv.draft_kv().attention_cost(draft_position(r.kv.draft_kv(), pos), 1),
-                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max,
-                                  self._step_yield(r, k_max))
+                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max, step_yield)
         if choice is None:
             return k
         if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
             st.backoff = min(2 * st.backoff, 16 * policy.cooldown) if st.backoff else policy.cooldown
             st.cooldown, st.probe = st.backoff, True
-            st.cost_fallbacks += 1
+            st.cost_fallbacks, st.declined_yield = st.cost_fallbacks + 1, step_yield[0]
             return 0
+        st.declined_yield = 0.0
         if probing:   # explore at the length that pays if the optimistic acceptance holds (the policy's at most)
             st.probe = False   # (the backoff stays: a probe the measured acceptance then declines doubles it)
             return min(k, choice)
@@ -214,6 +218,16 @@ class DraftPlanner:
             return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
         st.backoff = 0
         return choice
+
+    def _better_offer(self, r: Request) -> bool:
+        """Whether a draft step of ``r`` would now give ``OFFER_GAIN`` more drafts than the step its
+        rounds were declined at (``DraftState.declined_yield``): the lookup offers a proposal, kept at the
+        rate the output shows, where it offered none or a shorter one (the code model at 8K on a context that
+        repeats: rounds declined before 8 output tokens showed the copying, then 16 full steps of cool-down
+        before the next ask, 1.27x full where pricing at once gave 1.88x). Asked at each plain full step
+        of the cool-down: one lookup probe and, with a proposal, its sizing."""
+        k_max = min(r.opts.policy.max_len, r.seq.remaining - 1)
+        return k_max >= 1 and self._step_yield(r, k_max)[0] >= r.drafting.policy_state.declined_yield + OFFER_GAIN
 
     @staticmethod
     def _indexed_tokens(r: Request, lookup: LookupIndex) -> list[int]:
