@@ -116,6 +116,24 @@ def test_context_formats_keep_their_rows_apart_and_a_model_without_file_headers_
     assert [(r["context"], r["context_format"]) for r in recs] == [(0, "documents"), (150, "documents"), (150, "repo")]
 
 
+def test_a_fixed_draft_length_verifies_real_rounds_and_keeps_its_rows_apart(tmp_path):
+    """``draft_len=4``: every VeriCache row drafts and verifies rounds (where "auto" may decode plain full
+    steps), still full's tokens; its rows are not the "auto" rows of the same problem (a resumed run of one
+    never takes the other's), while full and lossy rows are shared. A bad length: a ValueError naming it."""
+    ckpt = tmp_path / "he.jsonl"
+    args = dict(model="tiny", contexts=(200,), configs=["streaming:ratio=0.25"], limit=1, max_tokens=12,
+                checkpoint=str(ckpt), log=lambda m: None)
+    he.run_humaneval(**args)
+    rows = he.run_humaneval(**args, draft_len=4)
+    recs = [json.loads(line) for line in ckpt.read_text().splitlines()]
+    assert [(r["config"].split()[0], r.get("draft_len")) for r in recs] == \
+        [("full", None), ("lossy", None), ("vericache", "auto"), ("vericache", 4)]
+    assert recs[3]["rounds"]["drafted_tokens"] > 0 and recs[3]["token_ids"] == recs[0]["token_ids"]
+    assert rows[2]["identical_to_full"] == 1.0
+    with pytest.raises(ValueError, match="draft_len.*0"):
+        he.run_humaneval(**args, draft_len=0)
+
+
 def test_with_no_context_full_decoding_alone_is_the_baseline(tmp_path):
     """Context 0 and no compressors: the problem alone, full decoding only (the pass@1 a long context is
     held against), drawn dashed beside a context's panel."""

@@ -136,7 +136,8 @@ def _cmd_humaneval(args: argparse.Namespace) -> int:
     contexts = tuple(int(c) for c in args.contexts.split(","))
     rows = run_humaneval(args.model or "qwen2.5-coder-0.5b", contexts, configs, limit=args.limit,
                          max_tokens=args.max_tokens, checkpoint=args.checkpoint,
-                         log=lambda m: print(m, file=sys.stderr, flush=True), context_format=args.context_format)
+                         log=lambda m: print(m, file=sys.stderr, flush=True), context_format=args.context_format,
+                         draft_len=args.draft_len)
     cols = ["context", "config", "kv_kept", "pass_at_1", "parses", "identical_to_full", "seconds"]
     return _report_rows(args, rows, cols, plot_humaneval, f"HumanEval after a long code context on "
                         f"{args.model or 'qwen2.5-coder-0.5b'}: full vs lossy vs VeriCache", "pass@1 vs KV kept")

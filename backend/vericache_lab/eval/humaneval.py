@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vericache.drafting.round import DraftLengthPolicy
 from vericache.sampling import SamplingParams
 
 # lossy and VeriCache rows over each: the eviction methods at 1/8 and 1/4 of the KV, KIVI-2, INT4
@@ -180,11 +181,13 @@ def _repo_tokens(tokenizer) -> None:
 
 def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs: list[str] | None = None,
                   limit: int | None = None, max_tokens: int = 384, checkpoint: str | None = None,
-                  log=print, context_format: str = "documents") -> list[dict]:
+                  log=print, context_format: str = "documents", draft_len: int | str = "auto") -> list[dict]:
     """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``configs=[]``: full decoding
     alone) on the first ``limit`` problems; one row per (context, configuration). Context 0 is the
     problem with nothing before it; ``context_format``: how the context is laid out (``CONTEXT_FORMATS``;
-    rows of each format are kept apart in the checkpoint)."""
+    rows of each format are kept apart in the checkpoint); ``draft_len``: the VeriCache rows' (an integer
+    makes every row verify rounds of that length where "auto" may decode plain full steps; their rows
+    are kept apart too)."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
     from vericache_lab.bench.common import cached_prefill
@@ -196,7 +199,8 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
     if context_format not in CONTEXT_FORMATS:
         raise ValueError(f"context format must be one of {', '.join(CONTEXT_FORMATS)}, got {context_format!r}")
-    done = _read_checkpoint(checkpoint, model, max_tokens, context_format)
+    DraftLengthPolicy.from_arg(draft_len)   # a bad length: its ValueError before the model loads
+    done = _read_checkpoint(checkpoint, model, max_tokens, context_format, draft_len)
     sandbox, built = sandbox_prefix(), provenance(llm.loaded)
     log(f"HumanEval: {len(problems)} problems x contexts {list(contexts)} x {len(labels)} configurations "
         f"({'no network' if sandbox else 'network NOT isolated: unshare unavailable'})")
@@ -221,11 +225,13 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
             shared = base.shared_prefill(seq(base), prefix=ctx_prefill)
             for label in todo:
                 mode, _, spec = label.partition(" ")
-                e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.125", device_budget_gb=None)
+                e = Engine(llm.loaded, mode=mode, compressor=spec or "snapkv:ratio=0.125", device_budget_gb=None,
+                           draft_len=draft_len)
                 started = time.perf_counter()
                 out = e.generate([seq(e)], mode, prefills=[shared])[0]
                 rec = _record(out, problem, label, sandbox, time.perf_counter() - started, model=model,
-                              max_tokens=max_tokens, context=context, context_format=context_format, built=built)
+                              max_tokens=max_tokens, context=context, context_format=context_format, built=built,
+                              draft_len=draft_len)
                 done[(context, problem["task_id"], label)] = rec
                 _report_unlike_full(rec, done.get((context, problem["task_id"], "full")), log)
                 if checkpoint:
@@ -241,7 +247,8 @@ def _record(out, problem: dict, label: str, sandbox: list[str], seconds: float, 
     its tokens, its test verdict, and for VeriCache how its tokens came."""
     completion = cut_at_stops(out.text)
     verdict = run_tests(problem, completion, sandbox=sandbox)
-    rounds = {"rounds": {k: out.stats[k] for k in ROUND_STATS}} if label.startswith("vericache") else {}
+    rounds = {"rounds": {k: out.stats[k] for k in ROUND_STATS},
+              "draft_len": run["draft_len"]} if label.startswith("vericache") else {}
     return {"model": run["model"], "max_tokens": run["max_tokens"], "context": run["context"],
             "task_id": problem["task_id"], "config": label, "context_format": run["context_format"],
             "completion": completion, "token_ids": out.token_ids, "passed": verdict.passed, "reason": verdict.reason,
@@ -256,14 +263,18 @@ def _report_unlike_full(rec: dict, full: dict | None, log) -> None:
             f"full's row: {full.get('built', 'no provenance')})")
 
 
-def _read_checkpoint(path: str | None, model: str, max_tokens: int, context_format: str) -> dict:
+def _read_checkpoint(path: str | None, model: str, max_tokens: int, context_format: str,
+                     draft_len: int | str = "auto") -> dict:
     """The rows of this model, length and context format (rows from before formats were named: "documents";
-    the problem alone, context 0, is the same in every format)."""
+    the problem alone, context 0, is the same in every format), VeriCache rows of this draft length
+    (rows from before it was recorded: "auto")."""
     done: dict[tuple[int, str, str], dict] = {}
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             rec = json.loads(line)
             form = rec.get("context_format", "documents")
+            if rec["config"].startswith("vericache") and rec.get("draft_len", "auto") != draft_len:
+                continue
             if rec.get("model") == model and rec.get("max_tokens") == max_tokens and \
                     (form == context_format or rec["context"] == 0):
                 done[(rec["context"], rec["task_id"], rec["config"])] = rec
