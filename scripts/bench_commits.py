@@ -39,7 +39,18 @@ def run_at(tree: Path, args: list[str], extra_env: dict[str, str] | None = None)
     if out.returncode:
         raise SystemExit(f"bench failed at {tree}:\n{out.stderr[-3000:]}")
     rows = json.loads(out.stdout)["rows"]
-    return {r["mode"]: r for r in rows if "tokens_per_s" in r}
+    return {label(r): r for r in rows if "tokens_per_s" in r}
+
+
+def label(row: dict) -> str:
+    """A row's name in the tables: its mode, and its context where the bench ran several."""
+    return f"{row['mode']} @{row['context']}" if "context" in row else row["mode"]
+
+
+def full_label(name: str) -> str:
+    """The full-decoding row measured beside ``name`` (the same context)."""
+    mode, _, context = name.partition(" ")
+    return f"full {context}" if context else "full"
 
 
 def main() -> int:
@@ -56,7 +67,7 @@ def main() -> int:
     if bad:
         parser.error(f"--base-env takes KEY=VALUE, got {bad}")
     base_env = dict(kv.split("=", 1) for kv in args.base_env)
-    runs: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+    runs: dict[str, dict[str, list[dict]]] = {"base": {}, "head": {}}
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_tree), args.base],
@@ -90,7 +101,20 @@ def main() -> int:
         work = [f"{med(b, key)} / {med(h, key)}" for key in ("steps", "mean_acceptance_length")]
         rates = [", ".join(f"{r['tokens_per_s']:.2f}" for r in side) for side in (b, h)]
         print(f"| {mode} | {rates[0]} | {rates[1]} | {ratio:.3f} | {work[0]} | {work[1]} |")
+    print_over_full(runs)
     return 0
+
+
+def print_over_full(runs: dict[str, dict[str, list[dict]]]) -> None:
+    """Each mode over full decoding in the same run (the ratio the targets are stated in), run by run."""
+    print("\n| mode | over full, base (runs) | over full, head (runs) |\n|---|---|---|")
+    for name in runs["base"]:
+        full = full_label(name)
+        if name == full or full not in runs["base"]:
+            continue
+        cells = [", ".join(f"{r['tokens_per_s'] / f['tokens_per_s']:.3f}" for r, f in zip(side[name], side[full])
+                           if f["tokens_per_s"]) for side in (runs["base"], runs["head"])]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
