@@ -8,7 +8,7 @@ import torch
 
 from vericache import SamplingParams
 from vericache.drafting.cost import DraftCost, StepCosts
-from vericache.drafting.lookup import LookupIndex
+from vericache.drafting.lookup import Joined, LookupIndex
 from vericache.drafting.round import RoundState, add_checked_proposal
 from vericache.engine.engine import Engine
 from vericache.engine.options import InvalidOption, RequestOptions, resolve_options
@@ -33,6 +33,27 @@ def test_extending_as_tokens_commit_equals_indexing_at_once():
         grown.extend(tokens[:end])
     grown.extend(tokens)
     assert grown.latest == whole.latest
+
+
+def test_a_prompt_and_its_output_joined_read_as_one_list_and_index_alike():
+    """``Joined``: a request's prompt then output without copying either: every index and slice is the
+    joined list's, and an index extended over it (token by token, as output commits) is the list's."""
+    prompt = [int(x) for x in torch.randint(0, 5, (40,), generator=torch.Generator().manual_seed(2))]
+    output = [3, 1, 4, 1, 5]
+    joined, whole = Joined(prompt, output), prompt + output
+    assert len(joined) == len(whole) and list(joined) == whole
+    assert all(joined[i] == whole[i] for i in range(-len(whole), len(whole)))
+    assert all(joined[a:b] == whole[a:b] for a in (-50, -3, 0, 38, 44) for b in (None, -1, 2, 41, 100))
+    with pytest.raises(IndexError):
+        joined[len(whole)]
+    with pytest.raises(ValueError, match="step 1"):
+        joined[::2]
+    grown, at_once, out = LookupIndex(), LookupIndex(), []
+    for t in output:
+        out.append(t)
+        grown.extend(Joined(prompt, out), observe_from=len(prompt))
+    at_once.extend(whole, observe_from=len(prompt))
+    assert grown.latest == at_once.latest and (grown.followed, grown.diverged) == (at_once.followed, at_once.diverged)
 
 
 def test_committed_output_shows_whether_the_text_follows_the_proposals():

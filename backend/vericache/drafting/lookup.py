@@ -23,8 +23,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 NGRAMS = (3, 2)   # the tail lengths matched, longest first
+
+
+class Joined(Sequence[int]):
+    """``head`` then ``tail`` as one read-only sequence, neither copied: a request's committed tokens
+    (prompt, then output) asked for several times a step, where joining a 32K prompt to its output
+    cost 0.1-0.2 ms a time."""
+
+    def __init__(self, head: Sequence[int], tail: Sequence[int]) -> None:
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self.head)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError(f"Joined slices take step 1, got {step}")
+            return list(self.head[start : min(stop, n)]) + list(self.tail[max(start - n, 0) : max(stop - n, 0)])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.head[i] if i < n else self.tail[i - n]
 
 
 @dataclass
@@ -45,18 +76,21 @@ class LookupIndex:
         the proposal the index held just before it (``followed`` / ``diverged``)."""
         n, latest = len(tokens), self.latest
         observe = n if observe_from is None else observe_from
+        lo = max(self.indexed - max(NGRAMS), 0)
+        new = list(tokens[lo:n])   # the new tokens and the n-grams ending at them, one slice: new[j] = tokens[lo + j]
         for i in range(max(self.indexed, 1), n):   # token i: its n-grams' starts i - g end just before it
+            j = i - lo
             if i >= observe:
-                starts = [latest.get(tuple(tokens[i - g : i])) for g in NGRAMS if i >= g]
+                starts = [latest.get(tuple(new[j - g : j])) for g in NGRAMS if i >= g]
                 s, g = next(((s, g) for s, g in zip(starts, NGRAMS) if s is not None), (None, 0))
                 if s is not None:
-                    if tokens[s + g] == tokens[i]:
+                    if tokens[s + g] == new[j]:
                         self.followed += 1
                     else:
                         self.diverged += 1
             for g in NGRAMS:
                 if i >= g:
-                    latest[tuple(tokens[i - g : i])] = i - g
+                    latest[tuple(new[j - g : j])] = i - g
         self.indexed = max(self.indexed, n)
 
     def propose(self, tokens: Sequence[int], tail: Sequence[int], max_len: int) -> list[int]:
