@@ -57,7 +57,8 @@ from vericache.model.loader import LoadedModel
 
 log = logging.getLogger("vericache.engine")
 MAX_POOLS = 64   # acceptance pools an engine keeps (one per compressor spec its requests name)
-OFFER_GAIN = 1.0   # drafts a step more than at a cost decline before its cool-down ends early (DraftPlanner._better_offer)
+# drafts a step more than at a cost decline before its cool-down ends early (DraftPlanner._better_offer)
+OFFER_GAIN = 1.0
 
 
 class RowKind(StrEnum):
@@ -181,9 +182,10 @@ class DraftPlanner:
         to the engine's own forwards); the policy's ``k`` when no costs exist. Where they find plain full
         steps faster than any round at the request's acceptance, the request decodes full steps (the same
         tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
-        asks again as a probe (sooner where the lookup now offers a better step: ``_better_offer``). A probe, and a request's first round, is priced at an optimistic acceptance
-        (``DraftState.acceptance``, which starts from the rounds of the engine's other requests with the
-        same compressor: ``SharedAcceptance``): where a round may pay at it, the request drafts the length
+        asks again as a probe (sooner where the lookup now offers a better step: ``_better_offer``). A
+        probe, and a request's first round, is priced at an optimistic acceptance (``DraftState.acceptance``,
+        which starts from the rounds of the engine's other requests with the same compressor:
+        ``SharedAcceptance``): where a round may pay at it, the request drafts the length
         the costs call for there, the policy's ``k`` at most (one request at 8K: a long first round measures
         a high acceptance at once; 8 x 2K of SmolLM2: 1-draft probes, where eight 8-draft probes failing
         together cost the batch 8 steps of 30); where even then no round
@@ -229,8 +231,10 @@ class DraftPlanner:
         request alone in its steps: in a batch a copying request's early rounds finished it early without
         ending the batch sooner, their verifications' attention added (8 x 8K, AMX: 0.95 -> 0.89-0.91x full),
         so there it waits out its cool-down."""
-        k_max, need = min(r.opts.policy.max_len, r.seq.remaining - 1), r.drafting.policy_state.declined_yield + OFFER_GAIN
-        return k_max >= 1 and self._step_yield(r, k_max, sized=False)[0] >= need and self._step_yield(r, k_max)[0] >= need
+        k_max = min(r.opts.policy.max_len, r.seq.remaining - 1)
+        need = r.drafting.policy_state.declined_yield + OFFER_GAIN
+        return k_max >= 1 and self._step_yield(r, k_max, sized=False)[0] >= need and \
+            self._step_yield(r, k_max)[0] >= need
 
     def index_prompt(self, r: Request) -> None:
         """With its prefill: ``r``'s prompt into its lookup index (where it has one), prompt work that at

@@ -185,9 +185,8 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``configs=[]``: full decoding
     alone) on the first ``limit`` problems; one row per (context, configuration). Context 0 is the
     problem with nothing before it; ``context_format``: how the context is laid out (``CONTEXT_FORMATS``;
-    rows of each format are kept apart in the checkpoint); ``draft_len``: the VeriCache rows' (an integer
-    makes every row verify rounds of that length where "auto" may decode plain full steps; their rows
-    are kept apart too)."""
+    rows of each format are kept apart in the checkpoint); ``draft_len``: the VeriCache rows' (an integer:
+    rounds of that length, where "auto" may decode plain full steps; kept apart too)."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
     from vericache_lab.bench.common import cached_prefill
