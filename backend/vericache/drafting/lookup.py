@@ -31,7 +31,7 @@ NGRAMS = (3, 2)   # the tail lengths matched, longest first
 class Joined(Sequence[int]):
     """``head`` then ``tail`` as one read-only sequence, neither copied: a request's committed tokens
     (prompt, then output) asked for several times a step, where joining a 32K prompt to its output
-    cost 0.1-0.2 ms a time."""
+    copied 32K references each time (~0.04 ms)."""
 
     def __init__(self, head: Sequence[int], tail: Sequence[int]) -> None:
         self.head, self.tail = head, tail
