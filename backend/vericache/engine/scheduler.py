@@ -227,14 +227,13 @@ class DraftPlanner:
         rate the output shows, where it offered none or a shorter one (the code model at 8K on a context that
         repeats: rounds declined before 8 output tokens showed the copying, then 16 full steps of cool-down
         before the next ask, 1.27x full where pricing at once gave 1.88x). Asked at each plain full step
-        of the cool-down: one lookup probe and, where even the whole offer would do, its sizing. Asked for a
+        of the cool-down: one lookup probe and, with a proposal, its sizing. Asked for a
         request alone in its steps: in a batch a copying request's early rounds finished it early without
         ending the batch sooner, their verifications' attention added (8 x 8K, AMX: 0.95 -> 0.89-0.91x full),
         so there it waits out its cool-down."""
         k_max = min(r.opts.policy.max_len, r.seq.remaining - 1)
         need = r.drafting.policy_state.declined_yield + OFFER_GAIN
-        return k_max >= 1 and self._step_yield(r, k_max, sized=False)[0] >= need and \
-            self._step_yield(r, k_max)[0] >= need
+        return k_max >= 1 and self._step_yield(r, k_max)[0] >= need
 
     def index_prompt(self, r: Request) -> None:
         """With its prefill: ``r``'s prompt into its lookup index (where it has one), prompt work that at
@@ -251,11 +250,10 @@ class DraftPlanner:
         lookup.extend(tokens, observe_from=len(seq.prompt_ids))
         return tokens
 
-    def _step_yield(self, r: Request, k_max: int, sized: bool = True) -> tuple[float, float]:
+    def _step_yield(self, r: Request, k_max: int) -> tuple[float, float]:
         """(drafts, rows) a draft step of ``r`` gives (``draft_step_yield``): as measured, or before that
-        from the proposal the lookup offers now (as long as ``proposal`` would check; ``sized=False``: all
-        of it, an upper bound that skips the sizing), kept at the rate its checks and the committed output
-        show, once they show it (``MIN_KEEP_EVIDENCE``)."""
+        from the proposal the lookup offers now (as long as ``proposal`` would check), kept at the rate its
+        checks and the committed output show, once they show it (``MIN_KEEP_EVIDENCE``)."""
         lookup = r.drafting.lookup
         if lookup is None:
             return draft_step_yield(r.drafting.round, 0)
@@ -263,7 +261,7 @@ class DraftPlanner:
         if lookup.evidence() < MIN_KEEP_EVIDENCE:
             return draft_step_yield(r.drafting.round, lookup.proposed)
         offered, keep = len(lookup.propose(tokens, tokens[-3:], k_max - 1)), lookup.keep_rate()
-        if offered and sized:
+        if offered:
             draft, pos = r.kv.draft_kv(), draft_position(r.kv.draft_kv(), r.position)
             offered = self.cost.proposal_len(keep, self.n_active(), lambda rows: draft.attention_cost(pos, rows), offered)
         return draft_step_yield(r.drafting.round, lookup.proposed, offered, keep)
