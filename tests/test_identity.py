@@ -289,8 +289,9 @@ def near_tie_dir(tmp_path_factory):
 
 
 # (kv dtype, numerics): fp32 numerics with both KV dtypes, the q8 numerics (its linears, the head
-# included, as Q8_0 blocks times int8 activations) with the CPU's default fp16 KV
-NEAR_TIE_VARIANTS = [(kv, "fp32") for kv in KV_DTYPES] + [("float16", "q8")]
+# included, as Q8_0 blocks times int8 activations) with the CPU's default fp16 KV, and q8qk (q8 with
+# attention in integer dots: ``kernels/int_scores.h``)
+NEAR_TIE_VARIANTS = [(kv, "fp32") for kv in KV_DTYPES] + [("float16", "q8"), ("float16", "q8qk")]
 
 
 @pytest.fixture(scope="module", params=NEAR_TIE_VARIANTS, ids=[f"{kv}-{n}" for kv, n in NEAR_TIE_VARIANTS])
@@ -318,7 +319,7 @@ def near_tie_reference(near_tie_model, identity_prompts):
 def test_near_tie_weights_decode_the_same_alone_and_batched(near_tie_model, near_tie_reference):
     prompts, alone = near_tie_reference
     head = near_tie_model.model.head_exact.weight
-    want = "Q8_0" if near_tie_model.numerics == "q8" else "F32"
+    want = "F32" if near_tie_model.numerics == "fp32" else "Q8_0"
     assert head.fmt == want and head.n == near_tie_model.config.vocab_size
     assert _generate(Engine(near_tie_model, mode="full"), prompts) == alone
 

@@ -287,7 +287,7 @@ def test_q8_numerics_run_float_weights_on_the_fp32_op(ops, fmt):
     for op in ops.values():
         assert torch.equal(op.q8(x, w), op(x, w))
         assert op.numerics("fp32") == op and op.numerics("q8") == op.q8
-    with pytest.raises(ValueError, match="numerics must be one of q8, fp32, got 'int3'"):
+    with pytest.raises(ValueError, match="numerics must be one of q8, q8qk, fp32, got 'int3'"):
         op.numerics("int3")
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from vericache.kernels import packed_kernels
 from vericache.kernels.cpu import supported_isas
+from vericache.kernels.layouts import PART_TENSORS
 from vericache.kv.attention import merge
 from vericache.kv.packed import KeyPart, attend_packed, op_args, seen_scores, torch_part
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout
@@ -158,7 +159,7 @@ def test_batch_invariant_bit_for_bit():
         for p in probe:
             for t in (1, 17):          # a decode row, and a row inside a chunk (the causal diagonal)
                 start = max(0, p - t // 2)
-                args = ([0, start + t, start, 3, 0, 0, 3, 0, 0], [k, None, None, v, None, None, None, None])
+                args = op_args(0, KeyPart(k, v, n=start + t, diag=start), D)
                 assert torch.equal(op.attend_packed(qall[:, start : start + t], HKV, [t], *args)[p - start],
                                    alone[p]), (isa, p, t)
 
@@ -224,7 +225,7 @@ def test_seen_scores_record_what_the_rows_attended(dtype, start, t):
     ints, tensors = op_args(0, part, D)
     for isa in supported_isas():
         again = torch.zeros_like(seen)
-        tensors[-1] = again
+        tensors[PART_TENSORS.index("seen")] = again
         packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors)
         assert torch.equal(again[:, : start + t], seen[:, : start + t]), isa
 

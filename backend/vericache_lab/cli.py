@@ -87,7 +87,8 @@ def _cmd_eval_numerics(args: argparse.Namespace) -> int:
 
 
 def _add_eval_numerics(sub) -> None:
-    e = sub.add_parser("eval-numerics", help="the q8 numerics against fp32: perplexity, argmax agreement, greedy text")
+    e = sub.add_parser("eval-numerics", help="the integer numerics (q8, q8qk) against fp32: perplexity, argmax "
+                                             "agreement, greedy text")
     e.add_argument("--model", default=DEFAULT_MODEL)
     e.add_argument("--text", required=True, help="a held-out text file (no test or training set reads it)")
     e.add_argument("--tokens", type=int, default=4096)

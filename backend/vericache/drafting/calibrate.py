@@ -85,7 +85,7 @@ def calibrate(loaded: LoadedModel, repeats: int = 2, short: int = SHORT, long: i
         return Calibration(np.zeros((0, 5)), np.zeros(0), None)
     short = max(min(short, cfg.context_limit - most_rows), 0)
     long = max(min(long, cfg.context_limit - most_rows), short)
-    caches = [FullKVCache(cfg, dev, loaded.kv_dtype, capacity=long + most_rows)
+    caches = [FullKVCache(cfg, dev, loaded.kv_dtype, capacity=long + most_rows, key_codes=loaded.key_codes)
               for _ in range(max(n for n, _ in SHAPES))]
     features, seconds = [], []
 

@@ -91,8 +91,9 @@ class BlockPool:
 class KVMemory:
     def __init__(self, cfg: ModelConfig, device: torch.device, kv_dtype: torch.dtype, device_budget: int | None,
                  host_budget: int | None = None, offload: bool = True, resident_layers: int = 0,
-                 remote: bool = False) -> None:
+                 remote: bool = False, key_codes: bool = False) -> None:
         self.cfg, self.dev, self.dtype = cfg, device, kv_dtype
+        self.key_codes = key_codes   # full caches keep their keys' integer-score codes (the q8qk numerics)
         self.device = BlockPool("device", device_budget or UNLIMITED)
         self.host = BlockPool("host", host_budget or UNLIMITED)
         # what ``placement.place`` decides each request's home by: vericache's full KV in the host tier
@@ -138,7 +139,7 @@ class KVMemory:
             if req.prefill.shared is not None and req.prefill.shared.full.device == home:
                 req.kv.full = req.prefill.shared.reset(req.seq)
             else:
-                req.kv.full = FullKVCache(self.cfg, home, self.dtype, capacity=cap)
+                req.kv.full = FullKVCache(self.cfg, home, self.dtype, capacity=cap, key_codes=self.key_codes)
                 if home.type == "cpu" and self.dev.type == "cuda":  # pinned: the link copies asynchronously
                     req.kv.full.pin()
                 if req.prefill.shared is not None:
@@ -146,11 +147,12 @@ class KVMemory:
                     req.kv.full.load(src, src.length)
             if req.kv.full.device != self.dev and req.prefill.shared is None:
                 # prefill attends on the device: into a device buffer, copied home when done
-                req.kv.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap)
+                req.kv.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, key_codes=self.key_codes)
         if where.draft_here:
             req.kv.draft = CompressedKVCache(req.opts.compressor, self.cfg, self.dev, self.dtype, capacity=cap)
         if where.offloaded and self.resident_layers:
-            req.kv.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers)
+            req.kv.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers,
+                                          key_codes=self.key_codes)
 
     def device_bytes(self, req: Request) -> int:
         """Device bytes the request's caches hold now (what it is charged)."""

@@ -162,7 +162,7 @@ class ModelRunner:
 
     def new_cache(self, seq: Sequence) -> FullKVCache:
         return FullKVCache(self.cfg, self.loaded.device, self.loaded.kv_dtype,
-                           capacity=seq.capacity)
+                           capacity=seq.capacity, key_codes=self.loaded.key_codes)
 
     # ------------------------------------------------------------------ forward helpers
     @torch.inference_mode()

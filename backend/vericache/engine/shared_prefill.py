@@ -42,6 +42,7 @@ class SharedPrefill:
 
     def copy(self) -> SharedPrefill:
         """The same prefill in a cache of its own: a request decoding in it leaves this one untouched."""
-        full = FullKVCache(self.full.cfg, self.full.device, self.full.dtype, capacity=self.full.capacity)
+        full = FullKVCache(self.full.cfg, self.full.device, self.full.dtype, capacity=self.full.capacity,
+                           key_codes=self.full.codes is not None)
         full.load(self.full, self.prompt_len)
         return replace(self, full=full)

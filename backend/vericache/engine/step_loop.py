@@ -72,7 +72,7 @@ class StepLoop:
         # the first ``resident_layers`` layers of it stay on the device (fewer bytes cross)
         self.memory = KVMemory(runner.cfg, runner.loaded.device, runner.loaded.kv_dtype, config.device_budget,
                                None, config.is_tiered(runner.loaded.device.type), resident_layers,
-                               remote=verifier is not None)
+                               remote=verifier is not None, key_codes=runner.loaded.key_codes)
         self.device, self.host = self.memory.device, self.memory.host
         self.instruments = Instruments()
         self.requests = RequestTable(self.memory.free, self.instruments)

@@ -30,7 +30,7 @@ from vericache.kernels.cpu import ISA_FLAGS, PACKED_VARIANT, best_isa
 HERE = Path(__file__).parent
 PACKED_SOURCES = [HERE / "packed_attention.cpp", HERE / "step.cpp", HERE / "guide_select.cpp", HERE / "bindings.cpp",
                   HERE / "step.h", HERE / "quant_format.h",
-                  HERE / "exp_neg.h", HERE / "row_ops.h", HERE / "layouts.h"]
+                  HERE / "exp_neg.h", HERE / "int_scores.h", HERE / "row_ops.h", HERE / "layouts.h"]
 # exact, reproducible IEEE arithmetic: explicit fma only, no reassociation
 PACKED_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 

@@ -16,8 +16,10 @@ enum PartInt { SEQ = 0, N_KEYS = 1, DIAG = 2, K_KIND = 3, K_BITS = 4, K_GROUP = 
                V_GROUP = 8, PART_INTS = 9 };
 
 // a part's tensors: K (dense rows or codes) with its scale and zero, V alike, the positions of KIVI's
-// channel groups, and the optional attention-seen output
+// channel groups, the optional attention-seen output, and a dense part's optional q8qk codes of its keys
+// and values (int_scores.h's layouts, kept by the cache: key codes, scales and code sums, value codes and
+// scales, and how many keys hold them: an int64 the op reads and advances)
 enum PartTensor { K_ROWS = 0, K_SCALE = 1, K_ZERO = 2, V_ROWS = 3, V_SCALE = 4, V_ZERO = 5, POS = 6, SEEN = 7,
-                  PART_TENSORS = 8 };
+                  K_CODES = 8, K_DK = 9, K_CSUM = 10, V_CODES = 11, V_DV = 12, K_CODED = 13, PART_TENSORS = 14 };
 
 }  // namespace vc_layout

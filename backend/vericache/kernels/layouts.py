@@ -26,9 +26,11 @@ STORE_KINDS = {"TOKEN_GROUPS": TOKEN_GROUPS, "CHANNEL_GROUPS": CHANNEL_GROUPS, "
 # A cache part's arguments to the packed op, in order (``kv.packed.op_args``; ``layouts.h``'s PartInt and
 # PartTensor): its sequence, keys per KV head and causal diagonal, then K's and V's store kind, bits a
 # code and group size; K's rows (or codes), scale and zero, V's alike, KIVI's group positions and the
-# optional attention-seen output.
+# optional attention-seen output; a dense part's q8qk codes of its keys and values, and how many keys hold
+# them (``kv.packed.KeyCodes``).
 PART_INTS = ("seq", "n_keys", "diag", "k_kind", "k_bits", "k_group", "v_kind", "v_bits", "v_group")
-PART_TENSORS = ("k_rows", "k_scale", "k_zero", "v_rows", "v_scale", "v_zero", "pos", "seen")
+PART_TENSORS = ("k_rows", "k_scale", "k_zero", "v_rows", "v_scale", "v_zero", "pos", "seen", "k_codes", "k_dk",
+                "k_csum", "v_codes", "v_dv", "k_coded")
 
 # GGUF (ggml) type names -> the linear op's format codes (``gguf_blocks.h``'s Fmt); bytes and elements a block
 FORMATS = {"F32": 0, "F16": 1, "BF16": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q5_1": 6, "Q8_0": 7,

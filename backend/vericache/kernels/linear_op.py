@@ -32,7 +32,25 @@ CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno
 # formats with integer codes: the q8 numerics' integer dot products (``LinearOp.q8``); F32/F16/BF16
 # weights run the fp32 op in either numerics
 Q8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-NUMERICS = ("q8", "fp32")
+# The model's arithmetic, one name for the whole forward: "q8" (int8 activations in integer dots with the
+# stored codes), "q8qk" (q8's linears, and attention scores as int8 query . int8 key integer dots:
+# ``kernels/int_scores.h``), "fp32" (exact dequantization, fp32 attention)
+NUMERICS = ("q8", "q8qk", "fp32")
+# score units of ``kernels/int_scores.h`` by the kernels' ISA: the same bits on each (0: fp32 scores)
+_SCORE_UNIT = {"amx": 3, "avx512vnni": 2}
+
+
+def linear_numerics(numerics: str) -> str:
+    """The linears' part of a model's numerics: "q8" or "fp32"."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    return "fp32" if numerics == "fp32" else "q8"
+
+
+def score_unit(numerics: str, isa: str) -> int:
+    """The attention op's ``score_unit`` for a model's numerics on an ``isa`` build: 0 (fp32 scores) unless
+    "q8qk", then the integer dots' fastest unit there (3 AMX, 2 VNNI, 1 the build's own vector code)."""
+    return _SCORE_UNIT.get(isa, 1) if numerics == "q8qk" else 0
 
 
 def linear_library(isa: str) -> Library:
@@ -169,10 +187,8 @@ class LinearOp:
         return replace(weight, panels=panels)
 
     def numerics(self, name: str):
-        """The op of numerics ``name``: ``q8`` or ``fp32`` (``__call__``)."""
-        if name not in NUMERICS:
-            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {name!r}")
-        return self.q8 if name == "q8" else self
+        """The op of a model's numerics ``name`` (``NUMERICS``): ``q8`` for q8 and q8qk, else this one (``__call__``)."""
+        return self.q8 if linear_numerics(name) == "q8" else self
 
     def _run(self, fn, x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None,
              threads: int | None) -> torch.Tensor:

@@ -442,7 +442,9 @@ void load_tiles() {
     c.rows[t] = (uint8_t)shape[t][0];
     c.colsb[t] = (uint16_t)shape[t][1];
   }
-  _tile_loadconfig(&c);
+  // the whole config as ldtilecfg's operand: GCC 12's _tile_loadconfig names only its first 8 bytes,
+  // so the stores of the rows and widths may be dropped as dead (int_scores.h's amx_configure alike)
+  __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
 template <int F>

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "exp_neg.h"
+#include "int_scores.h"
 #include "layouts.h"
 #include "quant_format.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -136,6 +137,10 @@ struct Part {
   const char* k; const char* v; int64_t k_h, k_t, v_h, v_t;    // dense rows (byte strides)
   Format kf, vf;                                                 // quantized
   float* seen; int64_t seen_h;   // optional [Hq, >= n] fp32 output: each key's log-attention estimate
+  // optional q8qk codes of a dense part's keys and values (int_scores.h's layouts, kept by its cache):
+  // keys < coded hold them, the op codes the rest of its keys there as it reads them
+  int8_t *codes, *vcodes; float *dk, *dv; int32_t* csum; int64_t codes_h, dk_h, coded;
+  int64_t* coded_out;            // where ``coded`` lives: advanced to n once the call coded every key
 };
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -639,6 +644,113 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   }
 }
 
+// The q8qk numerics' work item over a dense part (int_scores.h): per block of keys, their codes (the
+// cache's, coding any it lacks, or made here), every row's scores as integer dots, ROWS rows at once; the
+// online softmax as in run_work; the weights coded and the value pass as integer dots too.
+template <int DFIX>
+void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t q_n, int64_t row0, int64_t T,
+                  int64_t G, int64_t D_, vc_int_scores::Unit unit, float* m, float* l, float* acc) {
+  using namespace vc_int_scores;
+  const int64_t D = DFIX ? DFIX : D_;
+  const float sm = 1.0f / std::sqrt((float)D);
+  alignas(64) float rows32[BLK][MAX_D];    // a block's keys or values as fp32 rows (those it codes)
+  alignas(64) float qs[MAX_D];
+  KeyCodes kc;                              // codes made here (a part without the cache's)
+  ValueCodes vc;
+  alignas(64) int8_t qcodes[ROWS * MAX_D]; // the chunk's rows' codes [ROWS][D] (past the last: zeros)
+  alignas(64) uint8_t wcodes[ROWS * BLK];  // their weights' codes [ROWS][BLK]
+  alignas(64) float dq[ROWS], dw[ROWS], alpha[ROWS];
+  alignas(64) int32_t dots[ROWS][BLK];
+  alignas(64) int32_t pv[ROWS][MAX_D];
+  alignas(64) float s[ROWS][BLK];           // the chunk's scores, then probabilities
+  const int64_t h = w.head, R = G * T;
+  const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
+  std::vector<int8_t> qall(R * D);          // every row's codes, quantized once
+  std::vector<float> dqall(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + (h * G + r / T) * q_h + (row0 + r % T) * q_n;
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
+    dqall[r] = quantize_row(qs, D, qall.data() + r * D);
+    m[r] = NEG;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  if (p.seen)   // this item owns keys lo..hi of its KV head's G query heads (no other item writes them)
+    for (int64_t g = 0; g < G; ++g) std::fill(p.seen + (h * G + g) * p.seen_h + lo, p.seen + (h * G + g) * p.seen_h + hi, NEG);
+  // fp32 rows t0 + from .. t0 + bt - 1 of K or V (stored rows, widened exactly)
+  auto widened = [&](const char* base, int64_t stride, int64_t from, int64_t bt, const float** out) {
+    for (int64_t t = from; t < bt; ++t) {
+      const char* row = base + t * stride;
+      if (p.elt == F32) {
+        out[t] = (const float*)row;
+      } else {
+        widen_row(p.elt, row, D, rows32[t]);
+        out[t] = rows32[t];
+      }
+    }
+  };
+  std::vector<int64_t> rows;
+  rows.reserve(R);
+  for (int64_t t0 = lo; t0 < hi; t0 += BLK) {
+    const int64_t bt = std::min<int64_t>(BLK, hi - t0);
+    int64_t i_first = 0;   // rows whose causal limit ends before this block see none of it
+    if (p.diag >= 0) i_first = std::max<int64_t>(0, t0 - p.diag);
+    if (i_first >= T) break;
+    rows.clear();
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = i_first; i < T; ++i) rows.push_back(g * T + i);
+    const char* kb = p.k + h * p.k_h + t0 * p.k_t;
+    const char* vb = p.v + h * p.v_h + t0 * p.v_t;
+    const float* f32[BLK];
+    KeyView keys;
+    ValueView values;
+    if (p.codes) {   // the cache's codes, coding the block's keys it lacks (this item's own keys)
+      const int64_t from = std::clamp<int64_t>(p.coded - t0, 0, bt);
+      keys = KeyView{p.codes + h * p.codes_h + t0 * D, p.dk + h * p.dk_h + t0, p.csum + h * p.dk_h + t0};
+      values = ValueView{p.vcodes + h * p.codes_h + t0 * D, p.dv + h * p.dk_h + t0};
+      widened(kb, p.k_t, from, bt, f32);
+      code_keys(f32, from, bt, D, keys);
+      widened(vb, p.v_t, from, bt, f32);
+      code_values(f32, from, bt, D, values);
+    } else {
+      widened(kb, p.k_t, 0, bt, f32);
+      keys = quantize_keys(f32, bt, D, kc);
+      widened(vb, p.v_t, 0, bt, f32);
+      values = quantize_values(f32, bt, D, vc);
+    }
+    for (size_t c0 = 0; c0 < rows.size(); c0 += ROWS) {
+      const int nc = (int)std::min<size_t>(ROWS, rows.size() - c0);
+      int64_t vis[ROWS];
+      for (int c = 0; c < nc; ++c) {
+        const int64_t r = rows[c0 + c], i = r % T;
+        std::memcpy(qcodes + c * D, qall.data() + r * D, D);
+        dq[c] = dqall[r];
+        vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
+      }
+      std::memset(qcodes + nc * D, 0, (ROWS - nc) * D);
+      block_scores(unit, qcodes, dq, nc, keys, D, dots, s);
+      if (p.seen) record_seen(p, rows.data() + c0, nc, h, G, T, t0, vis, s);
+      for (int c = 0; c < nc; ++c) {   // online softmax: the block's max, exp, rescale; the weights coded
+        const int64_t r = rows[c0 + c];
+        const float m_new = std::max(m[r], block_max(s[c], vis[c]));
+        alpha[c] = exp_neg(m[r] - m_new);
+        l[r] = std::fma(l[r], alpha[c], exp_block(s[c], vis[c], m_new));
+        m[r] = m_new;
+        dw[c] = code_weights(s[c], values.dv, wcodes + c * BLK);
+      }
+      std::memset(wcodes + nc * BLK, 0, (ROWS - nc) * BLK);
+      block_values(unit, wcodes, nc, values, D, pv);
+      for (int c = 0; c < nc; ++c) {
+        float* a = acc + rows[c0 + c] * D;
+        const float al = alpha[c], d = dw[c];
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) a[j] = std::fma((float)pv[c][j], d, a[j] * al);
+      }
+    }
+  }
+}
+
 // The part whose ints start at ints[at] and tensors at ts[tat] (layouts.h: PartInt, PartTensor).
 Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c10::optional<at::Tensor>>& ts,
                size_t tat, int64_t H, int64_t G, int64_t D) {
@@ -655,6 +767,28 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
     p.seen_h = seen.stride(0);
   }
   p.seq = in[SEQ]; p.n = in[N_KEYS]; p.diag = in[DIAG];
+  if (t[K_CODES].has_value()) {
+    const int64_t cap = (p.n + BLK - 1) / BLK * BLK;   // whole blocks of codes
+    TORCH_CHECK(t[V_CODES].has_value() && t[V_DV].has_value(), "key codes come with value codes");
+    const at::Tensor &c = *t[K_CODES], &dk = *t[K_DK], &cs = *t[K_CSUM], &vc = *t[V_CODES], &dv = *t[V_DV];
+    TORCH_CHECK(vc.sizes() == c.sizes() && vc.strides() == c.strides() && vc.scalar_type() == at::kChar &&
+                dv.sizes() == dk.sizes() && dv.strides() == dk.strides() && dv.scalar_type() == at::kFloat,
+                "value codes: laid out as the key codes, and their scales as the keys'");
+    TORCH_CHECK(t[K_CODED].has_value() && t[K_CODED]->scalar_type() == at::kLong && t[K_CODED]->numel() == 1,
+                "key codes come with their count: int64, one element");
+    TORCH_CHECK(in[K_KIND] == DENSE && t[K_DK].has_value() && t[K_CSUM].has_value() && c.scalar_type() == at::kChar &&
+                dk.scalar_type() == at::kFloat && cs.scalar_type() == at::kInt && c.dim() == 2 && dk.dim() == 2 &&
+                cs.dim() == 2 && c.size(0) == H && dk.size(0) == H && cs.size(0) == H && c.size(1) >= cap * D &&
+                dk.size(1) >= cap && cs.size(1) >= cap && c.stride(1) == 1 && dk.stride(1) == 1 &&
+                cs.stride(1) == 1 && dk.stride(0) == cs.stride(0),
+                "key codes: a dense part's int8 [", H, ", >= ", cap * D, "], fp32 and int32 [", H, ", >= ", cap,
+                "] (one stride)");
+    p.codes = c.data_ptr<int8_t>(); p.dk = dk.data_ptr<float>(); p.csum = cs.data_ptr<int32_t>();
+    p.vcodes = vc.data_ptr<int8_t>(); p.dv = dv.data_ptr<float>();
+    p.codes_h = c.stride(0); p.dk_h = dk.stride(0);
+    p.coded_out = t[K_CODED]->data_ptr<int64_t>();
+    p.coded = std::max<int64_t>(*p.coded_out, 0);
+  }
   p.dense = in[K_KIND] == DENSE;
   TORCH_CHECK((in[V_KIND] == DENSE) == p.dense, "a part's keys and values are both dense or both quantized");
   if (p.dense) {
@@ -690,7 +824,12 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 // j, in logs; about -1e30 where no row sees j).
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
-                         const std::vector<c10::optional<at::Tensor>>& part_tensors) {
+                         const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit) {
+  TORCH_CHECK(score_unit >= vc_int_scores::FP32 && score_unit <= vc_int_scores::AMX,
+              "score_unit must be 0 (fp32), 1 (this build's integer dots), 2 (VNNI) or 3 (AMX), got ", score_unit);
+  const auto unit = vc_int_scores::runnable((vc_int_scores::Unit)score_unit, q.size(2));
+  TORCH_CHECK(unit == vc_int_scores::FP32 || q.size(2) % 16 == 0, "integer scores need a head dim that is a "
+              "multiple of 16, got ", q.size(2));
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: fp32 [Hq, N, D], last dim contiguous");
   const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), S = (int64_t)seq_lens.size();
   TORCH_CHECK(hkv > 0 && Hq % hkv == 0, "query heads ", Hq, " are not a multiple of KV heads ", hkv);
@@ -728,18 +867,30 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   fp8_table(fp8_lut);
   const float* qp = q.data_ptr<float>();
   at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t lo, int64_t hi) {
+#if defined(VC_INT_SCORES_UNITS)
+    if (unit == vc_int_scores::AMX) vc_int_scores::amx_configure();   // this thread's tiles, for this call
+#endif
     for (int64_t wi = lo; wi < hi; ++wi) {
       const Work& w = work[wi];
       const Part& p = parts[w.part];
       const int64_t o = slot[wi];
-      if (D == 64)
-        run_work<64>(w, p, qp, q.stride(0), q.stride(1), row0[p.seq], seq_lens[p.seq], G, D, fp8_lut,
-                     &pm[o], &pl[o], &pacc[o * D]);
-      else
-        run_work<0>(w, p, qp, q.stride(0), q.stride(1), row0[p.seq], seq_lens[p.seq], G, D, fp8_lut,
-                    &pm[o], &pl[o], &pacc[o * D]);
+      const int64_t r0 = row0[p.seq], T = seq_lens[p.seq];
+      if (unit != vc_int_scores::FP32 && p.dense) {   // the q8qk numerics
+        if (D == 64) run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, &pm[o], &pl[o], &pacc[o * D]);
+        else run_work_int<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, &pm[o], &pl[o], &pacc[o * D]);
+      } else if (D == 64) {
+        run_work<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
+      } else {
+        run_work<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
+      }
     }
+#if defined(VC_INT_SCORES_UNITS)
+    if (unit == vc_int_scores::AMX) vc_int_scores::amx_release();
+#endif
   });
+  if (unit != vc_int_scores::FP32)   // every key of every part with codes is coded now
+    for (const Part& p : parts)
+      if (p.coded_out) *p.coded_out = std::max(*p.coded_out, p.n);
 
   // merge, per (sequence, KV head), the work items of that sequence in their fixed order
   std::vector<std::vector<int64_t>> items(S * hkv);

@@ -54,13 +54,15 @@ struct StepWeights {
   DequantFn dequant;
   float eps;
   int64_t hq, hkv, d, hidden = 0, inter = 0;
+  int64_t score_unit;           // the attention's scores: 0 fp32, else integer dots on that unit (int_scores.h)
   std::vector<Layer> layers;
   Linear embed, head;          // the embedding's stored rows (one weight [V, H]) and the LM head
   at::Tensor final_norm;
 
-  StepWeights(int64_t q8_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_)
+  StepWeights(int64_t q8_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_,
+              int64_t score_unit_)
       : q8((Q8Fn)q8_fn), fp32((LinearFn)fp32_fn), dequant((DequantFn)dequant_fn), eps((float)eps_), hq(hq_),
-        hkv(hkv_), d(d_) {
+        hkv(hkv_), d(d_), score_unit(score_unit_) {
     TORCH_CHECK(q8_fn && fp32_fn && dequant_fn && hq > 0 && hkv > 0 && hq % hkv == 0 && d % 2 == 0,
                 "bad step weights");
   }
@@ -103,7 +105,7 @@ struct StepWeights {
 // packed_attention.cpp
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
-                         const std::vector<c10::optional<at::Tensor>>& part_tensors);
+                         const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit);
 // guide_select.cpp
 at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
                         const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps, double decay);

@@ -12,16 +12,20 @@ from __future__ import annotations
 import torch
 
 from vericache.config import ModelConfig
-from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts
 from vericache.kv.protocol import KVCache
+
+CODE_BLOCK = 64   # the attention op's keys a block: key codes are kept for whole blocks
 
 
 class FullKVCache(KVCache):
     """Dense K/V of one sequence: k, v: [L, Hkv, capacity, D]; ``layers`` < L holds only that many
-    (a device-resident slice, or a buffer for the layers that cross the link)."""
+    (a device-resident slice, or a buffer for the layers that cross the link). ``key_codes``: also keep
+    its keys' integer-score codes for the q8qk numerics (``KeyCodes``: each key coded once, not every step;
+    a dense copy of the codes' source stays the cache's K)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                 capacity: int = 256, layers: int | None = None) -> None:
+                 capacity: int = 256, layers: int | None = None, key_codes: bool = False) -> None:
         self.cfg = cfg
         n_layers = cfg.num_hidden_layers if layers is None else layers
         if not 0 <= n_layers <= cfg.num_hidden_layers:
@@ -29,6 +33,7 @@ class FullKVCache(KVCache):
         shape = (n_layers, cfg.num_key_value_heads, max(capacity, 1), cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.codes = self._new_codes(shape[2]) if key_codes else None
         self.length = 0   # valid positions: 0..length-1
         self._start = 0   # where the current forward writes
 
@@ -57,6 +62,7 @@ class FullKVCache(KVCache):
         depend on the values, but NaN-free inputs keep every kernel on its usual path)."""
         self.k.normal_()
         self.v.normal_()
+        self._uncode_from(0)
 
     def nbytes_per_position(self) -> int:
         layers, heads, _, dim = self.k.shape
@@ -71,6 +77,21 @@ class FullKVCache(KVCache):
         query-key pairs per query head and layer). Query i sees positions 0..start+i."""
         return (start + t) * self.nbytes_per_position(), t * start + t * (t + 1) // 2
 
+    def _new_codes(self, capacity: int) -> KeyCodes:
+        """Empty key codes for ``capacity`` positions (whole blocks) of every layer held."""
+        layers, heads, _, dim = self.k.shape
+        cap = -(-capacity // CODE_BLOCK) * CODE_BLOCK
+        dev = self.k.device
+        return KeyCodes(torch.zeros(layers, heads, cap * dim, dtype=torch.int8, device=dev),
+                        torch.zeros(layers, heads, cap, device=dev), torch.zeros(layers, heads, cap, dtype=torch.int32, device=dev),
+                        torch.zeros(layers, heads, cap * dim, dtype=torch.int8, device=dev),
+                        torch.zeros(layers, heads, cap, device=dev), torch.zeros(layers, dtype=torch.int64, device=dev))
+
+    def _uncode_from(self, position: int) -> None:
+        """Keys from ``position`` on are rewritten: their codes no longer hold (the op codes them again)."""
+        if self.codes is not None:
+            self.codes.coded.clamp_(max=position)
+
     def _grow(self, needed: int) -> None:
         new_cap = max(needed, 2 * self.capacity)
         for name in ("k", "v"):
@@ -78,12 +99,18 @@ class FullKVCache(KVCache):
             new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
+        if self.codes is not None:   # a position's codes lie at the same offsets in any capacity
+            old_codes, self.codes = self.codes, self._new_codes(new_cap)
+            for new_t, old_t in zip(self.codes.arrays(), old_codes.arrays()):
+                new_t[:, :, : old_t.shape[2]] = old_t
+            self.codes.coded.copy_(old_codes.coded)
 
     def begin(self, start: int, count: int) -> None:
         if start > self.length:
             raise ValueError(f"cannot write at position {start}: cache holds only {self.length} positions")
         if start + count > self.capacity:
             self._grow(start + count)
+        self._uncode_from(start)
         self._start = start
         self.length = start + count
 
@@ -94,6 +121,11 @@ class FullKVCache(KVCache):
         self.begin(0, n)
         self.k[:, :, :n].copy_(src.k[:layers, :, :n])
         self.v[:, :, :n].copy_(src.v[:layers, :, :n])
+        if self.codes is not None and src.codes is not None:   # src's codes hold for its keys copied here
+            for mine, theirs in zip(self.codes.arrays(), src.codes.arrays()):
+                width = min(mine.shape[2], theirs.shape[2])
+                mine[:, :, :width] = theirs[:layers, :, :width]
+            self.codes.coded.copy_(src.codes.coded[:layers].clamp(max=n))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [L, Hkv, t, D] (a stored block: every layer) at positions length .. length+t-1."""
@@ -114,6 +146,7 @@ class FullKVCache(KVCache):
                              f"{first_layer + n - 1}: the cache holds {self.length} positions, {self.k.shape[0]} layers")
         self.k[first_layer : first_layer + n, :, start:end] = src.k[:, :, start:end]
         self.v[first_layer : first_layer + n, :, start:end] = src.v[:, :, start:end]
+        self._uncode_from(start)
 
     def views(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [L, Hkv, end - start, D] of positions start .. end-1, as views: for reading (encoders,
@@ -152,13 +185,15 @@ class FullKVCache(KVCache):
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: cache holds {self.length} positions")
         self.length = length
+        self._uncode_from(length)
 
     def parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[KeyPart]:
         """Store the chunk's k, v [Hkv, T, D]; its queries see positions 0..start+i (one causal part)."""
         s, t = self._start, q.shape[1]
         self.k[layer, :, s : s + t] = k
         self.v[layer, :, s : s + t] = v
-        return [KeyPart(self.k[layer], self.v[layer], n=s + t, diag=s)]
+        codes = None if self.codes is None else self.codes.layer(layer)
+        return [KeyPart(self.k[layer], self.v[layer], n=s + t, diag=s, codes=codes)]
 
     def load_blocks(self, blocks: list[dict[str, torch.Tensor]]) -> int:
         """Blocks of K/V ({"k", "v": [L, Hkv, t, D]}, a stored prefix's full form) written at positions 0..
@@ -172,7 +207,7 @@ class FullKVCache(KVCache):
     def layered_parts(self, t: int) -> LayeredParts:
         """``parts`` for every layer at once (the native step): the chunk of t at the forward's start."""
         s = self._start
-        return LayeredParts(self.k, self.v, s, [KeyPart(self.k, self.v, n=s + t, diag=s)])
+        return LayeredParts(self.k, self.v, s, [KeyPart(self.k, self.v, n=s + t, diag=s, codes=self.codes)])
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -26,6 +26,34 @@ from vericache.kv.quantized import Layout, StoredFields
 
 
 @dataclass
+class KeyCodes:
+    """A dense part's keys and values as the q8qk numerics' codes (``kernels/int_scores.h``: per key and
+    head, int8 codes and a scale), kept by its cache from step to step so a key is coded once: ``codes``
+    [Hkv, C * D] int8 (for each group of 16 keys, D/4 lines of 64 bytes holding 4 channels of each),
+    ``dk`` [Hkv, C] fp32 scales, ``csum`` [Hkv, C] int32 code sums; ``vcodes`` [Hkv, C * D] int8 (for each
+    block of 64 keys and group of 16 channels, 16 lines of 64 bytes holding 4 keys of each channel) and
+    ``dv`` [Hkv, C] fp32; C a multiple of 64 (whole blocks);
+    ``coded`` (int64, one element): keys 0 .. coded - 1 hold their codes; the op codes the others as it
+    reads them, in place, and then advances ``coded`` (so a forward that fails part way leaves each layer's
+    count true). The cache lowers it where it rewrites keys. A ``LayeredParts``' tensors carry a leading
+    layer dim."""
+    codes: torch.Tensor
+    dk: torch.Tensor
+    csum: torch.Tensor
+    vcodes: torch.Tensor
+    dv: torch.Tensor
+    coded: torch.Tensor
+
+    def layer(self, i: int) -> KeyCodes:
+        """Layer i's codes (of a cache's codes with a leading layer dim)."""
+        return KeyCodes(*(t[i] for t in (self.codes, self.dk, self.csum, self.vcodes, self.dv, self.coded)))
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """The codes and scales (not the count), in one order."""
+        return self.codes, self.dk, self.csum, self.vcodes, self.dv
+
+
+@dataclass
 class KeyPart:
     """n keys per KV head that a sequence's T queries attend.
 
@@ -39,6 +67,8 @@ class KeyPart:
     no row sees j): in logs, how much the verified rows attended to j, for a guided drafter
     (``drafting.guide``); then the first query head of each KV head's group holds the max over the
     group's heads (what the drafter reads: one row a KV head).
+    ``codes`` (optional, dense parts): its keys' integer-score codes, kept by the cache (``KeyCodes``);
+    without them the q8qk numerics code each block's keys in the call (the same bits).
     """
 
     k: torch.Tensor | StoredFields
@@ -48,6 +78,7 @@ class KeyPart:
     layouts: tuple[Layout, Layout] | None = None
     pos: torch.Tensor | None = None
     seen: torch.Tensor | None = None
+    codes: KeyCodes | None = None
 
     def __post_init__(self) -> None:
         if self.n < 0 or (self.diag is not None and self.diag < 0):
@@ -90,6 +121,10 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
     PART_INTS and PART_TENSORS; unnamed tensors are None)."""
     ints = {"seq": seq, "n_keys": p.n, "diag": -1 if p.diag is None else p.diag}
     tensors: dict[str, torch.Tensor | None] = {"pos": p.pos, "seen": p.seen}
+    if p.codes is not None:
+        c = p.codes
+        tensors |= {"k_codes": c.codes, "k_dk": c.dk, "k_csum": c.csum, "v_codes": c.vcodes, "v_dv": c.dv,
+                    "k_coded": c.coded}
     if p.layouts is None:
         k, v = p.dense()
         ints |= {"k_kind": DENSE, "k_bits": 0, "k_group": 0, "v_kind": DENSE, "v_bits": 0, "v_group": 0}
@@ -104,20 +139,25 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
-                  n_kv_heads: int, kernels: str = "auto") -> torch.Tensor:
+                  n_kv_heads: int, kernels: str = "auto", score_unit: int = 0) -> torch.Tensor:
     """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
     Returns out [N, Hq, D]. ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
     (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
-    op for fp32 queries on the CPU, PyTorch's kernels elsewhere."""
+    op for fp32 queries on the CPU, PyTorch's kernels elsewhere. ``score_unit`` (the native op only):
+    0 fp32 scores, else the q8qk numerics' integer scores on that unit (``linear_op.score_unit``)."""
     hq, n, d = q.shape
     if len(parts) != len(seq_lens) or sum(seq_lens) != n:
         raise ValueError(f"{len(parts)} part lists and seq_lens {list(seq_lens)} for {n} query rows")
+    native = kernels != "torch" and kernels != "triton" and q.device.type == "cpu" and q.dtype == torch.float32
+    if score_unit and not native:
+        raise ValueError(f"integer scores (score_unit={score_unit}) run on the native CPU op with fp32 queries, "
+                         f"not kernels={kernels!r} on {q.device} {q.dtype}")
     if kernels == "triton":
         from vericache.kernels.triton_attention import attend_packed as attend_triton
 
         record_seen_torch(q, seq_lens, parts)
         return attend_triton(q.float(), seq_lens, parts, n_kv_heads).to(q.dtype)
-    if kernels != "torch" and q.device.type == "cpu" and q.dtype == torch.float32:
+    if native:
         ints: list[int] = []
         tensors: list[torch.Tensor | None] = []
         for seq, seq_parts in enumerate(parts):
@@ -125,7 +165,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                 i, t = op_args(seq, p, d)
                 ints += i
                 tensors += t
-        out: torch.Tensor = packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors)
+        out: torch.Tensor = packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors, score_unit)
         return out
     record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from vericache.config import ModelConfig, ModelConfigError
-from vericache.kernels.linear_op import linear_op
+from vericache.kernels.linear_op import linear_numerics, linear_op, score_unit
 from vericache.model import exact_linear, native_step
 from vericache.model.checkpoint_files import weight_files
 from vericache.model.gguf_file import dense_matrices, load_stored
@@ -92,10 +92,15 @@ class LoadedModel:
     name: str = ""  # what the user asked for: a model name, a directory or a .gguf file
     kv_dtype: torch.dtype = torch.float32   # what the KV caches hold, full and compressed (``parse_kv_dtype``)
     kernels: str = "native"                  # what the forward runs on (``parse_kernels``)
-    numerics: str = "fp32"                   # the linears' arithmetic (``parse_numerics``)
+    numerics: str = "fp32"                   # the forward's arithmetic (``parse_numerics``)
     # [Calibration] once timed (``drafting.calibrate.model_calibration``): every engine over this
     # model shares one calibration
     calibration: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def key_codes(self) -> bool:
+        """Whether its full caches keep their keys' integer-score codes (the q8qk numerics' attention)."""
+        return self.numerics == "q8qk"
 
     @property
     def attn_dtype(self) -> torch.dtype:
@@ -147,8 +152,9 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
 
 
 def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, stored: dict) -> str:
-    """The linears' arithmetic: "q8" (int8 activations in exact integer dot products with the stored
-    codes, ``kernels/linear_q8.cpp``) or "fp32" (exact dequantization, ``kernels/linear.cpp``); both
+    """The forward's arithmetic: "q8" (int8 activations in exact integer dot products with the stored
+    codes, ``kernels/linear_q8.cpp``), "q8qk" (q8, and attention scores as integer dots of int8 queries
+    and keys, ``kernels/int_scores.h``) or "fp32" (exact dequantization, ``kernels/linear.cpp``); each
     batch-invariant and the same bits in every build. None: $VERICACHE_NUMERICS where the native
     kernels run fp32 weights (q8's only home), else auto: q8 where they run a model stored in integer
     blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its linears as Q8_0 blocks. The
@@ -160,9 +166,9 @@ def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, store
         numerics = os.environ.get("VERICACHE_NUMERICS") or None
     if numerics is not None and numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)} or None (auto), got {numerics!r}")
-    if numerics == "q8" and not native_fp32:
-        raise ValueError(f"numerics='q8' runs on the native CPU kernels with fp32 weights, not kernels={kernels!r} "
-                         f"dtype={dtype}")
+    if numerics in ("q8", "q8qk") and not native_fp32:
+        raise ValueError(f"numerics={numerics!r} runs on the native CPU kernels with fp32 weights, not "
+                         f"kernels={kernels!r} dtype={dtype}")
     if numerics is None:
         integer = any(w.fmt in Q8_FORMATS for w in stored.values())
         numerics = "q8" if native_fp32 and integer else "fp32"
@@ -186,10 +192,12 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
     model.attn_dtype = kv_dtype_for(dt, dev)
     model.fuse_projections()
     if kernels == "native":
-        exact_linear.install(model, linear_op(), stored, numerics)
-        native_step.install(model, linear_op())
+        op = linear_op()
+        exact_linear.install(model, op, stored, linear_numerics(numerics))
+        unit = score_unit(numerics, op.isa)
+        native_step.install(model, op, unit)
         for layer in model.model.blocks():
-            layer.self_attn.kernels = kernels
+            layer.self_attn.kernels, layer.self_attn.score_unit = kernels, unit
         return model
     return use_gpu_kernels(model, kernels, stored)
 

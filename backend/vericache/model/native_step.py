@@ -40,15 +40,16 @@ def _linear_spec(lin) -> tuple:
 class NativeStep:
     """The decoder stack of ``model`` (installed exact linears) as one native call per step."""
 
-    def __init__(self, model, op: LinearOp) -> None:
-        """Each linear runs the numerics its ``ExactLinear`` was installed in (``_linear_spec``)."""
+    def __init__(self, model, op: LinearOp, score_unit: int = 0) -> None:
+        """Each linear runs the numerics its ``ExactLinear`` was installed in (``_linear_spec``); attention
+        scores on ``score_unit`` (``linear_op.score_unit``: 0 fp32)."""
         cfg = model.config
         self.kernels = packed_kernels(op.isa)
         self.head_dim = cfg.head_dim
         fp32, q8, dequant = (ctypes.cast(f, ctypes.c_void_p).value
                              for f in (op.lib.vc_linear, op.lib.vc_linear_q8_packed, op.lib.vc_dequant_rows))
         self.weights = self.kernels.StepWeights(q8, fp32, dequant, cfg.rms_norm_eps, cfg.num_attention_heads,
-                                                cfg.num_key_value_heads, cfg.head_dim)
+                                                cfg.num_key_value_heads, cfg.head_dim, score_unit)
         for layer in model.model.blocks():
             a, mlp = layer.self_attn, layer.mlp
             norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -102,9 +103,9 @@ class NativeStep:
         return out
 
 
-def install(model, op: LinearOp) -> None:
+def install(model, op: LinearOp, score_unit: int = 0) -> None:
     """Give a CPU model (its exact linears installed) the row ops and, where it fits, the native step
-    (each linear in the numerics it was installed in)."""
+    (each linear in the numerics it was installed in, attention scores on ``score_unit``)."""
     kernels = packed_kernels(op.isa)
     for layer in model.model.blocks():
         layer.input_layernorm.row_op = layer.post_attention_layernorm.row_op = kernels.rms_norm
@@ -112,4 +113,4 @@ def install(model, op: LinearOp) -> None:
         if layer.self_attn.q_norm is not None:
             layer.self_attn.q_norm.row_op = layer.self_attn.k_norm.row_op = kernels.rms_norm
     model.model.norm.row_op = kernels.rms_norm
-    model.native = NativeStep(model, op) if NativeStep.supports(model) else None
+    model.native = NativeStep(model, op, score_unit) if NativeStep.supports(model) else None

@@ -102,7 +102,7 @@ class VerifierCore:
             self.sessions[sess.id] = sess
         loaded = self.engine.loaded
         full = FullKVCache(loaded.config, loaded.device, loaded.kv_dtype,
-                           capacity=positions_needed(len(prompt_ids), max_tokens))
+                           capacity=positions_needed(len(prompt_ids), max_tokens), key_codes=loaded.key_codes)
         if self.store is not None:
             limit = (len(prompt_ids) - 1) // self.store.block_tokens  # the last token is always computed
             try:   # each block is received straight into the session's cache (this thread)

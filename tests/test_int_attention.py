@@ -1,0 +1,225 @@
+"""The q8qk numerics' attention (``kernels/int_scores.h``): queries, keys, values and each row's weights as
+int8 codes in exact integer dot products. The same bits in every build and on every unit (the build's own
+vector code, VNNI, AMX), a row's bits independent of its chunk, batch and threads, the cache's kept codes
+giving the bits of codes made in the call, the contract as written (a torch twin), close to fp32
+attention, and bad input refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vericache.config import ModelConfig
+from vericache.kernels import packed_kernels
+from vericache.kernels.cpu import supported_isas
+from vericache.kernels.linear_op import score_unit
+from vericache.kv.full import FullKVCache
+from vericache.kv.packed import KeyPart, attend_packed, op_args
+
+HQ, HKV, D = 6, 2, 64
+BLOCK = 64
+
+
+def _units() -> list[tuple[str, int]]:
+    """(build, unit) pairs this CPU runs: each build's own integer dots, and VNNI / AMX where present."""
+    pairs = [(isa, 1) for isa in supported_isas()]
+    pairs += [(isa, score_unit("q8qk", isa)) for isa in supported_isas() if score_unit("q8qk", isa) > 1]
+    return pairs
+
+
+def _call(isa: str, unit: int, q: torch.Tensor, part: KeyPart, seq_lens=None) -> torch.Tensor:
+    ints, tensors = op_args(0, part, q.shape[2])
+    return packed_kernels(isa).attend_packed(q, HKV, seq_lens or [q.shape[1]], ints, tensors, unit)
+
+
+def _code(x: torch.Tensor, top: float = 127.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's coding of each row of x (last dim): codes (as float) and the fp32 scale."""
+    d = x.abs().amax(-1, keepdim=True) / top
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(x * inv), d
+
+
+def _twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, row_scale: bool = True) -> torch.Tensor:
+    """The contract in torch for one sequence's causal part (n = start + T <= 512 keys: one work item a
+    head): integer scores, the online softmax block by block, weights coded with the values' scales
+    folded in, integer value sums. q [Hq, T, D] -> [T, Hq, D]. ``row_scale=False``: a broken variant that
+    codes each head's queries with one scale for the whole chunk."""
+    hq, t, d = q.shape
+    n, g = start + t, hq // HKV
+    qc, dq = _code(q.float() * (1.0 / math.sqrt(d)))
+    if not row_scale:
+        dq = dq.amax(dim=1, keepdim=True).expand_as(dq)
+        qc = torch.round(q.float() * (1.0 / math.sqrt(d)) / dq)
+    kc, dk = _code(k[:, :n].float())
+    vc, dv = _code(v[:, :n].float())
+    out = torch.zeros(t, hq, d)
+    for h in range(hq):
+        kv = h // g
+        for i in range(t):
+            m, l, acc = -1e30, 0.0, torch.zeros(d, dtype=torch.float64)
+            for t0 in range(0, n, BLOCK):
+                vis = min(BLOCK, n - t0, start + i + 1 - t0)
+                if vis <= 0:
+                    break
+                dots = (kc[kv, t0 : t0 + vis] @ qc[h, i]).float()                  # exact integers
+                s = dots * (dq[h, i] * dk[kv, t0 : t0 + vis, 0])
+                m_new = max(m, float(s.max()))
+                alpha = math.exp(m - m_new)
+                p = torch.exp(s - m_new)
+                l = l * alpha + float(p.sum())
+                u, dw = _code(p * dv[kv, t0 : t0 + vis, 0], 255.0)
+                acc = acc * alpha + (u.double() @ vc[kv, t0 : t0 + vis].double()) * float(dw)
+                m = m_new
+            out[i, h] = (acc / l).float()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_build_and_unit_gives_the_same_bits(dtype):
+    """AVX-512 and AVX2 `maddubs`, VNNI `dpbusd`, AMX tiles and the portable build's scalars sum the same
+    integers: for head sizes 64, 80 and 128, a decode row and a 17-row chunk, every (build, unit) this CPU
+    runs gives the portable build's bits; fp32 scores (unit 0) differ, so equal bits are the integer
+    path's own."""
+    gen, n = torch.Generator().manual_seed(3), 300
+    for d in (64, 80, 128):
+        k, v = (torch.randn(HKV, n, d, generator=gen).to(dtype) for _ in range(2))
+        for t in (1, 17):
+            q = torch.randn(HQ, t, d, generator=gen)
+            part = KeyPart(k, v, n=n, diag=n - t)
+            ref = _call("portable", 1, q, part)
+            for isa, unit in _units():
+                assert torch.equal(_call(isa, unit, q, part), ref), (isa, unit, d, t)
+            assert not torch.equal(_call("portable", 0, q, part), ref)
+
+
+def test_the_op_is_the_contract():
+    """Against the torch twin of the contract (its own exp and summation order: close, not equal), and
+    within int8's reach of fp32 attention."""
+    gen = torch.Generator().manual_seed(11)
+    for start, t in ((0, 1), (37, 5), (190, 9), (400, 3)):
+        k, v = (torch.randn(HKV, start + t, D, generator=gen) for _ in range(2))
+        q = torch.randn(HQ, t, D, generator=gen) * 3
+        got = attend_packed(q, [t], [[KeyPart(k, v, n=start + t, diag=start)]], HKV, score_unit=1)
+        torch.testing.assert_close(got, _twin(q, k, v, start), atol=2e-5, rtol=1e-4)
+        kx, vx = (x.repeat_interleave(HQ // HKV, 0) for x in (k, v))
+        mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
+        fp32 = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).transpose(0, 1)
+        assert (got - fp32).abs().max() < 0.05
+
+
+def _row_alone(q, k, v, pos, unit):
+    return attend_packed(q[:, pos : pos + 1], [1], [[KeyPart(k, v, n=pos + 1, diag=pos)]], HKV, score_unit=unit)[0]
+
+
+def test_a_row_is_the_same_alone_in_its_chunk_and_in_a_batch():
+    """A query row's output under q8qk depends on its own query, keys and values only: alone, inside
+    chunks of 2-70 rows (more than one scoring chunk of 64), inside steps of 1-9 sequences, 1 and 2
+    threads, on each unit."""
+    n = 1200
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(HKV, n + 80, D, generator=gen) for _ in range(2))
+    qall = torch.randn(HQ, n + 80, D, generator=gen)
+    probe = [0, 63, 64, 511, 600, 1100]
+    threads = torch.get_num_threads()
+    try:
+        for unit in sorted({u for _, u in _units()}):
+            alone = {p: _row_alone(qall, k, v, p, unit) for p in probe}
+            for t in (2, 17, 70):
+                for p in probe:
+                    start = max(0, p - t // 2)
+                    out = attend_packed(qall[:, start : start + t], [t], [[KeyPart(k, v, n=start + t, diag=start)]],
+                                        HKV, score_unit=unit)
+                    assert torch.equal(out[p - start], alone[p]), (unit, t, p)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                seq_lens, parts, rows, qs, at = [], [], [], [], 0
+                for j in range(9):
+                    p, t = probe[j % len(probe)], 1 + j % 4
+                    start = max(0, p - j % t)
+                    qs.append(qall[:, start : start + t])
+                    parts.append([KeyPart(k, v, n=start + t, diag=start)])
+                    rows.append((at + p - start, p))
+                    seq_lens.append(t)
+                    at += t
+                out = attend_packed(torch.cat(qs, dim=1), seq_lens, parts, HKV, score_unit=unit)
+                for row, p in rows:
+                    assert torch.equal(out[row], alone[p]), (unit, n_threads, p)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_chunk_wide_query_scale_would_fail_the_row_test():
+    """The negative control for the test above: coding a chunk's queries with one scale (as a tile-wide
+    quantizer would) changes a row's output with the rows beside it; the op's row-wise codes do not."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(HKV, 200, D, generator=gen) for _ in range(2))
+    q = torch.randn(HQ, 9, D, generator=gen)
+    q[:, 4] *= 10                                    # one loud row in the chunk
+    start = 191
+    alone = _twin(q[:, :1], k, v, start, row_scale=False)[0]
+    assert not torch.allclose(alone, _twin(q, k, v, start, row_scale=False)[0], atol=1e-3)
+    assert torch.allclose(_twin(q[:, :1], k, v, start)[0], _twin(q, k, v, start)[0], atol=1e-6)
+    real = attend_packed(q, [9], [[KeyPart(k, v, n=start + 9, diag=start)]], HKV, score_unit=1)
+    assert torch.equal(real[0], attend_packed(q[:, :1], [1], [[KeyPart(k, v, n=start + 1, diag=start)]], HKV,
+                                              score_unit=1)[0])
+
+
+CFG = ModelConfig(vocab_size=32, hidden_size=HQ * D, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=HQ, num_key_value_heads=HKV)
+
+
+def _cache_step(cache: FullKVCache, layer: int, q, k, v, unit: int) -> torch.Tensor:
+    parts = cache.parts(layer, q, k, v)
+    return attend_packed(q, [q.shape[1]], [parts], HKV, score_unit=unit)
+
+
+def test_the_cache_keeps_its_keys_codes_with_the_bits_of_codes_made_in_the_call():
+    """A full cache with ``key_codes`` codes each key once (the op advances its count) and gives the bits of
+    a cache without them, through decode steps, a verification chunk, a rollback (truncate and rewrite:
+    the count comes back), growth (the codes move with the keys) and a copy (``load``)."""
+    gen = torch.Generator().manual_seed(2)
+    kept, plain = (FullKVCache(CFG, "cpu", torch.float16, capacity=100, key_codes=c) for c in (True, False))
+    assert kept.codes is not None and plain.codes is None
+    pos = 0
+
+    def step(t: int) -> None:
+        nonlocal pos
+        q = torch.randn(HQ, t, D, generator=gen)
+        k, v = (torch.randn(HKV, t, D, generator=gen).half() for _ in range(2))
+        for cache in (kept, plain):
+            cache.begin(pos, t)
+        for layer in range(CFG.num_hidden_layers):
+            a = _cache_step(kept, layer, q, k, v, 1)
+            b = _cache_step(plain, layer, q, k, v, 1)
+            assert torch.equal(a, b), (pos, t, layer)
+        pos += t
+        assert kept.codes.coded.tolist() == [pos] * CFG.num_hidden_layers
+
+    step(90)          # a prefill chunk
+    step(1)
+    step(9)           # a verification chunk: grows the cache past 100 (codes move with it)
+    assert kept.capacity >= 100 and kept.codes.dk.shape[2] % BLOCK == 0
+    for cache in (kept, plain):
+        cache.truncate(95)  # a rejected draft: the count comes back with the length
+    pos = 95
+    assert kept.codes.coded.tolist() == [95, 95]
+    step(3)
+    copy = FullKVCache(CFG, "cpu", torch.float16, capacity=8, key_codes=True)
+    copy.load(kept, pos)
+    assert copy.codes.coded.tolist() == [pos, pos]
+    whole = pos // 16 * 16 * D                        # the bytes of the whole 16-key groups copied
+    assert torch.equal(copy.codes.codes[:, :, :whole], kept.codes.codes[:, :, :whole])
+
+
+def test_bad_integer_score_calls_are_refused():
+    k, v = (torch.randn(HKV, 40, 72) for _ in range(2))
+    q = torch.randn(HQ, 1, 72)
+    with pytest.raises(RuntimeError, match="multiple of 16"):     # head dim 72: not whole 16-channel groups
+        attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, score_unit=1)
+    with pytest.raises(RuntimeError, match="score_unit"):
+        attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, score_unit=7)
+    with pytest.raises(ValueError, match="native CPU op"):
+        attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, kernels="torch", score_unit=1)
