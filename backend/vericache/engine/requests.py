@@ -132,7 +132,7 @@ class RequestKV:
         tensors = []
         for c in (self.full, self.draft, self.resident, self.prefill_buf):
             if isinstance(c, FullKVCache):
-                tensors += [c.k, c.v]
+                tensors += c.tensors()
             elif isinstance(c, CompressedKVCache):
                 tensors += c.tensors()
         return storage_bytes(tensors)

@@ -24,6 +24,8 @@ class FullKVCache(KVCache):
     its keys' integer-score codes for the q8qk numerics (``KeyCodes``: each key coded once, not every step;
     a dense copy of the codes' source stays the cache's K)."""
 
+    codes: KeyCodes | None = None   # (a class default: a cache pickled before codes existed has none)
+
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
                  capacity: int = 256, layers: int | None = None, key_codes: bool = False) -> None:
         self.cfg = cfg
@@ -63,6 +65,10 @@ class FullKVCache(KVCache):
         self.k.normal_()
         self.v.normal_()
         self._uncode_from(0)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage it holds: K, V and any q8qk codes (``resident_bytes``)."""
+        return [self.k, self.v, *(self.codes.arrays() if self.codes is not None else ())]
 
     def nbytes_per_position(self) -> int:
         layers, heads, _, dim = self.k.shape
