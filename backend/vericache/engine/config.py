@@ -214,12 +214,13 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
 
 
 def add_numerics_arg(p: argparse.ArgumentParser) -> None:
-    """--numerics: the CPU linears' arithmetic (``loader.parse_numerics``)."""
+    """--numerics: the CPU forward's arithmetic (``loader.parse_numerics``)."""
     p.add_argument("--numerics", default=DEFAULTS.numerics, choices=NUMERICS,
-                   help="the CPU linears' numerics, full mode, verification and drafts alike: q8 (int8 "
-                        "activations x the stored integer codes, exact integer sums) or fp32 (exact "
-                        "dequantization); default: $VERICACHE_NUMERICS, else q8 for a GGUF model with integer "
-                        "blocks, else fp32")
+                   help="the CPU forward's numerics, full mode, verification and drafts alike: q8 (int8 "
+                        "activations x the stored integer codes, exact integer sums), q8qk (q8, and attention "
+                        "in integer dots too: faster at long contexts, perplexity +2.8%% on the code model) or "
+                        "fp32 (exact dequantization); default: $VERICACHE_NUMERICS, else q8 for a GGUF model "
+                        "with integer blocks, else fp32")
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
