@@ -42,18 +42,21 @@ def _code(x: torch.Tensor, top: float = 127.0) -> tuple[torch.Tensor, torch.Tens
     return torch.round(x * inv), d
 
 
-def _twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, row_scale: bool = True) -> torch.Tensor:
+def _twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, row_scale: bool = True,
+          mu: torch.Tensor | None = None) -> torch.Tensor:
     """The contract in torch for one sequence's causal part (n = start + T <= 512 keys: one work item a
     head): integer scores, the online softmax block by block, weights coded with the values' scales
-    folded in, integer value sums. q [Hq, T, D] -> [T, Hq, D]. ``row_scale=False``: a broken variant that
-    codes each head's queries with one scale for the whole chunk."""
+    folded in, integer value sums; keys coded less ``mu`` [Hkv, D] and each row given q . mu back. q [Hq, T, D]
+    -> [T, Hq, D]. ``row_scale=False``: a broken variant that codes each head's queries with one scale for
+    the whole chunk."""
     hq, t, d = q.shape
     n, g = start + t, hq // HKV
     qc, dq = _code(q.float() * (1.0 / math.sqrt(d)))
     if not row_scale:
         dq = dq.amax(dim=1, keepdim=True).expand_as(dq)
         qc = torch.round(q.float() * (1.0 / math.sqrt(d)) / dq)
-    kc, dk = _code(k[:, :n].float())
+    mu = torch.zeros(HKV, d) if mu is None else mu
+    kc, dk = _code(k[:, :n].float() - mu[:, None])
     vc, dv = _code(v[:, :n].float())
     out = torch.zeros(t, hq, d)
     for h in range(hq):
@@ -65,7 +68,7 @@ def _twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, row_sca
                 if vis <= 0:
                     break
                 dots = (kc[kv, t0 : t0 + vis] @ qc[h, i]).float()                  # exact integers
-                s = dots * (dq[h, i] * dk[kv, t0 : t0 + vis, 0])
+                s = dots * (dq[h, i] * dk[kv, t0 : t0 + vis, 0]) + float(q[h, i].float() / math.sqrt(d) @ mu[kv])
                 m_new = max(m, float(s.max()))
                 alpha = math.exp(m - m_new)
                 p = torch.exp(s - m_new)
@@ -108,6 +111,30 @@ def test_the_op_is_the_contract():
         mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
         fp32 = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).transpose(0, 1)
         assert (got - fp32).abs().max() < 0.05
+
+
+def test_key_offsets_are_taken_off_and_given_back():
+    """A biased key channel (as Qwen2's): coded less the offset, the scores keep their precision (closer to
+    fp32 attention than without it), the op is the twin's contract with the offset, every unit gives the
+    same bits with it, and a zero offset gives the bits of none."""
+    gen = torch.Generator().manual_seed(13)
+    start, t = 180, 9
+    k, v = (torch.randn(HKV, start + t, D, generator=gen) for _ in range(2))
+    k[:, :, 5] += 80.0                                           # one channel far from zero in every key
+    q = torch.randn(HQ, t, D, generator=gen)
+    mu = k.mean(dim=1).contiguous()
+    part = KeyPart(k, v, n=start + t, diag=start)
+    with_mu = attend_packed(q, [t], [[part]], HKV, score_unit=1, key_offset=mu)
+    without = attend_packed(q, [t], [[part]], HKV, score_unit=1)
+    torch.testing.assert_close(with_mu, _twin(q, k, v, start, mu=mu), atol=2e-5, rtol=1e-4)
+    kx, vx = (x.repeat_interleave(HQ // HKV, 0) for x in (k, v))
+    mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
+    fp32 = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).transpose(0, 1)
+    assert (with_mu - fp32).abs().max() < 0.5 * (without - fp32).abs().max()
+    ints, tensors = op_args(0, part, D)
+    for isa, unit in _units():
+        assert torch.equal(packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors, unit, mu), with_mu), (isa, unit)
+    assert torch.equal(attend_packed(q, [t], [[part]], HKV, score_unit=1, key_offset=torch.zeros(HKV, D)), without)
 
 
 def _row_alone(q, k, v, pos, unit):
@@ -223,3 +250,23 @@ def test_bad_integer_score_calls_are_refused():
         attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, score_unit=7)
     with pytest.raises(ValueError, match="native CPU op"):
         attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, kernels="torch", score_unit=1)
+
+
+def test_a_q8qk_model_measures_its_key_offsets_at_load_and_vericache_still_equals_full():
+    """Loading with numerics="q8qk" measures each layer's key offsets over the fixed text (bf16 values, the
+    same on a second load, where the attention reads them: the module and the native step), and
+    VeriCache's output is full decoding's."""
+    from vericache.llm import LLM
+    from vericache.model.loader import load_model
+    from vericache.sampling import SamplingParams
+
+    first, second = (load_model("tiny", device="cpu", dtype="float32", numerics="q8qk") for _ in range(2))
+    offsets = [b.self_attn.key_offset for b in first.model.model.blocks()]
+    assert all(o is not None and o.abs().sum() > 0 for o in offsets)
+    assert all(torch.equal(o, o.to(torch.bfloat16).float()) for o in offsets)
+    assert all(torch.equal(a, b.self_attn.key_offset) for a, b in zip(offsets, second.model.model.blocks()))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    " * 12
+    full = LLM("tiny", mode="full", numerics="q8qk").generate(prompt, params)[0].token_ids
+    veri = LLM("tiny", mode="vericache", numerics="q8qk", compressor="snapkv:ratio=0.25").generate(prompt, params)[0]
+    assert veri.token_ids == full

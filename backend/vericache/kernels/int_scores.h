@@ -4,7 +4,10 @@
 //   a query row x (one query head's row, already scaled by 1/sqrt(D)) and a key t (one KV head's stored
 //   row, widened exactly to fp32) are each quantized alone:
 //     d = max_j |x_j| / 127,  a_j = nearbyint(x_j * (1 / d)) in [-127, 127]   (all 0 when max |x| = 0)
-//   s[x][t] = float(sum_j a_j c_j) * (dq[x] * dk[t])          (|sum| <= 127^2 D < 2^24: exact as a float)
+//   s[x][t] = fma(float(sum_j a_j c_j), dq[x] * dk[t], qmu[x])  (|sum| <= 127^2 D < 2^24: exact as a float)
+// where a key is coded after taking off its head's fixed offset mu (a model constant: a channel's mean,
+// so a biased channel does not spend a key's 8 bits), and qmu[x] = sum_j q_j mu_j, fp32 fmas in j order,
+// gives each row its offset's share back (zero offsets: qmu = 0, the plain product).
 // The value pass likewise: a value row (one KV head's) is coded as a key is (codes v_c, scale dv), and a
 // row's probabilities over a block of KB keys (p_t = exp(s_t - m), 0 past what it sees) are coded with
 // each key's value scale folded in:
@@ -101,16 +104,29 @@ inline void place_key(const int8_t* a, float d, int64_t t, int64_t D, const KeyV
   kv.sum[t] = sum;
 }
 
-// Keys t0 .. bt - 1 of a block (fp32 rows, ``rows[t]``) coded into kv.
-inline void code_keys(const float* const* rows, int64_t t0, int64_t bt, int64_t D, const KeyView& kv) {
+// Keys t0 .. bt - 1 of a block (fp32 rows, ``rows[t]``) less the offset ``mu`` [D] coded into kv.
+inline void code_keys(const float* const* rows, int64_t t0, int64_t bt, int64_t D, const float* mu,
+                      const KeyView& kv) {
   alignas(64) int8_t a[MAXD];
-  for (int64_t t = t0; t < bt; ++t) place_key(a, quantize_row(rows[t], D, a), t, D, kv);
+  alignas(64) float x[MAXD];
+  for (int64_t t = t0; t < bt; ++t) {
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) x[j] = rows[t][j] - mu[j];
+    place_key(a, quantize_row(x, D, a), t, D, kv);
+  }
+}
+
+// A row's share of the key offset: sum_j q_j mu_j, fp32 fmas in j order (every build the same bits).
+inline float offset_share(const float* q, const float* mu, int64_t D) {
+  float s = 0.0f;
+  for (int64_t j = 0; j < D; ++j) s = std::fma(q[j], mu[j], s);
+  return s;
 }
 
 // The block's first bt keys coded into kc, the rest zero; returns kc's view.
-inline KeyView quantize_keys(const float* const* rows, int64_t bt, int64_t D, KeyCodes& kc) {
+inline KeyView quantize_keys(const float* const* rows, int64_t bt, int64_t D, const float* mu, KeyCodes& kc) {
   const KeyView kv{kc.c, kc.dk, kc.sum};
-  code_keys(rows, 0, bt, D, kv);
+  code_keys(rows, 0, bt, D, mu, kv);
   alignas(64) int8_t a[MAXD] = {};
   for (int64_t t = bt; t < KB; ++t) place_key(a, 0.0f, t, D, kv);
   return kv;
@@ -337,11 +353,11 @@ inline Unit runnable(Unit unit, int64_t D) {
 #endif
 }
 
-// Scores s[x][t] = float(dots) * (dq[x] * dk[t]) for x < nr (<= ROWS) and the block's KB keys; A as above
-// with ROWS rows (rows past nr zero: AMX multiplies whole tiles), ``dots`` scratch. AMX: the caller
+// Scores s[x][t] = fma(float(dots), dq[x] * dk[t], qmu[x]) for x < nr (<= ROWS) and the block's KB keys; A as
+// above with ROWS rows (rows past nr zero: AMX multiplies whole tiles), ``dots`` scratch. AMX: the caller
 // configured this thread's tiles (``amx_configure``).
-inline void block_scores(Unit unit, const int8_t* A, const float* dq, int nr, const KeyView& kc, int64_t D,
-                         int32_t (*dots)[KB], float (*s)[KB]) {
+inline void block_scores(Unit unit, const int8_t* A, const float* dq, const float* qmu, int nr, const KeyView& kc,
+                         int64_t D, int32_t (*dots)[KB], float (*s)[KB]) {
   switch (runnable(unit, D)) {
 #if defined(VC_INT_SCORES_UNITS)
     case AMX: dots_amx(A, nr, kc, D, dots); break;
@@ -351,12 +367,12 @@ inline void block_scores(Unit unit, const int8_t* A, const float* dq, int nr, co
   }
   for (int x = 0; x < nr; ++x) {
 #if defined(__AVX512F__)
-    const __m512 q = _mm512_set1_ps(dq[x]);
+    const __m512 q = _mm512_set1_ps(dq[x]), m = _mm512_set1_ps(qmu[x]);
     for (int t = 0; t < KB; t += 16)
-      _mm512_store_ps(s[x] + t, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dots[x] + t)),
-                                              _mm512_mul_ps(q, _mm512_loadu_ps(kc.dk + t))));
+      _mm512_store_ps(s[x] + t, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dots[x] + t)),
+                                                _mm512_mul_ps(q, _mm512_loadu_ps(kc.dk + t)), m));
 #else
-    for (int t = 0; t < KB; ++t) s[x][t] = (float)dots[x][t] * (dq[x] * kc.dk[t]);
+    for (int t = 0; t < KB; ++t) s[x][t] = std::fma((float)dots[x][t], dq[x] * kc.dk[t], qmu[x]);
 #endif
   }
 }

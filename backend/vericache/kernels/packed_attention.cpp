@@ -649,7 +649,8 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
 // online softmax as in run_work; the weights coded and the value pass as integer dots too.
 template <int DFIX>
 void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t q_n, int64_t row0, int64_t T,
-                  int64_t G, int64_t D_, vc_int_scores::Unit unit, float* m, float* l, float* acc) {
+                  int64_t G, int64_t D_, vc_int_scores::Unit unit, const float* offsets, float* m, float* l,
+                  float* acc) {
   using namespace vc_int_scores;
   const int64_t D = DFIX ? DFIX : D_;
   const float sm = 1.0f / std::sqrt((float)D);
@@ -659,19 +660,22 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
   ValueCodes vc;
   alignas(64) int8_t qcodes[ROWS * MAX_D]; // the chunk's rows' codes [ROWS][D] (past the last: zeros)
   alignas(64) uint8_t wcodes[ROWS * BLK];  // their weights' codes [ROWS][BLK]
-  alignas(64) float dq[ROWS], dw[ROWS], alpha[ROWS];
+  alignas(64) float dq[ROWS], qm[ROWS], dw[ROWS], alpha[ROWS];
+  alignas(64) static const float no_offset[MAX_D] = {};
   alignas(64) int32_t dots[ROWS][BLK];
   alignas(64) int32_t pv[ROWS][MAX_D];
   alignas(64) float s[ROWS][BLK];           // the chunk's scores, then probabilities
   const int64_t h = w.head, R = G * T;
   const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
+  const float* mu = offsets ? offsets + h * D : no_offset;   // this KV head's key offset
   std::vector<int8_t> qall(R * D);          // every row's codes, quantized once
-  std::vector<float> dqall(R);
+  std::vector<float> dqall(R), qmall(R);
   for (int64_t r = 0; r < R; ++r) {
     const float* qr = q + (h * G + r / T) * q_h + (row0 + r % T) * q_n;
 #pragma omp simd
     for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
     dqall[r] = quantize_row(qs, D, qall.data() + r * D);
+    qmall[r] = offset_share(qs, mu, D);
     m[r] = NEG;
     l[r] = 0.f;
   }
@@ -710,12 +714,12 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
       keys = KeyView{p.codes + h * p.codes_h + t0 * D, p.dk + h * p.dk_h + t0, p.csum + h * p.dk_h + t0};
       values = ValueView{p.vcodes + h * p.codes_h + t0 * D, p.dv + h * p.dk_h + t0};
       widened(kb, p.k_t, from, bt, f32);
-      code_keys(f32, from, bt, D, keys);
+      code_keys(f32, from, bt, D, mu, keys);
       widened(vb, p.v_t, from, bt, f32);
       code_values(f32, from, bt, D, values);
     } else {
       widened(kb, p.k_t, 0, bt, f32);
-      keys = quantize_keys(f32, bt, D, kc);
+      keys = quantize_keys(f32, bt, D, mu, kc);
       widened(vb, p.v_t, 0, bt, f32);
       values = quantize_values(f32, bt, D, vc);
     }
@@ -726,10 +730,11 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
         const int64_t r = rows[c0 + c], i = r % T;
         std::memcpy(qcodes + c * D, qall.data() + r * D, D);
         dq[c] = dqall[r];
+        qm[c] = qmall[r];
         vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
       }
       std::memset(qcodes + nc * D, 0, (ROWS - nc) * D);
-      block_scores(unit, qcodes, dq, nc, keys, D, dots, s);
+      block_scores(unit, qcodes, dq, qm, nc, keys, D, dots, s);
       if (p.seen) record_seen(p, rows.data() + c0, nc, h, G, T, t0, vis, s);
       for (int c = 0; c < nc; ++c) {   // online softmax: the block's max, exp, rescale; the weights coded
         const int64_t r = rows[c0 + c];
@@ -824,12 +829,20 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 // j, in logs; about -1e30 where no row sees j).
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
-                         const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit) {
+                         const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit,
+                         const c10::optional<at::Tensor>& key_offset) {
   TORCH_CHECK(score_unit >= vc_int_scores::FP32 && score_unit <= vc_int_scores::AMX,
               "score_unit must be 0 (fp32), 1 (this build's integer dots), 2 (VNNI) or 3 (AMX), got ", score_unit);
   const auto unit = vc_int_scores::runnable((vc_int_scores::Unit)score_unit, q.size(2));
   TORCH_CHECK(unit == vc_int_scores::FP32 || q.size(2) % 16 == 0, "integer scores need a head dim that is a "
               "multiple of 16, got ", q.size(2));
+  const float* offsets = nullptr;   // q8qk's per-KV-head key offsets [Hkv, D] (none: zeros)
+  if (key_offset.has_value()) {
+    const at::Tensor& o = *key_offset;
+    TORCH_CHECK(o.scalar_type() == at::kFloat && o.dim() == 2 && o.size(0) == hkv && o.size(1) == q.size(2) &&
+                o.is_contiguous(), "key_offset: contiguous fp32 [", hkv, ", ", q.size(2), "], got ", o.sizes());
+    offsets = o.data_ptr<float>();
+  }
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: fp32 [Hq, N, D], last dim contiguous");
   const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), S = (int64_t)seq_lens.size();
   TORCH_CHECK(hkv > 0 && Hq % hkv == 0, "query heads ", Hq, " are not a multiple of KV heads ", hkv);
@@ -876,8 +889,10 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       const int64_t o = slot[wi];
       const int64_t r0 = row0[p.seq], T = seq_lens[p.seq];
       if (unit != vc_int_scores::FP32 && p.dense) {   // the q8qk numerics
-        if (D == 64) run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, &pm[o], &pl[o], &pacc[o * D]);
-        else run_work_int<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, &pm[o], &pl[o], &pacc[o * D]);
+        if (D == 64)
+          run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, &pm[o], &pl[o], &pacc[o * D]);
+        else
+          run_work_int<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, &pm[o], &pl[o], &pacc[o * D]);
       } else if (D == 64) {
         run_work<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
       } else {

@@ -108,6 +108,7 @@ class Attention(nn.Module):
         self.o_exact: ExactLinear | None = None
         self.kernels = "auto"   # what attend_packed runs on (``loader.parse_kernels``)
         self.score_unit = 0     # its scores: 0 fp32, else integer dots on that unit (``linear_op.score_unit``)
+        self.key_offset: torch.Tensor | None = None   # q8qk's key offsets [Hkv, D] (``model.key_offsets``)
 
     def fuse(self) -> None:
         """One [Hq*D + 2*Hkv*D, hidden] matmul instead of three (inference): q/k/v_proj become views
@@ -160,13 +161,13 @@ class Attention(nn.Module):
         bounds = list(zip(itertools.accumulate(seq_lens, initial=0), seq_lens))
         if not any(c.computes_attention for c in caches):
             parts = [c.parts(layer, q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]) for c, (s, t) in zip(caches, bounds)]
-            return attend_packed(q, seq_lens, parts, self.n_kv, self.kernels, self.score_unit)
+            return attend_packed(q, seq_lens, parts, self.n_kv, self.kernels, self.score_unit, self.key_offset)
         outs = []  # a cache computing its own attention (KVzip's scoring pass) is in the step
         for c, (s, t) in zip(caches, bounds):
             qs, ks, vs = q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]
             if not c.computes_attention:
                 outs.append(attend_packed(qs, [t], [c.parts(layer, qs, ks, vs)], self.n_kv, self.kernels,
-                                            self.score_unit))
+                                            self.score_unit, self.key_offset))
             else:
                 outs.append(c.attend(layer, qs, ks, vs).transpose(0, 1))
         return torch.cat(outs)

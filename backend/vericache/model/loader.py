@@ -148,7 +148,12 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
         )
     model = prepare(model.to(device=dev, dtype=dt).eval(), dev, dt, kernels, stored, numerics)
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels, numerics)
+    loaded = LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels, numerics)
+    if loaded.key_codes:   # q8qk codes keys less their offsets, measured on the model itself
+        from vericache.model.key_offsets import set_key_offsets
+
+        set_key_offsets(loaded)
+    return loaded
 
 
 def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, stored: dict) -> str:
@@ -195,9 +200,12 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
         op = linear_op()
         exact_linear.install(model, op, stored, linear_numerics(numerics))
         unit = score_unit(numerics, op.isa)
-        native_step.install(model, op, unit)
         for layer in model.model.blocks():
-            layer.self_attn.kernels, layer.self_attn.score_unit = kernels, unit
+            attn = layer.self_attn
+            attn.kernels, attn.score_unit = kernels, unit
+            if unit:   # q8qk: its key offsets, zero until measured (``key_offsets.set_key_offsets``)
+                attn.key_offset = torch.zeros(attn.n_kv, attn.head_dim, device=dev)
+        native_step.install(model, op, unit)
         return model
     return use_gpu_kernels(model, kernels, stored)
 
