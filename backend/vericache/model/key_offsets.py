@@ -9,14 +9,12 @@ the last bits of a sum cannot differ between machines.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache
-
-if TYPE_CHECKING:
-    from vericache.model.loader import LoadedModel
+from vericache.model.llama import Transformer
+from vericache.model.tokenizer import Tokenizer
 
 # Code and prose, as the models meet both: the keys' mean is a property of the model, not of this text
 TEXT = '''
@@ -51,21 +49,22 @@ MAX_TOKENS = 512
 
 
 @torch.inference_mode()
-def measure_key_offsets(loaded: LoadedModel) -> torch.Tensor:
+def measure_key_offsets(model: Transformer, tokenizer: Tokenizer, cfg: ModelConfig,
+                        device: torch.device) -> torch.Tensor:
     """The keys' mean over ``TEXT`` for each layer and KV head: [L, Hkv, D] fp32 (bf16 values)."""
-    ids = loaded.tokenizer.encode(TEXT)[:MAX_TOKENS]
-    cache = FullKVCache(loaded.config, loaded.device, torch.float32, capacity=len(ids))
+    ids = tokenizer.encode(TEXT)[:MAX_TOKENS]
+    cache = FullKVCache(cfg, device, torch.float32, capacity=len(ids))
     cache.begin(0, len(ids))
-    loaded.model(torch.tensor(ids, device=loaded.device), [0], [len(ids)], [cache],
-                 logits_index=torch.tensor([len(ids) - 1], device=loaded.device))
-    return cache.k[:, :, : len(ids)].double().mean(dim=2).to(torch.bfloat16).float()
+    model(torch.tensor(ids, device=device), [0], [len(ids)], [cache], logits_index=torch.tensor([len(ids) - 1], device=device))
+    keys, _ = cache.views(0, len(ids))                                               # [L, Hkv, n, D]
+    return keys.double().mean(dim=2).to(torch.bfloat16).float()
 
 
-def set_key_offsets(loaded: LoadedModel) -> None:
+def set_key_offsets(model: Transformer, tokenizer: Tokenizer, cfg: ModelConfig, device: torch.device) -> None:
     """Measure a q8qk model's key offsets and put them where its attention reads them (in place: the
     native step holds the same tensors)."""
-    offsets = measure_key_offsets(loaded)
-    for layer, block in enumerate(loaded.model.model.blocks()):
+    offsets = measure_key_offsets(model, tokenizer, cfg, device)
+    for layer, block in enumerate(model.model.blocks()):
         target = block.self_attn.key_offset
         if target is None:
             raise ValueError("key offsets belong to a model prepared for the q8qk numerics")

@@ -15,6 +15,7 @@ from vericache.kernels.linear_op import linear_numerics, linear_op, score_unit
 from vericache.model import exact_linear, native_step
 from vericache.model.checkpoint_files import weight_files
 from vericache.model.gguf_file import dense_matrices, load_stored
+from vericache.model.key_offsets import set_key_offsets
 from vericache.model.llama import Transformer, rope_inv_freq
 from vericache.model.registry import resolve_model
 from vericache.model.tokenizer import Tokenizer
@@ -150,9 +151,7 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
     loaded = LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels, numerics)
     if loaded.key_codes:   # q8qk codes keys less their offsets, measured on the model itself
-        from vericache.model.key_offsets import set_key_offsets
-
-        set_key_offsets(loaded)
+        set_key_offsets(model, tokenizer, cfg, dev)
     return loaded
 
 
