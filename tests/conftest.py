@@ -79,36 +79,43 @@ class RedisServer:
     """A real redis-server on a free port of 127.0.0.1, in its own temp dir, no persistence."""
 
     def __init__(self, tmp_dir) -> None:
-        exe = system_command("redis-server")
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}"
-        self.args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                     "--dir", str(tmp_dir)]
-        self._start()
+        self.exe, self.tmp_dir = system_command("redis-server"), tmp_dir
+        for _ in range(5):   # a port found free can be taken before the server binds it: then fresh ones
+            self.port = _free_port()
+            if self._start():
+                return
+        pytest.fail("redis-server exited at start 5 times, on a fresh port each time")
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """Started on ``self.port``; False when it exited (its port taken), True once it answers as ours."""
         import subprocess
         import time
 
         import redis
 
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client, deadline = redis.Redis.from_url(self.url), time.time() + 10
-        while True:
+        self.url = f"redis://127.0.0.1:{self.port}"
+        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.tmp_dir)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client, deadline = redis.Redis.from_url(self.url), time.time() + 10
+        probe = redis.Redis(port=self.port, socket_timeout=1, retry=None)
+        while self.proc.poll() is None:
             try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    pytest.fail(f"redis-server did not start on port {self.port}")
-                time.sleep(0.05)
-        self.client = client
+                if probe.info("server")["process_id"] == self.proc.pid:
+                    return True
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+        return False
 
     def restart(self) -> None:
         """Killed and started again on the same port, empty (no persistence): the store restarted."""
         self.proc.kill()
         self.proc.wait()
-        self._start()
+        if not self._start():
+            pytest.fail(f"redis-server did not start again on port {self.port}")
 
     def stop(self) -> None:
         self.proc.terminate()

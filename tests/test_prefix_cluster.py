@@ -259,3 +259,32 @@ def test_a_master_that_stops_answering_mid_fetch_never_hangs_nor_gives_a_wrong_b
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
         nodes.stop()
+
+
+def test_a_node_whose_port_is_taken_before_it_binds_starts_again_on_fresh_ports(tmp_path, monkeypatch):
+    """A port found free can be taken before redis-server binds it (another server, a client's ephemeral
+    port; CI saw it): the node exits at once and is started on fresh ports, not waited on for 30 s."""
+    import socket
+    import time
+
+    import vericache_lab.redis_local as redis_local
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real, handed = redis_local.free_port, []
+
+    def racy_free_port() -> int:   # the first node's port is the one already taken
+        port = taken.getsockname()[1] if not handed else real()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(redis_local, "free_port", racy_free_port)
+    start = time.time()
+    try:
+        with LocalRedisCluster(tmp_path, masters=3, replicas=0) as nodes:
+            assert handed[0] not in nodes.procs and len(nodes.live()) == 3 and len(nodes.masters()) == 3
+            assert redis.Redis(port=nodes.masters()[0]).ping()
+        assert time.time() - start < 25     # the dead node was not waited on for its 30 s
+    finally:
+        taken.close()

@@ -24,8 +24,6 @@ class LocalRedisCluster:
     ``bench prefix --store cluster``)."""
 
     def __init__(self, tmp_dir, masters: int = 3, replicas: int = 1, host: str = "127.0.0.1") -> None:
-        import redis
-
         exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
         if exe is None or cli is None:
             raise RuntimeError("a local Redis Cluster needs redis-server and redis-cli (apt-get install redis-server)")
@@ -34,18 +32,10 @@ class LocalRedisCluster:
         self.n_masters = masters
         if masters < 1 or replicas < 0:
             raise ValueError(f"a cluster needs masters >= 1 and replicas >= 0, got {masters} and {replicas}")
-        binds = ["127.0.0.1"] + ([host] if host != "127.0.0.1" else [])
+        self._exe, self._tmp_dir = exe, Path(tmp_dir)
+        self._binds, self._host = ["127.0.0.1"] + ([host] if host != "127.0.0.1" else []), host
         for _ in range(masters * (1 + replicas)):
-            port, bus = free_port(), free_port()
-            node_dir = Path(tmp_dir) / f"node-{port}"
-            node_dir.mkdir()
-            self.commands[port] = [exe, "--port", str(port), "--cluster-port", str(bus), "--bind", *binds,
-                                   "--cluster-announce-ip", host, "--protected-mode", "no",
-                                   "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled",
-                                   "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"]
-            self.procs[port] = subprocess.Popen(self.commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for port in self.procs:
-            self._wait(lambda: redis.Redis(port=port).ping(), f"redis-server on port {port} did not start")
+            self._start_node()
         done = subprocess.run([cli, "--cluster", "create", *(f"{host}:{p}" for p in self.procs),
                                "--cluster-replicas", str(replicas), "--cluster-yes"], capture_output=True, text=True,
                               timeout=60)
@@ -57,6 +47,35 @@ class LocalRedisCluster:
         replicas = [n["port"] for n in self.nodes() if "slave" in n["flags"]]
         self.wait_synced(replicas)
         self.url = f"redis://{host}:{self.live()[0]}"
+
+    def _start_node(self, tries: int = 5) -> None:
+        """One node on two free ports, up and answering PING. A port found free can be taken before
+        redis-server binds it (another test's server, a client's ephemeral port): the node then exits at
+        once, and is started again on fresh ports rather than waited on."""
+        import redis
+
+        for _ in range(tries):
+            port, bus = free_port(), free_port()
+            if port == bus:
+                continue
+            node_dir = self._tmp_dir / f"node-{port}"
+            node_dir.mkdir(exist_ok=True)
+            command = [self._exe, "--port", str(port), "--cluster-port", str(bus), "--bind", *self._binds,
+                       "--cluster-announce-ip", self._host, "--protected-mode", "no",
+                       "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log",
+                       "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                       "--cluster-node-timeout", "1000"]
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # ours once the server on the port names our process (another test's server could answer PING)
+            self._wait(lambda: proc.poll() is not None
+                       or redis.Redis(port=port, socket_timeout=1, retry=None).info("server")["process_id"] == proc.pid,
+                       f"redis-server on port {port} did not start (log: {node_dir / 'redis.log'})")
+            if proc.poll() is None:
+                self.procs[port], self.commands[port] = proc, command
+                return
+        self.stop()
+        log = (node_dir / "redis.log").read_text()[-500:] if (node_dir / "redis.log").exists() else ""
+        raise RuntimeError(f"redis-server exited at start {tries} times, on fresh ports each time: {log}")
 
     def wait_synced(self, replicas: list[int]) -> None:
         """Until each of ``replicas`` (ports) has its link to its master up (a full copy received)."""
