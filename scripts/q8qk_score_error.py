@@ -33,6 +33,23 @@ def g16(x: torch.Tensor) -> torch.Tensor:
     return code(x.reshape(x.shape[:-1] + (x.shape[-1] // 16, 16))).reshape(x.shape)
 
 
+def smoothed(a: torch.Tensor, b: torch.Tensor, alpha: float, hkv: int, pow2: bool = False,
+             fit: int = 0, keys_only: bool = False) -> torch.Tensor:
+    """Scores from coded a * s and b / s, s per channel and KV head (shared by its query heads):
+    SmoothQuant's balance of the channels' ranges between queries and keys, alpha the keys' share.
+    a, b [Hq, T, D] (b repeated over each KV head's query heads)."""
+    hq, t, d = a.shape
+    n = fit or t   # the scales from the first ``fit`` tokens only (a held-out measurement)
+    a_max = a[:, :n].abs().reshape(hkv, -1, d).amax(1).clamp_min(1e-6)                 # [Hkv, D]
+    if keys_only:   # the queries' ranges taken as flat
+        a_max = torch.ones_like(a_max)
+    b_max = b[:, :n].abs().reshape(hkv, -1, d).amax(1).clamp_min(1e-6)
+    s = (b_max ** alpha / a_max ** (1 - alpha)).repeat_interleave(hq // hkv, 0)[:, None]   # [Hq, 1, D]
+    if pow2:
+        s = torch.exp2(torch.round(torch.log2(s)))
+    return code(a * s) @ code(b / s).transpose(1, 2)
+
+
 def attn(q, k, v, scores_fn):
     hq, t, d = q.shape
     g = hq // k.shape[0]
@@ -49,11 +66,11 @@ def capture(model: str, text: Path, n: int) -> list[tuple[torch.Tensor, torch.Te
     captured = []
     real = llama.attend_packed
 
-    def spy(q, seq_lens, parts, n_kv, kernels="auto", score_unit=0):
+    def spy(q, seq_lens, parts, n_kv, kernels="auto", score_unit=0, key_offset=None):
         k, v = parts[0][0].dense()
         keys = parts[0][0].n
         captured.append((q.clone(), k[:, :keys].float().clone(), v[:, :keys].float().clone()))
-        return real(q, seq_lens, parts, n_kv, kernels, score_unit)
+        return real(q, seq_lens, parts, n_kv, kernels, score_unit, key_offset)
 
     llama.attend_packed = spy
     loaded.model.native = None   # the module path, where each layer's attention call can be seen
@@ -69,6 +86,7 @@ def main() -> None:
     captured = capture("qwen2.5-coder-0.5b", Path("/usr/lib/python3.11/difflib.py"), 1024)
     tot: collections.Counter = collections.Counter()
     for layer, (q, k, v) in enumerate(captured):
+        hkv = k.shape[0]
         ref = attn(q, k, v, lambda a, b: a @ b.transpose(1, 2))
         mu = k.mean(dim=1, keepdim=True).repeat_interleave(q.shape[0] // k.shape[0], 0)   # [Hq, 1, D]
         ways = {
@@ -76,9 +94,19 @@ def main() -> None:
             "offset": lambda a, b: code(a) @ code(b - mu).transpose(1, 2) + a @ mu.transpose(1, 2),
             "group16": lambda a, b: g16(a) @ g16(b).transpose(1, 2),
             "offset+group16": lambda a, b: g16(a) @ g16(b - mu).transpose(1, 2) + a @ mu.transpose(1, 2),
+            "offset+smooth": lambda a, b: smoothed(a, b - mu, 0.5, hkv) + a @ mu.transpose(1, 2),
+            "offset+smooth.75": lambda a, b: smoothed(a, b - mu, 0.75, hkv) + a @ mu.transpose(1, 2),
+            "offset+smooth.25": lambda a, b: smoothed(a, b - mu, 0.25, hkv) + a @ mu.transpose(1, 2),
+            "offset+smooth pow2": lambda a, b: smoothed(a, b - mu, 0.5, hkv, True) + a @ mu.transpose(1, 2),
+            "held-out 256: offset": lambda a, b: code(a) @ code(b - mu256).transpose(1, 2) + a @ mu256.transpose(1, 2),
+            "held-out 256: offset+smooth pow2": lambda a, b: smoothed(a, b - mu256, 0.5, hkv, True, 256)
+            + a @ mu256.transpose(1, 2),
+            "held-out 256: offset+smooth pow2 keys only": lambda a, b: smoothed(a, b - mu256, 0.5, hkv, True, 256,
+                                                                                 True) + a @ mu256.transpose(1, 2),
             "offset, q exact": lambda a, b: a @ code(b - mu).transpose(1, 2) + a @ mu.transpose(1, 2),
             "offset, k exact": lambda a, b: code(a) @ (b - mu).transpose(1, 2) + a @ mu.transpose(1, 2),
         }
+        mu256 = k[:, :256].mean(dim=1, keepdim=True).repeat_interleave(q.shape[0] // k.shape[0], 0)
         errs = {name: ((attn(q, k, v, fn) - ref).norm() / ref.norm()).item() for name, fn in ways.items()}
         tot.update(errs)
         if layer % 4 == 0:

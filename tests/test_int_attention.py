@@ -43,20 +43,21 @@ def _code(x: torch.Tensor, top: float = 127.0) -> tuple[torch.Tensor, torch.Tens
 
 
 def _twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, row_scale: bool = True,
-          mu: torch.Tensor | None = None) -> torch.Tensor:
+          coding: torch.Tensor | None = None) -> torch.Tensor:
     """The contract in torch for one sequence's causal part (n = start + T <= 512 keys: one work item a
     head): integer scores, the online softmax block by block, weights coded with the values' scales
-    folded in, integer value sums; keys coded less ``mu`` [Hkv, D] and each row given q . mu back. q [Hq, T, D]
-    -> [T, Hq, D]. ``row_scale=False``: a broken variant that codes each head's queries with one scale for
-    the whole chunk."""
+    folded in, integer value sums; in the key coding [2, Hkv, D] (offsets mu, channel scales s): keys coded
+    as (k - mu) / s, queries as q * s, each row given q . mu back. q [Hq, T, D] -> [T, Hq, D].
+    ``row_scale=False``: a broken variant that codes each head's queries with one scale for the whole chunk."""
     hq, t, d = q.shape
     n, g = start + t, hq // HKV
-    qc, dq = _code(q.float() * (1.0 / math.sqrt(d)))
+    mu, sc = (torch.zeros(HKV, d), torch.ones(HKV, d)) if coding is None else coding
+    qs = q.float() * (1.0 / math.sqrt(d)) * sc.repeat_interleave(g, 0)[:, None]
+    qc, dq = _code(qs)
     if not row_scale:
         dq = dq.amax(dim=1, keepdim=True).expand_as(dq)
-        qc = torch.round(q.float() * (1.0 / math.sqrt(d)) / dq)
-    mu = torch.zeros(HKV, d) if mu is None else mu
-    kc, dk = _code(k[:, :n].float() - mu[:, None])
+        qc = torch.round(qs / dq)
+    kc, dk = _code((k[:, :n].float() - mu[:, None]) / sc[:, None])
     vc, dv = _code(v[:, :n].float())
     out = torch.zeros(t, hq, d)
     for h in range(hq):
@@ -113,28 +114,43 @@ def test_the_op_is_the_contract():
         assert (got - fp32).abs().max() < 0.05
 
 
-def test_key_offsets_are_taken_off_and_given_back():
-    """A biased key channel (as Qwen2's): coded less the offset, the scores keep their precision (closer to
-    fp32 attention than without it), the op is the twin's contract with the offset, every unit gives the
-    same bits with it, and a zero offset gives the bits of none."""
+def test_the_key_coding_takes_off_offsets_and_balances_channels():
+    """A biased key channel (as Qwen2's) and a key channel ranging 32x its queries': coded less the offset
+    and with the channel scale (a power of two), the scores keep their precision (each closer to fp32
+    attention than the coding before it), the op is the twin's contract in that coding, every unit gives
+    the same bits in it, offsets 0 with scales 1 give the bits of none, and a scale that is not positive
+    is refused."""
     gen = torch.Generator().manual_seed(13)
     start, t = 180, 9
     k, v = (torch.randn(HKV, start + t, D, generator=gen) for _ in range(2))
-    k[:, :, 5] += 80.0                                           # one channel far from zero in every key
     q = torch.randn(HQ, t, D, generator=gen)
-    mu = k.mean(dim=1).contiguous()
-    part = KeyPart(k, v, n=start + t, diag=start)
-    with_mu = attend_packed(q, [t], [[part]], HKV, score_unit=1, key_offset=mu)
-    without = attend_packed(q, [t], [[part]], HKV, score_unit=1)
-    torch.testing.assert_close(with_mu, _twin(q, k, v, start, mu=mu), atol=2e-5, rtol=1e-4)
-    kx, vx = (x.repeat_interleave(HQ // HKV, 0) for x in (k, v))
+    k[:, :, 5] += 80.0                                           # one channel far from zero in every key
+    biased = k.clone()
+    k[:, :, 9] *= 32.0                                           # and one ranging 32x the others
+    scales = torch.ones(HKV, D)
+    scales[:, 9] = 8.0                                           # sqrt(32 / 1), rounded to a power of two
     mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
-    fp32 = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).transpose(0, 1)
-    assert (with_mu - fp32).abs().max() < 0.5 * (without - fp32).abs().max()
+
+    def error(keys: torch.Tensor, coding: torch.Tensor | None) -> float:   # the op's, against fp32 attention
+        out = attend_packed(q, [t], [[KeyPart(keys, v, n=start + t, diag=start)]], HKV, score_unit=1, key_coding=coding)
+        kx, vx = (x.repeat_interleave(HQ // HKV, 0) for x in (keys, v))
+        return float((out - F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).transpose(0, 1)).abs().max())
+
+    offset = torch.stack([biased.mean(dim=1), torch.ones(HKV, D)])
+    assert error(biased, offset) < 0.5 * error(biased, None)
+    coding = torch.stack([k.mean(dim=1), scales])
+    assert error(k, coding) < 0.5 * error(k, torch.stack([k.mean(dim=1), torch.ones(HKV, D)]))
+    part = KeyPart(k, v, n=start + t, diag=start)
+    got = attend_packed(q, [t], [[part]], HKV, score_unit=1, key_coding=coding)
+    torch.testing.assert_close(got, _twin(q, k, v, start, coding=coding), atol=2e-5, rtol=1e-4)
     ints, tensors = op_args(0, part, D)
     for isa, unit in _units():
-        assert torch.equal(packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors, unit, mu), with_mu), (isa, unit)
-    assert torch.equal(attend_packed(q, [t], [[part]], HKV, score_unit=1, key_offset=torch.zeros(HKV, D)), without)
+        assert torch.equal(packed_kernels(isa).attend_packed(q, HKV, [t], ints, tensors, unit, coding), got), (isa, unit)
+    plain = torch.stack([torch.zeros(HKV, D), torch.ones(HKV, D)])
+    assert torch.equal(attend_packed(q, [t], [[part]], HKV, score_unit=1, key_coding=plain),
+                       attend_packed(q, [t], [[part]], HKV, score_unit=1))
+    with pytest.raises(RuntimeError, match="positive"):
+        attend_packed(q, [t], [[part]], HKV, score_unit=1, key_coding=torch.stack([coding[0], torch.zeros(HKV, D)]))
 
 
 def _row_alone(q, k, v, pos, unit):
@@ -252,19 +268,36 @@ def test_bad_integer_score_calls_are_refused():
         attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, kernels="torch", score_unit=1)
 
 
-def test_a_q8qk_model_measures_its_key_offsets_at_load_and_vericache_still_equals_full():
-    """Loading with numerics="q8qk" measures each layer's key offsets over the fixed text (bf16 values, the
-    same on a second load, where the attention reads them: the module and the native step), and
-    VeriCache's output is full decoding's."""
+def test_a_q8qk_model_measures_its_key_coding_at_load_and_vericache_still_equals_full():
+    """Loading with numerics="q8qk" measures each layer's key coding over the fixed text (offsets in bf16,
+    channel scales powers of two, some not 1; the same on a second load; where the attention reads it: the
+    module and the native step), and VeriCache's output is full decoding's."""
     from vericache.llm import LLM
     from vericache.model.loader import load_model
     from vericache.sampling import SamplingParams
 
     first, second = (load_model("tiny", device="cpu", dtype="float32", numerics="q8qk") for _ in range(2))
-    offsets = [b.self_attn.key_offset for b in first.model.model.blocks()]
-    assert all(o is not None and o.abs().sum() > 0 for o in offsets)
-    assert all(torch.equal(o, o.to(torch.bfloat16).float()) for o in offsets)
-    assert all(torch.equal(a, b.self_attn.key_offset) for a, b in zip(offsets, second.model.model.blocks()))
+    codings = [b.self_attn.key_coding for b in first.model.model.blocks()]
+    assert all(c is not None and c.shape == (2, b.self_attn.n_kv, b.self_attn.head_dim)
+               for c, b in zip(codings, first.model.model.blocks()))
+    assert all(c[0].abs().sum() > 0 and torch.equal(c[0], c[0].to(torch.bfloat16).float()) for c in codings)
+    assert all(torch.equal(c[1], torch.exp2(torch.log2(c[1]).round())) for c in codings)
+    assert any((c[1] != 1).any() for c in codings)
+    assert all(torch.equal(a, b.self_attn.key_coding) for a, b in zip(codings, second.model.model.blocks()))
+    ids = first.tokenizer.encode("def fibonacci(n):\n    " * 20)
+
+    def native_logits() -> torch.Tensor:   # the whole step in the native call, the coding as it holds it
+        assert first.model.native is not None
+        cache = FullKVCache(first.config, "cpu", first.kv_dtype, capacity=len(ids), key_codes=True)
+        cache.begin(0, len(ids))
+        with torch.inference_mode():
+            return first.model(torch.tensor(ids), [0], [len(ids)], [cache])
+
+    measured = native_logits()
+    for c in codings:   # set to none in place: the native step reads the same tensors
+        c[0].zero_()
+        c[1].fill_(1.0)
+    assert not torch.equal(native_logits(), measured)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompt = "def fibonacci(n):\n    " * 12
     full = LLM("tiny", mode="full", numerics="q8qk").generate(prompt, params)[0].token_ids

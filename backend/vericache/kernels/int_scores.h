@@ -5,9 +5,13 @@
 //   row, widened exactly to fp32) are each quantized alone:
 //     d = max_j |x_j| / 127,  a_j = nearbyint(x_j * (1 / d)) in [-127, 127]   (all 0 when max |x| = 0)
 //   s[x][t] = fma(float(sum_j a_j c_j), dq[x] * dk[t], qmu[x])  (|sum| <= 127^2 D < 2^24: exact as a float)
-// where a key is coded after taking off its head's fixed offset mu (a model constant: a channel's mean,
-// so a biased channel does not spend a key's 8 bits), and qmu[x] = sum_j q_j mu_j, fp32 fmas in j order,
-// gives each row its offset's share back (zero offsets: qmu = 0, the plain product).
+// where the rows are not coded as they are but in their head's fixed key coding (model constants,
+// ``model/key_coding.py``): a key as (k_j - mu_j) / s_j and a query as x_j * s_j. The offset mu (a
+// channel's mean) keeps a biased channel from spending a key's 8 bits, and qmu[x] = sum_j x_j mu_j (fp32
+// fmas in j order) gives each row its share back; the channel scale s (powers of two: exact) moves a
+// key channel's range into the queries' and back (SmoothQuant's balance), so neither side's outlier
+// channel takes the other channels' bits. The product is unchanged: sum_j (x_j s_j)((k_j - mu_j) / s_j)
+// + x . mu = x . k. mu = 0 and s = 1 give the plain product's bits.
 // The value pass likewise: a value row (one KV head's) is coded as a key is (codes v_c, scale dv), and a
 // row's probabilities over a block of KB keys (p_t = exp(s_t - m), 0 past what it sees) are coded with
 // each key's value scale folded in:
@@ -104,29 +108,38 @@ inline void place_key(const int8_t* a, float d, int64_t t, int64_t D, const KeyV
   kv.sum[t] = sum;
 }
 
-// Keys t0 .. bt - 1 of a block (fp32 rows, ``rows[t]``) less the offset ``mu`` [D] coded into kv.
+// Keys t0 .. bt - 1 of a block (fp32 rows, ``rows[t]``) in the key coding (offset ``mu`` [D], channel
+// scale ``sc`` [D]) coded into kv.
 inline void code_keys(const float* const* rows, int64_t t0, int64_t bt, int64_t D, const float* mu,
-                      const KeyView& kv) {
+                      const float* sc, const KeyView& kv) {
   alignas(64) int8_t a[MAXD];
   alignas(64) float x[MAXD];
   for (int64_t t = t0; t < bt; ++t) {
 #pragma omp simd
-    for (int64_t j = 0; j < D; ++j) x[j] = rows[t][j] - mu[j];
+    for (int64_t j = 0; j < D; ++j) x[j] = (rows[t][j] - mu[j]) / sc[j];
     place_key(a, quantize_row(x, D, a), t, D, kv);
   }
 }
 
-// A row's share of the key offset: sum_j q_j mu_j, fp32 fmas in j order (every build the same bits).
-inline float offset_share(const float* q, const float* mu, int64_t D) {
-  float s = 0.0f;
-  for (int64_t j = 0; j < D; ++j) s = std::fma(q[j], mu[j], s);
-  return s;
+// A query row x [D] (scaled by 1/sqrt(D)) coded in the key coding: codes of x * sc into a, its scale
+// into *dq and its share of the offset, sum_j x_j mu_j (fp32 fmas in j order: every build the same
+// bits), into *qmu.
+inline void code_query(const float* x, int64_t D, const float* mu, const float* sc, int8_t* a, float* dq,
+                       float* qmu) {
+  alignas(64) float y[MAXD];
+  float share = 0.0f;
+  for (int64_t j = 0; j < D; ++j) share = std::fma(x[j], mu[j], share);
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) y[j] = x[j] * sc[j];
+  *dq = quantize_row(y, D, a);
+  *qmu = share;
 }
 
 // The block's first bt keys coded into kc, the rest zero; returns kc's view.
-inline KeyView quantize_keys(const float* const* rows, int64_t bt, int64_t D, const float* mu, KeyCodes& kc) {
+inline KeyView quantize_keys(const float* const* rows, int64_t bt, int64_t D, const float* mu, const float* sc,
+                             KeyCodes& kc) {
   const KeyView kv{kc.c, kc.dk, kc.sum};
-  code_keys(rows, 0, bt, D, mu, kv);
+  code_keys(rows, 0, bt, D, mu, sc, kv);
   alignas(64) int8_t a[MAXD] = {};
   for (int64_t t = bt; t < KB; ++t) place_key(a, 0.0f, t, D, kv);
   return kv;

@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -649,8 +650,8 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
 // online softmax as in run_work; the weights coded and the value pass as integer dots too.
 template <int DFIX>
 void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t q_n, int64_t row0, int64_t T,
-                  int64_t G, int64_t D_, vc_int_scores::Unit unit, const float* offsets, float* m, float* l,
-                  float* acc) {
+                  int64_t G, int64_t D_, vc_int_scores::Unit unit, const float* offsets, const float* scales,
+                  float* m, float* l, float* acc) {
   using namespace vc_int_scores;
   const int64_t D = DFIX ? DFIX : D_;
   const float sm = 1.0f / std::sqrt((float)D);
@@ -667,15 +668,21 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
   alignas(64) float s[ROWS][BLK];           // the chunk's scores, then probabilities
   const int64_t h = w.head, R = G * T;
   const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
-  const float* mu = offsets ? offsets + h * D : no_offset;   // this KV head's key offset
+  static const std::array<float, MAX_D> unit_scale = [] {
+    std::array<float, MAX_D> a;
+    a.fill(1.0f);
+    return a;
+  }();
+  // this KV head's key coding (int_scores.h; none: offset 0, scale 1)
+  const float* mu = offsets ? offsets + h * D : no_offset;
+  const float* sc = scales ? scales + h * D : unit_scale.data();
   std::vector<int8_t> qall(R * D);          // every row's codes, quantized once
   std::vector<float> dqall(R), qmall(R);
   for (int64_t r = 0; r < R; ++r) {
     const float* qr = q + (h * G + r / T) * q_h + (row0 + r % T) * q_n;
 #pragma omp simd
     for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
-    dqall[r] = quantize_row(qs, D, qall.data() + r * D);
-    qmall[r] = offset_share(qs, mu, D);
+    code_query(qs, D, mu, sc, qall.data() + r * D, &dqall[r], &qmall[r]);
     m[r] = NEG;
     l[r] = 0.f;
   }
@@ -714,12 +721,12 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
       keys = KeyView{p.codes + h * p.codes_h + t0 * D, p.dk + h * p.dk_h + t0, p.csum + h * p.dk_h + t0};
       values = ValueView{p.vcodes + h * p.codes_h + t0 * D, p.dv + h * p.dk_h + t0};
       widened(kb, p.k_t, from, bt, f32);
-      code_keys(f32, from, bt, D, mu, keys);
+      code_keys(f32, from, bt, D, mu, sc, keys);
       widened(vb, p.v_t, from, bt, f32);
       code_values(f32, from, bt, D, values);
     } else {
       widened(kb, p.k_t, 0, bt, f32);
-      keys = quantize_keys(f32, bt, D, mu, kc);
+      keys = quantize_keys(f32, bt, D, mu, sc, kc);
       widened(vb, p.v_t, 0, bt, f32);
       values = quantize_values(f32, bt, D, vc);
     }
@@ -830,18 +837,23 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
                          const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit,
-                         const c10::optional<at::Tensor>& key_offset) {
+                         const c10::optional<at::Tensor>& key_coding) {
   TORCH_CHECK(score_unit >= vc_int_scores::FP32 && score_unit <= vc_int_scores::AMX,
               "score_unit must be 0 (fp32), 1 (this build's integer dots), 2 (VNNI) or 3 (AMX), got ", score_unit);
   const auto unit = vc_int_scores::runnable((vc_int_scores::Unit)score_unit, q.size(2));
   TORCH_CHECK(unit == vc_int_scores::FP32 || q.size(2) % 16 == 0, "integer scores need a head dim that is a "
               "multiple of 16, got ", q.size(2));
-  const float* offsets = nullptr;   // q8qk's per-KV-head key offsets [Hkv, D] (none: zeros)
-  if (key_offset.has_value()) {
-    const at::Tensor& o = *key_offset;
-    TORCH_CHECK(o.scalar_type() == at::kFloat && o.dim() == 2 && o.size(0) == hkv && o.size(1) == q.size(2) &&
-                o.is_contiguous(), "key_offset: contiguous fp32 [", hkv, ", ", q.size(2), "], got ", o.sizes());
-    offsets = o.data_ptr<float>();
+  const float *offsets = nullptr, *scales = nullptr;   // q8qk's key coding (int_scores.h; none: 0 and 1)
+  if (key_coding.has_value()) {
+    const at::Tensor& c = *key_coding;
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 3 && c.size(0) == 2 && c.size(1) == hkv &&
+                c.size(2) == q.size(2) && c.is_contiguous(), "key_coding: contiguous fp32 [2, ", hkv, ", ",
+                q.size(2), "] (offsets, channel scales), got ", c.sizes());
+    offsets = c.data_ptr<float>();
+    scales = offsets + hkv * q.size(2);
+    for (int64_t j = 0; j < hkv * q.size(2); ++j)
+      TORCH_CHECK(scales[j] > 0.0f && std::isfinite(scales[j]), "key_coding: channel scales must be positive "
+                  "and finite, got ", scales[j], " at ", j);
   }
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: fp32 [Hq, N, D], last dim contiguous");
   const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2), S = (int64_t)seq_lens.size();
@@ -890,9 +902,9 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       const int64_t r0 = row0[p.seq], T = seq_lens[p.seq];
       if (unit != vc_int_scores::FP32 && p.dense) {   // the q8qk numerics
         if (D == 64)
-          run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, &pm[o], &pl[o], &pacc[o * D]);
+          run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
         else
-          run_work_int<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, &pm[o], &pl[o], &pacc[o * D]);
+          run_work_int<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
       } else if (D == 64) {
         run_work<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
       } else {

@@ -37,7 +37,7 @@ struct Layer {
   at::Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;   // [D] each: Qwen3's per-head RMSNorm before RoPE, or none
-  c10::optional<at::Tensor> key_offset;       // [Hkv, D]: the q8qk numerics' key offsets (int_scores.h), or none
+  c10::optional<at::Tensor> key_coding;       // [2, Hkv, D]: the q8qk numerics' key coding (int_scores.h), or none
 };
 
 // fmts, data tensors, row bytes, output rows, K, bias, q8 numerics, packed panels (or none) of each weight:
@@ -79,15 +79,15 @@ struct StepWeights {
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears,
                  const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                 const c10::optional<at::Tensor>& key_offset) {
+                 const c10::optional<at::Tensor>& key_coding) {
     TORCH_CHECK(linears.size() == 4, "a layer has 4 linears (qkv, o, gate_up, down), got ", linears.size());
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
     Layer y{in_norm.contiguous(), post_norm.contiguous(), make_linear(linears[0]), make_linear(linears[1]),
             make_linear(linears[2]), make_linear(linears[3]), c10::nullopt, c10::nullopt, c10::nullopt};
-    if (key_offset.has_value()) {
-      TORCH_CHECK(key_offset->scalar_type() == at::kFloat && key_offset->numel() == hkv * d,
-                  "key offsets: fp32 [", hkv, ", ", d, "]");
-      y.key_offset = key_offset->contiguous().view({hkv, d});
+    if (key_coding.has_value()) {
+      TORCH_CHECK(key_coding->scalar_type() == at::kFloat && key_coding->numel() == 2 * hkv * d,
+                  "key coding: fp32 [2, ", hkv, ", ", d, "]");
+      y.key_coding = key_coding->contiguous().view({2, hkv, d});   // a view: set_key_coding writes it in place
     }
     if (q_norm.has_value()) {
       for (const at::Tensor* w : {&*q_norm, &*k_norm})
@@ -113,7 +113,7 @@ struct StepWeights {
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
                          const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit,
-                         const c10::optional<at::Tensor>& key_offset);
+                         const c10::optional<at::Tensor>& key_coding);
 // guide_select.cpp
 at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
                         const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps, double decay);

@@ -140,13 +140,14 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
                   n_kv_heads: int, kernels: str = "auto", score_unit: int = 0,
-                  key_offset: torch.Tensor | None = None) -> torch.Tensor:
+                  key_coding: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
     Returns out [N, Hq, D]. ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
     (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
     op for fp32 queries on the CPU, PyTorch's kernels elsewhere. ``score_unit`` (the native op only):
     0 fp32 scores, else the q8qk numerics' integer scores on that unit (``linear_op.score_unit``), keys
-    coded less ``key_offset`` [Hkv, D] (fp32; None: zeros), each row given its share back."""
+    and queries coded in ``key_coding`` [2, Hkv, D] (fp32 offsets and channel scales, ``kernels/int_scores.h``;
+    None: offsets 0, scales 1)."""
     hq, n, d = q.shape
     if len(parts) != len(seq_lens) or sum(seq_lens) != n:
         raise ValueError(f"{len(parts)} part lists and seq_lens {list(seq_lens)} for {n} query rows")
@@ -168,7 +169,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                 ints += i
                 tensors += t
         out: torch.Tensor = packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors, score_unit,
-                                                           key_offset)
+                                                           key_coding)
         return out
     record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0

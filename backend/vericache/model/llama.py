@@ -108,7 +108,7 @@ class Attention(nn.Module):
         self.o_exact: ExactLinear | None = None
         self.kernels = "auto"   # what attend_packed runs on (``loader.parse_kernels``)
         self.score_unit = 0     # its scores: 0 fp32, else integer dots on that unit (``linear_op.score_unit``)
-        self.key_offset: torch.Tensor | None = None   # q8qk's key offsets [Hkv, D] (``model.key_offsets``)
+        self.key_coding: torch.Tensor | None = None   # q8qk's key coding [2, Hkv, D] (``model.key_coding``)
 
     def fuse(self) -> None:
         """One [Hq*D + 2*Hkv*D, hidden] matmul instead of three (inference): q/k/v_proj become views
@@ -130,7 +130,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 seq_lens: Sequence[int],
                 caches: Sequence[KVCache] | None, n_draft: int = 0) -> torch.Tensor:
-        # x: [N, hidden] -> q: [Hq, N, D], k/v: [Hkv, N, D]; rows :n_draft are drafts (draft weights)
+        n = x.shape[0]
+        q, k, v = self.project(x, cos, sin, n_draft)
+        if caches is None:
+            out = self._causal_no_cache(q, k, v, seq_lens).transpose(0, 1)
+        else:
+            out = self._attend_caches(q, k, v, layer, seq_lens, caches)
+        # out: [N, Hq, D] -> [N, Hq*D]
+        return mixed_linear(out.reshape(n, -1).to(x.dtype), n_draft, self.o_exact or self.o_proj, self.o_draft)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                n_draft: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] -> q: [Hq, N, D], k, v: [Hkv, N, D], after the norms and RoPE (what attention
+        reads); rows :n_draft are drafts (draft weights)."""
         n, dq, dkv = x.shape[0], self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = mixed_linear(x, n_draft, self._qkv_exact, self.qkv_draft).split([dq, dkv, dkv], dim=-1)
         q = q.reshape(n, self.n_heads, self.head_dim).transpose(0, 1)
@@ -140,13 +152,7 @@ class Attention(nn.Module):
         q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if caches is None:
-            out = self._causal_no_cache(q, k, v, seq_lens).transpose(0, 1)
-        else:
-            out = self._attend_caches(q, k, v, layer, seq_lens, caches)
-        # out: [N, Hq, D] -> [N, Hq*D]
-        return mixed_linear(out.reshape(n, -1).to(x.dtype), n_draft, self.o_exact or self.o_proj, self.o_draft)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _qkv_exact(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv_exact is not None:
@@ -161,13 +167,13 @@ class Attention(nn.Module):
         bounds = list(zip(itertools.accumulate(seq_lens, initial=0), seq_lens))
         if not any(c.computes_attention for c in caches):
             parts = [c.parts(layer, q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]) for c, (s, t) in zip(caches, bounds)]
-            return attend_packed(q, seq_lens, parts, self.n_kv, self.kernels, self.score_unit, self.key_offset)
+            return attend_packed(q, seq_lens, parts, self.n_kv, self.kernels, self.score_unit, self.key_coding)
         outs = []  # a cache computing its own attention (KVzip's scoring pass) is in the step
         for c, (s, t) in zip(caches, bounds):
             qs, ks, vs = q[:, s : s + t], k[:, s : s + t], v[:, s : s + t]
             if not c.computes_attention:
                 outs.append(attend_packed(qs, [t], [c.parts(layer, qs, ks, vs)], self.n_kv, self.kernels,
-                                            self.score_unit, self.key_offset))
+                                            self.score_unit, self.key_coding))
             else:
                 outs.append(c.attend(layer, qs, ks, vs).transpose(0, 1))
         return torch.cat(outs)

@@ -15,7 +15,7 @@ from vericache.kernels.linear_op import linear_numerics, linear_op, score_unit
 from vericache.model import exact_linear, native_step
 from vericache.model.checkpoint_files import weight_files
 from vericache.model.gguf_file import dense_matrices, load_stored
-from vericache.model.key_offsets import set_key_offsets
+from vericache.model.key_coding import set_key_coding
 from vericache.model.llama import Transformer, rope_inv_freq
 from vericache.model.registry import resolve_model
 from vericache.model.tokenizer import Tokenizer
@@ -150,8 +150,8 @@ def load_model(name_or_path: str | Path, device: str | torch.device | None = Non
     model = prepare(model.to(device=dev, dtype=dt).eval(), dev, dt, kernels, stored, numerics)
     tokenizer = Tokenizer(path / "tokenizer.json", read_eos_ids(path, cfg))
     loaded = LoadedModel(path, cfg, model, tokenizer, dev, dt, str(name_or_path), kv_dt, kernels, numerics)
-    if loaded.key_codes:   # q8qk codes keys less their offsets, measured on the model itself
-        set_key_offsets(model, tokenizer, cfg, dev)
+    if loaded.key_codes:   # q8qk codes keys and queries in a key coding measured on the model itself
+        set_key_coding(model, tokenizer, cfg, dev)
     return loaded
 
 
@@ -202,8 +202,9 @@ def prepare(model: Transformer, dev: torch.device, dt: torch.dtype, kernels: str
         for layer in model.model.blocks():
             attn = layer.self_attn
             attn.kernels, attn.score_unit = kernels, unit
-            if unit:   # q8qk: its key offsets, zero until measured (``key_offsets.set_key_offsets``)
-                attn.key_offset = torch.zeros(attn.n_kv, attn.head_dim, device=dev)
+            if unit:   # q8qk: its key coding, none (offsets 0, scales 1) until measured (``model.key_coding``)
+                attn.key_coding = torch.stack([torch.zeros(attn.n_kv, attn.head_dim, device=dev),
+                                               torch.ones(attn.n_kv, attn.head_dim, device=dev)])
         native_step.install(model, op, unit)
         return model
     return use_gpu_kernels(model, kernels, stored)

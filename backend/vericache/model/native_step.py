@@ -55,7 +55,7 @@ class NativeStep:
             norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             qk = [n.weight.detach().float().contiguous() if n is not None else None for n in (a.q_norm, a.k_norm)]
             self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
-                                                                       mlp.down_exact)], *qk, a.key_offset)
+                                                                       mlp.down_exact)], *qk, a.key_coding)
         # the embedding as stored (a GGUF model's blocks; else the fp32 table as it is) and the head
         embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op)
         self.weights.set_ends(_linear_spec(embed), model.model.norm.weight.detach().float().contiguous(),
