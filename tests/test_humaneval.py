@@ -163,3 +163,16 @@ def test_the_command_prints_rows_and_draws_the_plot(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["config"] for r in rows] == ["full", "lossy streaming:ratio=0.25", "vericache streaming:ratio=0.25"]
     assert rows[2]["identical_to_full"] == 1.0 and plot.stat().st_size > 10_000
+
+
+def test_rows_of_each_numerics_are_kept_apart(tmp_path):
+    """``numerics="q8qk"`` after a run in the model's default numerics (tiny: fp32): every row computed
+    again (none taken from the other numerics' rows), named by its numerics, VeriCache still full's."""
+    ckpt = tmp_path / "he.jsonl"
+    args = dict(model="tiny", contexts=(150,), configs=["snapkv:ratio=0.25"], limit=1, max_tokens=10,
+                checkpoint=str(ckpt), log=lambda m: None)
+    he.run_humaneval(**args)
+    rows = he.run_humaneval(**args, numerics="q8qk")
+    recs = [json.loads(line) for line in ckpt.read_text().splitlines()]
+    assert [r["built"]["numerics"] for r in recs] == ["fp32"] * 3 + ["q8qk"] * 3
+    assert rows[2]["config"].startswith("vericache") and rows[2]["identical_to_full"] == 1.0

@@ -138,13 +138,14 @@ def _cmd_humaneval(args: argparse.Namespace) -> int:
     rows = run_humaneval(args.model or "qwen2.5-coder-0.5b", contexts, configs, limit=args.limit,
                          max_tokens=args.max_tokens, checkpoint=args.checkpoint,
                          log=lambda m: print(m, file=sys.stderr, flush=True), context_format=args.context_format,
-                         draft_len=args.draft_len)
+                         draft_len=args.draft_len, numerics=args.numerics)
     cols = ["context", "config", "kv_kept", "pass_at_1", "parses", "identical_to_full", "seconds"]
     return _report_rows(args, rows, cols, plot_humaneval, f"HumanEval after a long code context on "
                         f"{args.model or 'qwen2.5-coder-0.5b'}: full vs lossy vs VeriCache", "pass@1 vs KV kept")
 
 
 def _add_eval(sub) -> None:
+    from vericache.kernels.linear_op import NUMERICS
     from vericache.model.draft_weights import DRAFT_WEIGHTS
     from vericache_lab.eval.humaneval import CONTEXT_FORMATS
 
@@ -159,6 +160,8 @@ def _add_eval(sub) -> None:
     h.add_argument("--contexts", default="8000,16000", help="tokens of code before each problem, comma-separated")
     h.add_argument("--limit", type=int, default=None, help="the first N problems (quick runs)")
     h.add_argument("--max-tokens", type=int, default=384)
+    h.add_argument("--numerics", default=None, choices=NUMERICS,
+                   help="the forward's arithmetic (default: the model's; rows of each kept apart)")
     h.add_argument("--context-format", default="documents", choices=CONTEXT_FORMATS,
                    help="documents: stdlib files joined by end-of-text, the problem after the cut; repo: the files "
                    "in the model's repository format (<|file_sep|> path headers), the problem a file of its own")

@@ -181,12 +181,14 @@ def _repo_tokens(tokenizer) -> None:
 
 def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs: list[str] | None = None,
                   limit: int | None = None, max_tokens: int = 384, checkpoint: str | None = None,
-                  log=print, context_format: str = "documents", draft_len: int | str = "auto") -> list[dict]:
+                  log=print, context_format: str = "documents", draft_len: int | str = "auto",
+                  numerics: str | None = None) -> list[dict]:
     """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``configs=[]``: full decoding
     alone) on the first ``limit`` problems; one row per (context, configuration). Context 0 is the
     problem with nothing before it; ``context_format``: how the context is laid out (``CONTEXT_FORMATS``;
     rows of each format are kept apart in the checkpoint); ``draft_len``: the VeriCache rows' (an integer:
-    rounds of that length, where "auto" may decode plain full steps; kept apart too)."""
+    rounds of that length, where "auto" may decode plain full steps; kept apart too); ``numerics``: the
+    forward's (None: the model's default; every row of one numerics apart from another's)."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
     from vericache_lab.bench.common import cached_prefill
@@ -194,12 +196,12 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
     problems = load_problems(limit)
     configs = GRID if configs is None else configs
     labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
-    llm = LLM(model, device="cpu", dtype="float32")
+    llm = LLM(model, device="cpu", dtype="float32", numerics=numerics)
     tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
     if context_format not in CONTEXT_FORMATS:
         raise ValueError(f"context format must be one of {', '.join(CONTEXT_FORMATS)}, got {context_format!r}")
     DraftLengthPolicy.from_arg(draft_len)   # a bad length: its ValueError before the model loads
-    done = _read_checkpoint(checkpoint, model, max_tokens, context_format, draft_len)
+    done = _read_checkpoint(checkpoint, model, max_tokens, context_format, draft_len, llm.loaded.numerics)
     sandbox, built = sandbox_prefix(), provenance(llm.loaded)
     log(f"HumanEval: {len(problems)} problems x contexts {list(contexts)} x {len(labels)} configurations "
         f"({'no network' if sandbox else 'network NOT isolated: unshare unavailable'})")
@@ -263,16 +265,18 @@ def _report_unlike_full(rec: dict, full: dict | None, log) -> None:
 
 
 def _read_checkpoint(path: str | None, model: str, max_tokens: int, context_format: str,
-                     draft_len: int | str = "auto") -> dict:
-    """The rows of this model, length and context format (rows from before formats were named: "documents";
-    the problem alone, context 0, is the same in every format), VeriCache rows of this draft length
-    (rows from before it was recorded: "auto")."""
+                     draft_len: int | str = "auto", numerics: str = "q8") -> dict:
+    """The rows of this model, length, context format (rows from before formats were named: "documents";
+    the problem alone, context 0, is the same in every format) and numerics (rows without provenance
+    came before q8qk: q8), VeriCache rows of this draft length (rows from before it was recorded: "auto")."""
     done: dict[tuple[int, str, str], dict] = {}
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             rec = json.loads(line)
             form = rec.get("context_format", "documents")
             if rec["config"].startswith("vericache") and rec.get("draft_len", "auto") != draft_len:
+                continue
+            if rec.get("built", {}).get("numerics", "q8") != numerics:
                 continue
             if rec.get("model") == model and rec.get("max_tokens") == max_tokens and \
                     (form == context_format or rec["context"] == 0):
