@@ -190,3 +190,24 @@ def test_a_prefill_kept_in_the_cache_folder_comes_back_equal_and_each_prompt_has
     monkeypatch.setenv("VERICACHE_PREFILL_CACHE", str(tmp_path))
     other = cached_prefill(base, base.new_sequence(0, ids[:-3], SamplingParams(max_tokens=4)))
     assert other.prompt_len == n - 3 and len(list(tmp_path.glob("prefill-*.pt"))) == 2
+
+
+def test_a_kept_q8qk_prefill_is_keyed_by_the_key_coding_its_codes_were_made_under(tmp_path, monkeypatch):
+    """q8qk's full caches keep key codes made in the model's key coding (measured at load): a prefill kept
+    under one coding is not answered to a model with another (its codes would give other bits)."""
+    from vericache import LLM, SamplingParams
+    from vericache.engine.engine import Engine
+    from vericache_lab.bench.common import cached_prefill
+
+    monkeypatch.setenv("VERICACHE_PREFILL_CACHE", str(tmp_path))
+    loaded = LLM("tiny", numerics="q8qk").loaded
+    base = Engine(loaded, mode="full", device_budget_gb=None)
+    ids = loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 8)
+    cached_prefill(base, base.new_sequence(0, ids, SamplingParams(max_tokens=4)))
+    before = loaded.numerics_id
+    coding = next(iter(loaded.model.model.blocks())).self_attn.key_coding
+    assert coding is not None and before.startswith("q8qk:")
+    coding[1, 0, 0] *= 2.0                                       # another coding (a scale doubled)
+    assert loaded.numerics_id != before
+    cached_prefill(base, base.new_sequence(0, ids, SamplingParams(max_tokens=4)))
+    assert len(list(tmp_path.glob("prefill-*.pt"))) == 2

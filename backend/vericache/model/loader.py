@@ -104,6 +104,20 @@ class LoadedModel:
         return self.numerics == "q8qk"
 
     @property
+    def numerics_id(self) -> str:
+        """The numerics, and for q8qk a digest of the key coding measured at load (``model.key_coding``):
+        what kept key codes were made under (a prefill kept on disk is keyed by it)."""
+        if not self.key_codes:
+            return self.numerics
+        import hashlib
+
+        digest = hashlib.sha256()
+        for block in self.model.model.blocks():
+            coding = block.self_attn.key_coding
+            digest.update(b"" if coding is None else coding.cpu().numpy().tobytes())
+        return f"{self.numerics}:{digest.hexdigest()[:16]}"
+
+    @property
     def attn_dtype(self) -> torch.dtype:
         """What attention computes in (``kv_dtype_for``); the caches hold ``kv_dtype``."""
         return self.model.attn_dtype or self.dtype

@@ -113,7 +113,7 @@ def shared_prefills(base, prompts: list[list[int]], params, log) -> list:
 
 def cached_prefill(base, seq):
     """``base.shared_prefill(seq)``; where ``$VERICACHE_PREFILL_CACHE`` names a folder, kept there (keyed
-    by the model, its numerics, KV dtype, kernels' build, prompt and capacity) and loaded by the next run:
+    by the model, its numerics (and key coding), KV dtype, kernels' build, prompt and capacity) and loaded by the next run:
     a developer's repeated bench runs skip minutes of prefill (8 x 4K: 5 minutes on a Zen 2; the code
     model's 8K HumanEval context: 4 minutes on a Zen 3); what is timed after it is the same either way."""
     import dataclasses
@@ -126,10 +126,11 @@ def cached_prefill(base, seq):
     from vericache.kv.packed import KeyCodes
 
     folder, loaded = os.environ.get("VERICACHE_PREFILL_CACHE"), base.loaded
-    # what a kept prefill holds changes with the caches' code: q8qk's key codes are in the key (a pickled
-    # cache of another layout would load, then fail in the first step)
+    # what a kept prefill holds changes with the caches' code: q8qk's key codes' layout is in the key (a
+    # pickled cache of another layout would load, then fail in the first step), and the key coding they
+    # were made under (``numerics_id``: codes of another coding would load and give other bits)
     layout = (repr([f.name for f in dataclasses.fields(KeyCodes)]),) if loaded.key_codes else ()
-    key = hashlib.sha256(repr((loaded.name, loaded.numerics, loaded.kernels, str(loaded.kv_dtype), best_isa(),
+    key = hashlib.sha256(repr((loaded.name, loaded.numerics_id, loaded.kernels, str(loaded.kv_dtype), best_isa(),
                                seq.capacity, seq.prompt_ids, *layout)).encode()).hexdigest()[:24]
     path = Path(folder) / f"prefill-{key}.pt" if folder else None
     if path is not None and path.exists():
