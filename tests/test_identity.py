@@ -379,6 +379,25 @@ def test_seeded_vericache_equals_seeded_full_decoding(llm, identity_prompts, see
     assert 0 < accepted < drafted or (spec.startswith("int8") and 0 < accepted == drafted)
 
 
+@pytest.fixture(scope="module")
+def q8qk_tiny():
+    from vericache.model.loader import load_model
+
+    return load_model("tiny", device="cpu", dtype="float32", numerics="q8qk")
+
+
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_seeded_vericache_equals_seeded_full_decoding_in_q8qk(q8qk_tiny, identity_prompts, spec):
+    """The same under q8qk (attention in integer dots, keys and queries in the model's key coding): the
+    verification's rows and full decoding's are coded alike, so seeded text is full decoding's for every
+    compressor."""
+    sampled = SAMPLED[0]
+    reference = [o.token_ids for o in _seeded(q8qk_tiny, identity_prompts, "full", *sampled)]
+    outs = _seeded(q8qk_tiny, identity_prompts, "vericache", *sampled, compressor=spec, draft_len=3)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.stats["drafted_tokens"] for o in outs) > 0
+
+
 def test_seeded_text_does_not_follow_the_draft_length_under_load(llm, identity_prompts):
     """``draft_len=auto`` takes its rounds from measured step times: with a busy thread beside the engine
     they change, the seeded text does not."""
