@@ -33,12 +33,15 @@ def test_the_three_ways_in_give_the_same_config():
                                          "device_budget_gb": "none", "tiered": "true", "prefill_chunk": "64",
                                          "EXECUTION_ENV_PATH": "/venv"}) == want
     assert EngineConfig.from_parameters({"draft_len": "0"}).draft_len == "auto"   # the Triton input's convention
+    assert EngineConfig.from_parameters({"numerics": "q8qk"}) == DEFAULTS.replace(numerics="q8qk") == \
+        parsed("--numerics", "q8qk")                                      # Triton's parameter and serve's flag
 
 
 @pytest.mark.parametrize("bad, named", [({"mode": "fast"}, "'fast'"), ({"draft_len": 0}, "0"),
                                         ({"draft_weights": "int3"}, "'int3'"), ({"prefill_chunk": 0}, "0"),
                                         ({"device_budget_gb": -1}, "-1"), ({"scheduler": "fifo"}, "'fifo'"),
-                                        ({"tiered": "yes"}, "'yes'"), ({"kv_dtype": "int8"}, "'int8'")])
+                                        ({"tiered": "yes"}, "'yes'"), ({"kv_dtype": "int8"}, "'int8'"),
+                                        ({"numerics": "q4"}, "'q4'")])
 def test_bad_settings_are_refused_with_the_value(bad, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         EngineConfig(**bad)

@@ -467,3 +467,22 @@ def test_two_server_processes_give_the_same_seeded_text(server, code_prompts):
         for p in procs:
             p.close()
     assert answers[0] == answers[1] == full
+
+
+def test_a_q8qk_server_answers_vericache_requests_with_its_full_decodings_text(code_prompts):
+    """``vericache serve --numerics q8qk`` (a process of its own, the openai client): the model list names
+    its numerics, and seeded and greedy VeriCache requests, sent concurrently, get its full decoding's
+    text (every full cache of its engine keeps key codes; verification codes rows as full decoding does)."""
+    from vericache_lab.bench.serve import LaunchedServer
+
+    prompts = _family_prompts(code_prompts)[:3]
+    proc = LaunchedServer("tiny", extra=["--dtype", "float32", "--numerics", "q8qk"], log=lambda m: None)
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0)
+        assert client.models.list().data[0].model_extra["vericache"]["numerics"] == "q8qk"
+        bodies = [_body(p, "vericache", sampling, 3 + i, spec) for i, (p, sampling, spec) in enumerate(
+            zip(prompts, ["T0.7-top_p", "greedy", "T1.0-top_k"], ["snapkv:ratio=0.1", "kivi:bits=2", "h2o:ratio=0.1"]))]
+        full = _texts(proc.url, [{**b, "vericache": {"mode": "full"}} for b in bodies])
+        assert _texts(proc.url, bodies) == full and all(full)
+    finally:
+        proc.close()
