@@ -160,6 +160,8 @@ def test_auto_in_the_q8_numerics_times_the_exact_weights_once():
     runner.build_drafts()
     assert loaded.model.draft_sets == {} and set(loaded.model.draft_choice.seconds) == {"fp32"}
     assert runner.draft_kind(1) == runner.draft_kind(64) == "fp32"
+    q8qk = ModelRunner(load_model("tiny", numerics="q8qk"), EXACT_FULL.replace(mode="vericache", draft_weights="auto"))
+    assert "q8" not in q8qk.auto_draft_kinds()                    # q8qk's linears are q8's too
 
 
 def test_drafts_are_built_at_a_serving_engines_start_and_an_llms_first_draft_step():

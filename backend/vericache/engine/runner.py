@@ -83,7 +83,7 @@ class ModelRunner:
         """The copies "auto" measures against the exact weights: none that would run the exact weights'
         own op ("q8" drafts are the stored weights in the q8 numerics, which a q8 model's exact rows
         already run: the same op was timed twice, 12.8 s of timing in all on the 0.5B code model, AVX2)."""
-        return tuple(k for k in AUTO_DRAFT_KINDS if not (k == "q8" and self.loaded.numerics == "q8"))
+        return tuple(k for k in AUTO_DRAFT_KINDS if not (k == "q8" and self.loaded.linears_q8))
 
     def draft_kind(self, n_draft_rows: int) -> str:
         """The weights a step with ``n_draft_rows`` draft rows runs them on."""

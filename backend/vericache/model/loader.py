@@ -104,6 +104,11 @@ class LoadedModel:
         return self.numerics == "q8qk"
 
     @property
+    def linears_q8(self) -> bool:
+        """Whether its linears run the q8 op (the q8 and q8qk numerics): q8 draft copies would be the same."""
+        return self.numerics in ("q8", "q8qk")
+
+    @property
     def numerics_id(self) -> str:
         """The numerics, and for q8qk a digest of the key coding measured at load (``model.key_coding``):
         what kept key codes were made under (a prefill kept on disk is keyed by it)."""
