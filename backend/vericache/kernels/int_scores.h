@@ -403,44 +403,70 @@ inline void pv_scalar(const uint8_t* U, int nr, const ValueView& vv, int64_t D, 
     }
 }
 
+// The build's own unit: u8 weights times s8 values as int16 pairs (`madd`: a pair's sum is exact in int32;
+// `maddubs` would saturate on 255 x 127 pairs). Each row's weights are widened once, and each slice of the
+// block's values once for all rows. A value line (4 keys of each channel) widened to int16 holds channel
+// c's 4 keys side by side, so `madd` with the weights (u0, u1, u2, u3) repeated gives per channel two int32
+// partial sums, (k0, k1) and (k2, k3), added pairwise at the end.
+inline void widen_weights(const uint8_t* U, int nr, int16_t (*w16)[KB]) {
+  for (int x = 0; x < nr; ++x)
+    for (int t = 0; t < KB; ++t) w16[x][t] = U[x * KB + t];
+}
+
+inline int64_t four_weights(const int16_t* w) {   // weights t .. t + 3 as one 64-bit lane
+  int64_t four;
+  std::memcpy(&four, w, 8);
+  return four;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// `maddubs` would saturate on 255 x 127 pairs: u = 2 h + b (h <= 127, b in {0, 1}) goes in as two
-// products, each pair within 2 * 127^2, and the sums meet in int32 as 2 sum(h v) + sum(b v).
 inline void pv_build(const uint8_t* U, int nr, const ValueView& vv, int64_t D, int32_t (*pv)[MAXD]) {
-  const __m512i ones = _mm512_set1_epi16(1), low = _mm512_set1_epi8(1);
+  alignas(64) int16_t w16[ROWS][KB];
+  alignas(64) __m512i v16[KB / 4][2];   // a group's lines as int16: channels 0-7, 8-15
+  widen_weights(U, nr, w16);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   for (int64_t g = 0; g < D / 16; ++g) {
     const int8_t* vg = vv.c + g * 16 * KB;
+    for (int t4 = 0; t4 < KB / 4; ++t4) {
+      const __m512i v = _mm512_loadu_si512(vg + 64 * t4);
+      v16[t4][0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v));
+      v16[t4][1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));
+    }
     for (int x = 0; x < nr; ++x) {
-      __m512i hi_acc = _mm512_setzero_si512(), lo_acc = _mm512_setzero_si512();
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int t4 = 0; t4 < KB / 4; ++t4) {
-        const __m512i v = _mm512_loadu_si512(vg + 64 * t4);
-        int32_t four;
-        std::memcpy(&four, U + x * KB + 4 * t4, 4);
-        const __m512i u = _mm512_set1_epi32(four);
-        hi_acc = _mm512_add_epi32(hi_acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_srli_epi16(_mm512_andnot_si512(low, u), 1), v), ones));
-        lo_acc = _mm512_add_epi32(lo_acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(low, u), v), ones));
+        const __m512i w = _mm512_set1_epi64(four_weights(w16[x] + 4 * t4));
+        lo = _mm512_add_epi32(lo, _mm512_madd_epi16(v16[t4][0], w));   // channel c's (k0 k1), (k2 k3): lanes 2c, 2c + 1
+        hi = _mm512_add_epi32(hi, _mm512_madd_epi16(v16[t4][1], w));
       }
-      _mm512_storeu_si512(pv[x] + 16 * g, _mm512_add_epi32(_mm512_slli_epi32(hi_acc, 1), lo_acc));
+      const __m512i sum = _mm512_add_epi32(_mm512_permutex2var_epi32(lo, even, hi),
+                                           _mm512_permutex2var_epi32(lo, odd, hi));
+      _mm512_storeu_si512(pv[x] + 16 * g, sum);
     }
   }
 }
 #elif defined(__AVX2__)
 inline void pv_build(const uint8_t* U, int nr, const ValueView& vv, int64_t D, int32_t (*pv)[MAXD]) {
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(1);
+  alignas(64) int16_t w16[ROWS][KB];
+  alignas(32) __m256i v16[KB / 4][2];   // a slice's lines as int16: channels 0-3, 4-7
+  widen_weights(U, nr, w16);
   for (int64_t h = 0; h < D / 8; ++h) {   // 8 channels: half of a 16-channel group's line
     const int8_t* vh = vv.c + (h / 2) * 16 * KB + 32 * (h % 2);
+    for (int t4 = 0; t4 < KB / 4; ++t4) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(vh + 64 * t4));
+      v16[t4][0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+      v16[t4][1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+    }
     for (int x = 0; x < nr; ++x) {
-      __m256i hi_acc = _mm256_setzero_si256(), lo_acc = _mm256_setzero_si256();
+      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
       for (int t4 = 0; t4 < KB / 4; ++t4) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(vh + 64 * t4));
-        int32_t four;
-        std::memcpy(&four, U + x * KB + 4 * t4, 4);
-        const __m256i u = _mm256_set1_epi32(four);
-        // _mm256_srli_epi16 on (u & ~1): each byte's high 7 bits moved down (no bit crosses a byte)
-        hi_acc = _mm256_add_epi32(hi_acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_srli_epi16(_mm256_andnot_si256(low, u), 1), v), ones));
-        lo_acc = _mm256_add_epi32(lo_acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(low, u), v), ones));
+        const __m256i w = _mm256_set1_epi64x(four_weights(w16[x] + 4 * t4));
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(v16[t4][0], w));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(v16[t4][1], w));
       }
-      _mm256_storeu_si256((__m256i*)(pv[x] + 8 * h), _mm256_add_epi32(_mm256_slli_epi32(hi_acc, 1), lo_acc));
+      // per 128-bit lane [c0 c1 c4 c5 | c2 c3 c6 c7] after the pairwise add; 64-bit pairs reordered
+      _mm256_storeu_si256((__m256i*)(pv[x] + 8 * h), _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xD8));
     }
   }
 }
