@@ -40,6 +40,12 @@ NUMERICS = ("q8", "q8qk", "fp32")
 _SCORE_UNIT = {"amx": 3, "avx512vnni": 2}
 
 
+def default_numerics(integer_blocks: bool) -> str:
+    """The CPU's numerics where none is asked for: for a model stored in integer blocks (a GGUF file) the
+    integer numerics, else fp32 (a float checkpoint: exact dequantization of nothing)."""
+    return "q8" if integer_blocks else "fp32"
+
+
 def linear_numerics(numerics: str) -> str:
     """The linears' part of a model's numerics: "q8" or "fp32"."""
     if numerics not in NUMERICS:

@@ -182,7 +182,7 @@ def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, store
     kernels run fp32 weights (q8's only home), else auto: q8 where they run a model stored in integer
     blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its linears as Q8_0 blocks. The
     GPU kernels compute in their own dtype: fp32 names them."""
-    from vericache.kernels.linear_op import NUMERICS, Q8_FORMATS
+    from vericache.kernels.linear_op import NUMERICS, Q8_FORMATS, default_numerics
 
     native_fp32 = kernels == "native" and dtype == torch.float32
     if numerics is None and native_fp32:
@@ -193,8 +193,7 @@ def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, store
         raise ValueError(f"numerics={numerics!r} runs on the native CPU kernels with fp32 weights, not "
                          f"kernels={kernels!r} dtype={dtype}")
     if numerics is None:
-        integer = any(w.fmt in Q8_FORMATS for w in stored.values())
-        numerics = "q8" if native_fp32 and integer else "fp32"
+        numerics = default_numerics(native_fp32 and any(w.fmt in Q8_FORMATS for w in stored.values()))
     return numerics
 
 

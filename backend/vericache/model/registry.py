@@ -143,11 +143,11 @@ def list_models() -> list[dict]:
 
         model_dir = resolve_model(entry.name)
         cfg = ModelConfig.from_file(model_dir / "config.json")
-        from vericache.kernels.linear_op import Q8_FORMATS
+        from vericache.kernels.linear_op import Q8_FORMATS, default_numerics
         from vericache.model.gguf_file import stored_formats
 
-        integer = stored_formats(model_dir) & set(Q8_FORMATS)   # the CPU's default numerics (loader.parse_numerics)
+        integer = bool(stored_formats(model_dir) & set(Q8_FORMATS))   # the CPU's default (loader.parse_numerics)
         row.update(parameters=cfg.num_parameters(), context_length=cfg.max_position_embeddings,
-                   weight_bytes=weight_bytes(model_dir), numerics="q8" if integer else "fp32")
+                   weight_bytes=weight_bytes(model_dir), numerics=default_numerics(integer))
         rows.append(row)
     return rows
