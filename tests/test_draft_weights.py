@@ -104,8 +104,8 @@ def test_q8_drafts_read_the_stored_blocks_without_a_copy(smollm, smollm_fp32, nu
     forward unchanged; in the q8 numerics the drafts are the verifier's own arithmetic (equal)."""
     from vericache.model.exact_linear import resident_weight_bytes
 
-    loaded = smollm_fp32 if numerics == "fp32" else smollm.loaded
-    assert loaded.numerics == numerics
+    loaded = smollm_fp32 if numerics == "fp32" else smollm.loaded   # the default: q8's linears (q8 or q8qk)
+    assert loaded.linears_q8 == (numerics == "q8")
     model = loaded.model
     before = resident_weight_bytes(model)
     runner = ModelRunner(loaded, EXACT_FULL.replace(draft_weights="q8"))
@@ -118,7 +118,7 @@ def test_q8_drafts_read_the_stored_blocks_without_a_copy(smollm, smollm_fp32, nu
         exact = model(tokens, [0, 0], [6, 6])
         mixed = model(tokens, [0, 0], [6, 6], n_draft=6)
         assert torch.equal(mixed[6:], exact[6:])
-        assert torch.equal(mixed[:6], exact[:6]) == (numerics == "q8")
+        assert torch.equal(mixed[:6], exact[:6]) == loaded.linears_q8
         assert (mixed[:6].argmax(-1) == exact[:6].argmax(-1)).float().mean() >= 0.5
     finally:
         model.quantize_drafts("fp32")
@@ -156,7 +156,7 @@ def test_auto_in_the_q8_numerics_times_the_exact_weights_once():
 
     loaded = load_model("smollm2-135m")   # its own: other tests build sets on the session's model
     runner = ModelRunner(loaded, EXACT_FULL.replace(mode="vericache", draft_weights="auto"))
-    assert loaded.numerics == "q8" and runner.auto_draft_kinds() == ()
+    assert loaded.linears_q8 and runner.auto_draft_kinds() == ()
     runner.build_drafts()
     assert loaded.model.draft_sets == {} and set(loaded.model.draft_choice.seconds) == {"fp32"}
     assert runner.draft_kind(1) == runner.draft_kind(64) == "fp32"

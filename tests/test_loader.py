@@ -76,7 +76,7 @@ def test_bad_dtype():
 
 
 def test_numerics_are_chosen_once_and_bad_ones_refused(monkeypatch):
-    """q8 for integer blocks on the native kernels, fp32 elsewhere; $VERICACHE_NUMERICS only where q8
+    """q8qk for integer blocks on the native kernels, fp32 elsewhere; $VERICACHE_NUMERICS only where q8
     can run; an explicit q8 where it cannot, or an unknown name, is a ValueError naming it."""
     import torch
 
@@ -86,7 +86,7 @@ def test_numerics_are_chosen_once_and_bad_ones_refused(monkeypatch):
     monkeypatch.delenv("VERICACHE_NUMERICS", raising=False)
     q4 = {"w": StoredWeight("Q4_1", torch.zeros(2, 20, dtype=torch.uint8), 2, 32)}
     f32 = {"w": StoredWeight.from_tensor(torch.zeros(2, 32))}
-    assert parse_numerics(None, "native", torch.float32, q4) == "q8"
+    assert parse_numerics(None, "native", torch.float32, q4) == "q8qk"   # integer blocks: the integer numerics
     assert parse_numerics(None, "native", torch.float32, f32) == parse_numerics(None, "native", torch.float32, {}) == "fp32"
     assert parse_numerics(None, "triton", torch.float32, q4) == "fp32"
     assert parse_numerics("fp32", "native", torch.float32, q4) == "fp32"

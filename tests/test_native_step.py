@@ -123,7 +123,7 @@ def test_tee_prefill_and_q8_draft_rows_native_equal_module(smollm):
         model.quantize_drafts("fp32")
         # q8 drafts are free numerics in the fp32 numerics; in the q8 numerics they are its own arithmetic
         same = torch.equal(native[0][-1][:4], _three_steps(loaded, None, fulls, n_draft=1)[0][-1][:4])
-        assert same == (loaded.numerics == "q8")
+        assert same == loaded.linears_q8
     finally:
         model.quantize_drafts(kind)
 

@@ -43,7 +43,7 @@ _SCORE_UNIT = {"amx": 3, "avx512vnni": 2}
 def default_numerics(integer_blocks: bool) -> str:
     """The CPU's numerics where none is asked for: for a model stored in integer blocks (a GGUF file) the
     integer numerics, else fp32 (a float checkpoint: exact dequantization of nothing)."""
-    return "q8" if integer_blocks else "fp32"
+    return "q8qk" if integer_blocks else "fp32"
 
 
 def linear_numerics(numerics: str) -> str:
