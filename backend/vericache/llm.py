@@ -29,10 +29,10 @@ class LLM:
     draft_weights: what drafts read: "auto", "fp32" (the exact weights), "q8", "int8" or "int4" (CPU;
     verification exact). kv_dtype: what the full KV holds: "float16" (the CPU's default), "bfloat16"
     or "float32". kernels: what the forward runs on ("native" CPU ops, "triton", "torch").
-    numerics: the CPU forward's arithmetic, the same for full decoding, verification and drafts: "q8"
-    (int8 activations in exact integer dot products with the stored codes; a GGUF model's default),
-    "q8qk" (q8, and attention in integer dots too: ``kernels/int_scores.h``; opt-in, it costs quality) or
-    "fp32" (exact dequantization; a float checkpoint's default).
+    numerics: the CPU forward's arithmetic, the same for full decoding, verification and drafts: "q8qk"
+    (int8 activations in exact integer dot products with the stored codes, and attention in integer
+    dots too: ``kernels/int_scores.h``; a GGUF model's default), "q8" (the linears alone in integer dots)
+    or "fp32" (exact dequantization; a float checkpoint's default).
     ``settings``: any other ``EngineConfig`` field (``prefill_chunk``, ``device_budget_gb``, ``tiered`` ...).
     """
 

@@ -218,9 +218,8 @@ def add_numerics_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", default=DEFAULTS.numerics, choices=NUMERICS,
                    help="the CPU forward's numerics, full mode, verification and drafts alike: q8 (int8 "
                         "activations x the stored integer codes, exact integer sums), q8qk (q8, and attention "
-                        "in integer dots too: faster at long contexts, perplexity +0.7%% on the code model) or "
-                        "fp32 (exact dequantization); default: $VERICACHE_NUMERICS, else q8 for a GGUF model "
-                        "with integer blocks, else fp32")
+                        "in integer dots too: faster at long contexts) or fp32 (exact dequantization); default: "
+                        "$VERICACHE_NUMERICS, else q8qk for a GGUF model with integer blocks, else fp32")
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:

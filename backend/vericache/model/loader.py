@@ -179,8 +179,8 @@ def parse_numerics(numerics: str | None, kernels: str, dtype: torch.dtype, store
     codes, ``kernels/linear_q8.cpp``), "q8qk" (q8, and attention scores as integer dots of int8 queries
     and keys, ``kernels/int_scores.h``) or "fp32" (exact dequantization, ``kernels/linear.cpp``); each
     batch-invariant and the same bits in every build. None: $VERICACHE_NUMERICS where the native
-    kernels run fp32 weights (q8's only home), else auto: q8 where they run a model stored in integer
-    blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its linears as Q8_0 blocks. The
+    kernels run fp32 weights (q8's only home), else auto (``linear_op.default_numerics``): q8qk where
+    they run a model stored in integer blocks (a GGUF file), else fp32. q8 on a float checkpoint reads its linears as Q8_0 blocks. The
     GPU kernels compute in their own dtype: fp32 names them."""
     from vericache.kernels.linear_op import NUMERICS, Q8_FORMATS, default_numerics
 
