@@ -183,24 +183,22 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                   limit: int | None = None, max_tokens: int = 384, checkpoint: str | None = None,
                   log=print, context_format: str = "documents", draft_len: int | str = "auto",
                   numerics: str | None = None) -> list[dict]:
-    """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``configs=[]``: full decoding
-    alone) on the first ``limit`` problems; one row per (context, configuration). Context 0 is the
-    problem with nothing before it; ``context_format``: how the context is laid out (``CONTEXT_FORMATS``;
-    rows of each format are kept apart in the checkpoint); ``draft_len``: the VeriCache rows' (an integer:
-    rounds of that length, where "auto" may decode plain full steps; kept apart too); ``numerics``: the
-    forward's (None: the model's default; every row of one numerics apart from another's)."""
+    """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``[]``: full decoding alone) on
+    the first ``limit`` problems, a row per (context, configuration); context 0: the problem alone. Rows of
+    each ``context_format`` (``CONTEXT_FORMATS``), VeriCache ``draft_len`` (an integer: rounds of that length,
+    where "auto" may decode plain full steps) and ``numerics`` (None: the model's) are kept apart."""
     from vericache.engine.engine import Engine
     from vericache.llm import LLM
     from vericache_lab.bench.common import cached_prefill
 
+    if context_format not in CONTEXT_FORMATS:
+        raise ValueError(f"context format must be one of {', '.join(CONTEXT_FORMATS)}, got {context_format!r}")
+    DraftLengthPolicy.from_arg(draft_len)   # a bad length: its ValueError before the model loads
     problems = load_problems(limit)
     configs = GRID if configs is None else configs
     labels = ["full"] + [f"{mode} {spec}" for spec in configs for mode in ("lossy", "vericache")]
     llm = LLM(model, device="cpu", dtype="float32", numerics=numerics)
     tok, limit_positions = llm.tokenizer, llm.loaded.config.context_limit
-    if context_format not in CONTEXT_FORMATS:
-        raise ValueError(f"context format must be one of {', '.join(CONTEXT_FORMATS)}, got {context_format!r}")
-    DraftLengthPolicy.from_arg(draft_len)   # a bad length: its ValueError before the model loads
     done = _read_checkpoint(checkpoint, model, max_tokens, context_format, draft_len, llm.loaded.numerics)
     sandbox, built = sandbox_prefix(), provenance(llm.loaded)
     log(f"HumanEval: {len(problems)} problems x contexts {list(contexts)} x {len(labels)} configurations "
