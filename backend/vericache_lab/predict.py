@@ -81,7 +81,8 @@ def measure_step_costs(llm, compressor, context: int, weights: Callable[[int], f
     model, cfg, dt, dev = llm.loaded.model, llm.loaded.config, llm.loaded.kv_dtype, llm.loaded.device
     fulls, drafts = [], []
     for _ in range(n_probe):
-        f = FullKVCache(cfg, dev, dt, capacity=context + 9)
+        # as the engine's full caches: q8qk's keep their codes (coded by the first timed call, read after)
+        f = FullKVCache(cfg, dev, dt, capacity=context + 9, key_codes=llm.loaded.key_codes)
         f.begin(0, context)
         f.k.normal_()
         f.v.normal_()
