@@ -153,6 +153,32 @@ def test_the_key_coding_takes_off_offsets_and_balances_channels():
         attend_packed(q, [t], [[part]], HKV, score_unit=1, key_coding=torch.stack([coding[0], torch.zeros(HKV, D)]))
 
 
+def test_a_drafters_parts_take_fp32_scores_whatever_the_numerics():
+    """A part marked inexact (a compressed cache's: drafts need not be exact) is scored in fp32 under the
+    q8qk numerics too, the fp32 path's bits, while the exact part beside it in the same call keeps the
+    integer path's; a compressed cache marks its parts so, a full cache does not."""
+    from vericache.compress.registry import parse_compressor
+    from vericache.kv.compressed import CompressedKVCache
+
+    gen = torch.Generator().manual_seed(17)
+    k, v = (torch.randn(HKV, 200, D, generator=gen) for _ in range(2))
+    q = torch.randn(HQ, 2, D, generator=gen)
+    exact, free = KeyPart(k, v, n=200, diag=198), KeyPart(k, v, n=200, diag=198, exact=False)
+    both = attend_packed(torch.cat([q, q], 1), [2, 2], [[exact], [free]], HKV, score_unit=1)
+    assert torch.equal(both[:2], attend_packed(q, [2], [[exact]], HKV, score_unit=1))
+    assert torch.equal(both[2:], attend_packed(q, [2], [[exact]], HKV, score_unit=0))
+    assert not torch.equal(both[:2], both[2:])
+    cfg = ModelConfig(hidden_size=HQ * D, num_attention_heads=HQ, num_key_value_heads=HKV, num_hidden_layers=1,
+                      intermediate_size=64, vocab_size=32, head_dim=D)
+    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25"), cfg, "cpu", torch.float32, capacity=64)
+    draft.begin(0, 4)
+    parts = draft.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4])
+    assert parts and not any(p.exact for p in parts)
+    full = FullKVCache(cfg, "cpu", torch.float32, capacity=64, key_codes=True)
+    full.begin(0, 4)
+    assert all(p.exact for p in full.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4]))
+
+
 def _row_alone(q, k, v, pos, unit):
     return attend_packed(q[:, pos : pos + 1], [1], [[KeyPart(k, v, n=pos + 1, diag=pos)]], HKV, score_unit=unit)[0]
 

@@ -434,7 +434,7 @@ def test_the_kernels_headers_and_the_python_layouts_agree_and_a_change_to_one_si
     cases = [("layouts.h", "K_SCALE = 1, K_ZERO = 2", "K_ZERO = 1, K_SCALE = 2", "part tensors"),
              ("layouts.h", "FP8 = 2, DENSE = 3", "FP8 = 3, DENSE = 2", "store kinds"),
              ("gguf_blocks.h", "{4, 2, 2, 18,", "{4, 2, 2, 20,", "block bytes"),
-             ("layouts.h", "V_GROUP = 8, PART_INTS = 9", "V_GROUP = 8, EXTRA = 9, PART_INTS = 10", "part ints")]
+             ("layouts.h", "EXACT = 9, PART_INTS = 10", "EXACT = 9, EXTRA = 10, PART_INTS = 11", "part ints")]
     for name, old, new, what in cases:
         folder = tmp_path / what.replace(" ", "_")
         folder.mkdir()
@@ -452,7 +452,7 @@ def test_the_kernels_headers_and_the_python_layouts_agree_and_a_change_to_one_si
     assert len(ints) == len(layouts.PART_INTS) and len(tensors) == len(layouts.PART_TENSORS)
     named = dict(zip(layouts.PART_INTS, ints))
     assert named == {"seq": 3, "n_keys": 4, "diag": 1, "k_kind": layouts.DENSE, "k_bits": 0, "k_group": 0,
-                     "v_kind": layouts.DENSE, "v_bits": 0, "v_group": 0}
+                     "v_kind": layouts.DENSE, "v_bits": 0, "v_group": 0, "exact": 1}
     assert tensors[layouts.PART_TENSORS.index("v_rows")] is not None and tensors[layouts.PART_TENSORS.index("v_rows")][0, 0, 0] == 1
 
 

@@ -11,9 +11,10 @@ namespace vc_layout {
 enum StoreKind { TOKEN_GROUPS = 0, CHANNEL_GROUPS = 1, FP8 = 2, DENSE = 3 };
 
 // a part's ints: its sequence, its keys per KV head, its causal diagonal (-1: seen whole), then for K and
-// for V: the store kind, bits a code and group size
+// for V: the store kind, bits a code and group size; last whether its scores are exact (1: the model's
+// numerics, integer dots under q8qk; 0: a drafter's part, fp32 scores whatever the numerics)
 enum PartInt { SEQ = 0, N_KEYS = 1, DIAG = 2, K_KIND = 3, K_BITS = 4, K_GROUP = 5, V_KIND = 6, V_BITS = 7,
-               V_GROUP = 8, PART_INTS = 9 };
+               V_GROUP = 8, EXACT = 9, PART_INTS = 10 };
 
 // a part's tensors: K (dense rows or codes) with its scale and zero, V alike, the positions of KIVI's
 // channel groups, the optional attention-seen output, and a dense part's optional q8qk codes of its keys

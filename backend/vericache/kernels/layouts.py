@@ -25,10 +25,11 @@ STORE_KINDS = {"TOKEN_GROUPS": TOKEN_GROUPS, "CHANNEL_GROUPS": CHANNEL_GROUPS, "
 
 # A cache part's arguments to the packed op, in order (``kv.packed.op_args``; ``layouts.h``'s PartInt and
 # PartTensor): its sequence, keys per KV head and causal diagonal, then K's and V's store kind, bits a
-# code and group size; K's rows (or codes), scale and zero, V's alike, KIVI's group positions and the
+# code and group size, and whether its scores are exact (the model's numerics; 0: a drafter's part, fp32
+# scores); K's rows (or codes), scale and zero, V's alike, KIVI's group positions and the
 # optional attention-seen output; a dense part's q8qk codes of its keys and values, and how many keys hold
 # them (``kv.packed.KeyCodes``).
-PART_INTS = ("seq", "n_keys", "diag", "k_kind", "k_bits", "k_group", "v_kind", "v_bits", "v_group")
+PART_INTS = ("seq", "n_keys", "diag", "k_kind", "k_bits", "k_group", "v_kind", "v_bits", "v_group", "exact")
 PART_TENSORS = ("k_rows", "k_scale", "k_zero", "v_rows", "v_scale", "v_zero", "pos", "seen", "k_codes", "k_dk",
                 "k_csum", "v_codes", "v_dv", "k_coded")
 

@@ -134,6 +134,7 @@ enum Elt { F32, F16, BF16 };        // a dense part's element type
 struct Part {
   int64_t seq, n, diag;
   bool dense;
+  bool exact;                    // scores in the model's numerics (0: a drafter's part, fp32 scores)
   Elt elt;
   const char* k; const char* v; int64_t k_h, k_t, v_h, v_t;    // dense rows (byte strides)
   Format kf, vf;                                                 // quantized
@@ -778,7 +779,7 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
     p.seen = seen.data_ptr<float>();
     p.seen_h = seen.stride(0);
   }
-  p.seq = in[SEQ]; p.n = in[N_KEYS]; p.diag = in[DIAG];
+  p.seq = in[SEQ]; p.n = in[N_KEYS]; p.diag = in[DIAG]; p.exact = in[EXACT] != 0;
   if (t[K_CODES].has_value()) {
     const int64_t cap = (p.n + BLK - 1) / BLK * BLK;   // whole blocks of codes
     TORCH_CHECK(t[V_CODES].has_value() && t[V_DV].has_value(), "key codes come with value codes");
@@ -900,7 +901,7 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       const Part& p = parts[w.part];
       const int64_t o = slot[wi];
       const int64_t r0 = row0[p.seq], T = seq_lens[p.seq];
-      if (unit != vc_int_scores::FP32 && p.dense) {   // the q8qk numerics
+      if (unit != vc_int_scores::FP32 && p.dense && p.exact) {   // the q8qk numerics
         if (D == 64)
           run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
         else

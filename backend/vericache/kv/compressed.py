@@ -224,27 +224,27 @@ class CompressedKVCache(KVCache):
         self.residual.k[layer, :, s : s + t] = k
         self.residual.v[layer, :, s : s + t] = v
         self.observe(layer, q)
-        parts = [KeyPart(self.residual.k[layer], self.residual.v[layer], n=s + t, diag=s)]
+        parts = [KeyPart(self.residual.k[layer], self.residual.v[layer], n=s + t, diag=s, exact=False)]
         if self.count:
             kp, vp = self._parts[layer]
             if self.layouts is None:
-                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count))
+                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count, exact=False))
             else:
                 pos = None if self.slots is None else self.slots.pos[layer]
-                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos))
+                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos, exact=False))
         return parts
 
     def layered_parts(self, t: int) -> LayeredParts:
         """``parts`` for every layer at once (the native step, which also keeps the queries: ``observed``)."""
         s = self._start - self.res_start
-        parts = [KeyPart(self.residual.k, self.residual.v, n=s + t, diag=s)]
+        parts = [KeyPart(self.residual.k, self.residual.v, n=s + t, diag=s, exact=False)]
         if self.count:
             kp, vp = self._all_layers
             if self.layouts is None:
-                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count))
+                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count, exact=False))
             else:
                 pos = None if self.slots is None else self.slots.pos
-                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos))
+                parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos, exact=False))
         return LayeredParts(self.residual.k, self.residual.v, s, parts, self.queries, observer=self)
 
     def observed(self, t: int) -> None:
