@@ -4,6 +4,7 @@ form round trip, partial hits, missing and corrupt blocks, ls/rm and the CLI."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -260,6 +261,8 @@ def test_prefix_cli(llm, redis_server, prefix, tmp_path, capsys):
     assert ls["model_id"].endswith("-fp32")
     assert main(["prefix", "ls", "--numerics", "q8", *base]) == 0      # every model flag reaches the load
     assert json.loads(capsys.readouterr().out)["model_id"].endswith("-q8")
+    assert main(["prefix", "ls", "--numerics", "q8qk", *base]) == 0     # q8qk: its key coding's digest too
+    assert re.search(r"-q8qk-[0-9a-f]{16}$", json.loads(capsys.readouterr().out)["model_id"])
     assert main(["prefix", "rm", "--id", put["id"], *base]) == 0
     assert json.loads(capsys.readouterr().out)["deleted_keys"] >= 2
     assert main(["prefix", "rm", *base]) == 2  # neither --id nor --all

@@ -16,11 +16,12 @@ from vericache.remote.store import PrefixStore
 
 
 def model_id(loaded) -> str:
-    """What keys a model's blocks: its name, the dtypes its K/V were computed in and the linears'
-    numerics (K/V computed with other weights, dtypes or arithmetic must never be mixed in)."""
+    """What keys a model's blocks: its name, the dtypes its K/V were computed in and the numerics, with
+    q8qk's key coding (``LoadedModel.numerics_id``: K/V computed with other weights, dtypes or arithmetic
+    must never be mixed in)."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", loaded.name or loaded.path.name)
     return (f"{name}-{str(loaded.dtype).removeprefix('torch.')}-kv{str(loaded.kv_dtype).removeprefix('torch.')}"
-            f"-{loaded.numerics}")
+            f"-{loaded.numerics_id.replace(':', '-')}")
 
 
 @torch.inference_mode()
