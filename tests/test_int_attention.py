@@ -168,13 +168,11 @@ def test_a_drafters_parts_take_fp32_scores_whatever_the_numerics():
     assert torch.equal(both[:2], attend_packed(q, [2], [[exact]], HKV, score_unit=1))
     assert torch.equal(both[2:], attend_packed(q, [2], [[exact]], HKV, score_unit=0))
     assert not torch.equal(both[:2], both[2:])
-    cfg = ModelConfig(hidden_size=HQ * D, num_attention_heads=HQ, num_key_value_heads=HKV, num_hidden_layers=1,
-                      intermediate_size=64, vocab_size=32, head_dim=D)
-    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25"), cfg, "cpu", torch.float32, capacity=64)
+    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25"), CFG, "cpu", torch.float32, capacity=64)
     draft.begin(0, 4)
     parts = draft.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4])
     assert parts and not any(p.exact for p in parts)
-    full = FullKVCache(cfg, "cpu", torch.float32, capacity=64, key_codes=True)
+    full = FullKVCache(CFG, "cpu", torch.float32, capacity=64, key_codes=True)
     full.begin(0, 4)
     assert all(p.exact for p in full.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4]))
 
