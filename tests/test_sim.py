@@ -209,7 +209,10 @@ def test_remote_costs_are_measured_at_the_bench_geometry(llm):
                              draft_kind="int8", repeats=1)
     for f in (c.decode_full, c.decode_comp, c.draft, c.verify):
         assert 0 < f(1) and 0 < f(2) and f(1.5) == pytest.approx((f(1) + f(2)) / 2)
-    assert c.prefill > 0 and c.prefill_comp > 0 and 0 < c.prefill_tails(1) < c.prefill_tails(2) == c.prefill
+    # measured times only: positive, and the tails' table ends at the n-tail prefill (which one is faster
+    # is the machine's business, not the test's: CI failed once on a noisy neighbour)
+    assert c.prefill > 0 and c.prefill_comp > 0 and 0 < c.prefill_tails(1) and c.prefill_tails(2) == c.prefill
+    assert c.prefill_tails(1.5) == pytest.approx((c.prefill_tails(1) + c.prefill) / 2)
 
 
 def test_the_cluster_model_is_the_one_node_model_at_one_of_each_and_names_its_limits():
