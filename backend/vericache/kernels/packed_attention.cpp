@@ -646,44 +646,66 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   }
 }
 
+// Every query row's codes for the integer scores, made once a call, not once a work item (at 32K a
+// verification's 63 rows of a KV head were coded again in each of its 63 items: a fifth of the op's time).
+// Row n of query head hq at hq * N + n: its codes [D], scale and share of the key offset (code_query).
+// no key coding: offset 0, scale 1 a channel
+alignas(64) constexpr std::array<float, MAX_D> NO_OFFSET{};
+constexpr std::array<float, MAX_D> UNIT_SCALE = [] {
+  std::array<float, MAX_D> a{};
+  a.fill(1.0f);
+  return a;
+}();
+
+struct QueryCodes {
+  int64_t n = 0;                 // rows per query head (the call's N)
+  std::vector<int8_t> codes;     // [Hq * N * D]
+  std::vector<float> dq, qm;     // [Hq * N]
+};
+
+QueryCodes code_queries(const at::Tensor& q, int64_t G, const float* offsets, const float* scales) {
+  const int64_t Hq = q.size(0), N = q.size(1), D = q.size(2);
+  QueryCodes qc{N, std::vector<int8_t>(Hq * N * D), std::vector<float>(Hq * N), std::vector<float>(Hq * N)};
+  const float* qp = q.data_ptr<float>();
+  const float sm = 1.0f / std::sqrt((float)D);
+  at::parallel_for(0, Hq * N, 64, [&](int64_t lo, int64_t hi) {
+    alignas(64) float qs[MAX_D];
+    for (int64_t at = lo; at < hi; ++at) {
+      const int64_t hq = at / N, h = hq / G;   // its KV head's key coding (none: offset 0, scale 1)
+      const float* qr = qp + hq * q.stride(0) + (at % N) * q.stride(1);
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
+      vc_int_scores::code_query(qs, D, offsets ? offsets + h * D : NO_OFFSET.data(),
+                                scales ? scales + h * D : UNIT_SCALE.data(), qc.codes.data() + at * D,
+                                &qc.dq[at], &qc.qm[at]);
+    }
+  });
+  return qc;
+}
+
 // The q8qk numerics' work item over a dense part (int_scores.h): per block of keys, their codes (the
 // cache's, coding any it lacks, or made here), every row's scores as integer dots, ROWS rows at once; the
 // online softmax as in run_work; the weights coded and the value pass as integer dots too.
 template <int DFIX>
-void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t q_n, int64_t row0, int64_t T,
-                  int64_t G, int64_t D_, vc_int_scores::Unit unit, const float* offsets, const float* scales,
+void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t row0, int64_t T, int64_t G,
+                  int64_t D_, vc_int_scores::Unit unit, const float* offsets, const float* scales,
                   float* m, float* l, float* acc) {
   using namespace vc_int_scores;
   const int64_t D = DFIX ? DFIX : D_;
-  const float sm = 1.0f / std::sqrt((float)D);
   alignas(64) float rows32[BLK][MAX_D];    // a block's keys or values as fp32 rows (those it codes)
-  alignas(64) float qs[MAX_D];
   KeyCodes kc;                              // codes made here (a part without the cache's)
   ValueCodes vc;
-  alignas(64) int8_t qcodes[ROWS * MAX_D]; // the chunk's rows' codes [ROWS][D] (past the last: zeros)
-  alignas(64) uint8_t wcodes[ROWS * BLK];  // their weights' codes [ROWS][BLK]
-  alignas(64) float dq[ROWS], qm[ROWS], dw[ROWS], alpha[ROWS];
-  alignas(64) static const float no_offset[MAX_D] = {};
+  alignas(64) uint8_t wcodes[ROWS * BLK];  // a chunk's weights' codes [ROWS][BLK]
+  alignas(64) float dw[ROWS], alpha[ROWS];
   alignas(64) int32_t dots[ROWS][BLK];
   alignas(64) int32_t pv[ROWS][MAX_D];
   alignas(64) float s[ROWS][BLK];           // the chunk's scores, then probabilities
   const int64_t h = w.head, R = G * T;
   const int64_t lo = w.split * SPLIT, hi = std::min(p.n, lo + SPLIT);
-  static const std::array<float, MAX_D> unit_scale = [] {
-    std::array<float, MAX_D> a;
-    a.fill(1.0f);
-    return a;
-  }();
   // this KV head's key coding (int_scores.h; none: offset 0, scale 1)
-  const float* mu = offsets ? offsets + h * D : no_offset;
-  const float* sc = scales ? scales + h * D : unit_scale.data();
-  std::vector<int8_t> qall(R * D);          // every row's codes, quantized once
-  std::vector<float> dqall(R), qmall(R);
+  const float* mu = offsets ? offsets + h * D : NO_OFFSET.data();
+  const float* sc = scales ? scales + h * D : UNIT_SCALE.data();
   for (int64_t r = 0; r < R; ++r) {
-    const float* qr = q + (h * G + r / T) * q_h + (row0 + r % T) * q_n;
-#pragma omp simd
-    for (int64_t j = 0; j < D; ++j) qs[j] = qr[j] * sm;
-    code_query(qs, D, mu, sc, qall.data() + r * D, &dqall[r], &qmall[r]);
     m[r] = NEG;
     l[r] = 0.f;
   }
@@ -704,14 +726,33 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
   };
   std::vector<int64_t> rows;
   rows.reserve(R);
+  // the rows' query codes gathered chunk by chunk ([chunks][ROWS][D], past the last row zeros), with their
+  // scales and offset shares: gathered again only when the block's first seeing row changes (a part's
+  // own keys, under the causal limit), not every block
+  std::vector<int8_t> qcodes;
+  std::vector<float> dq, qm;
+  int64_t gathered_from = -1;
   for (int64_t t0 = lo; t0 < hi; t0 += BLK) {
     const int64_t bt = std::min<int64_t>(BLK, hi - t0);
     int64_t i_first = 0;   // rows whose causal limit ends before this block see none of it
     if (p.diag >= 0) i_first = std::max<int64_t>(0, t0 - p.diag);
     if (i_first >= T) break;
-    rows.clear();
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = i_first; i < T; ++i) rows.push_back(g * T + i);
+    if (i_first != gathered_from) {
+      rows.clear();
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = i_first; i < T; ++i) rows.push_back(g * T + i);
+      const size_t padded = (rows.size() + ROWS - 1) / ROWS * ROWS;
+      qcodes.assign(padded * D, 0);
+      dq.assign(padded, 0.f);
+      qm.assign(padded, 0.f);
+      for (size_t c = 0; c < rows.size(); ++c) {
+        const int64_t at = (h * G + rows[c] / T) * qc.n + row0 + rows[c] % T;
+        std::memcpy(qcodes.data() + c * D, qc.codes.data() + at * D, D);
+        dq[c] = qc.dq[at];
+        qm[c] = qc.qm[at];
+      }
+      gathered_from = i_first;
+    }
     const char* kb = p.k + h * p.k_h + t0 * p.k_t;
     const char* vb = p.v + h * p.v_h + t0 * p.v_t;
     const float* f32[BLK];
@@ -735,14 +776,10 @@ void run_work_int(const Work& w, const Part& p, const float* q, int64_t q_h, int
       const int nc = (int)std::min<size_t>(ROWS, rows.size() - c0);
       int64_t vis[ROWS];
       for (int c = 0; c < nc; ++c) {
-        const int64_t r = rows[c0 + c], i = r % T;
-        std::memcpy(qcodes + c * D, qall.data() + r * D, D);
-        dq[c] = dqall[r];
-        qm[c] = qmall[r];
+        const int64_t i = rows[c0 + c] % T;
         vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
       }
-      std::memset(qcodes + nc * D, 0, (ROWS - nc) * D);
-      block_scores(unit, qcodes, dq, qm, nc, keys, D, dots, s);
+      block_scores(unit, qcodes.data() + c0 * D, dq.data() + c0, qm.data() + c0, nc, keys, D, dots, s);
       if (p.seen) record_seen(p, rows.data() + c0, nc, h, G, T, t0, vis, s);
       for (int c = 0; c < nc; ++c) {   // online softmax: the block's max, exp, rescale; the weights coded
         const int64_t r = rows[c0 + c];
@@ -892,6 +929,9 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   float fp8_lut[256];
   fp8_table(fp8_lut);
   const float* qp = q.data_ptr<float>();
+  bool any_int = false;   // a dense exact part under the integer scores (run_work_int's)
+  for (const Part& p : parts) any_int = any_int || (p.dense && p.exact);
+  const QueryCodes qcodes = unit != vc_int_scores::FP32 && any_int ? code_queries(q, G, offsets, scales) : QueryCodes{};
   at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t lo, int64_t hi) {
 #if defined(VC_INT_SCORES_UNITS)
     if (unit == vc_int_scores::AMX) vc_int_scores::amx_configure();   // this thread's tiles, for this call
@@ -903,9 +943,9 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       const int64_t r0 = row0[p.seq], T = seq_lens[p.seq];
       if (unit != vc_int_scores::FP32 && p.dense && p.exact) {   // the q8qk numerics
         if (D == 64)
-          run_work_int<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
+          run_work_int<64>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
         else
-          run_work_int<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
+          run_work_int<0>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
       } else if (D == 64) {
         run_work<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
       } else {
