@@ -544,3 +544,21 @@ def test_rounds_declined_before_the_copying_showed_are_priced_again_once_it_show
     assert tokens == waited_tokens == full
     assert asked["full_step_tokens"] < waited["full_step_tokens"]
     assert asked["drafted_tokens"] > waited["drafted_tokens"]
+
+
+def test_a_closed_batch_prices_a_request_s_steps_at_what_its_rows_add():
+    """Eight requests whose step is mostly the weights (30 ms, +0.5 ms a row), a lookup proposal letting a
+    draft step give 4 drafts: with requests queued for admission a round pays (finishing sooner lets one
+    in: a step is worth its eighth of the weights); in a closed batch it does not (the others step on
+    until their own ends: a step of its own is worth only its row), and one alone is priced at its
+    whole step either way."""
+    f = StepCosts(t_pair=2e-3 / 8000, matmuls=lambda rows: 0.030 + 0.0005 * rows)
+    cost = DraftCost(fitted=f, source="fitted")
+    draft_row, full_kv = (0, 1000), lambda k: (0, (k + 1) * 8000)
+    args = (0.95, 8, draft_row, full_kv, 8, (4.0, 5.0))
+    assert cost.choose(*args, queued=True) >= 1
+    assert cost.choose(*args, queued=False) == 0
+    alone = (0.95, 1, draft_row, full_kv, 8, (4.0, 5.0))
+    assert cost.choose(*alone, queued=False) == cost.choose(*alone, queued=True) >= 1
+    # proposals sized the same way: worth checking with a queue, not in a closed batch of this shape
+    assert cost.proposal_len(0.95, 8, lambda rows: (0, rows * 1000), 6, queued=True) >= 1

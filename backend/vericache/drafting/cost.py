@@ -228,30 +228,37 @@ class DraftCost:
                 self.fitted, self.source = fit, "fitted"
 
     @staticmethod
-    def _batch_prices(f: StepCosts, n_active: int) -> tuple[float, Callable[[float], float]]:
-        """One request's part of a step among ``n_active``: (its share of the step's fixed cost and of the
-        weights' matmuls at one row each, the seconds ``extra`` rows of its own add to those matmuls). A
-        CPU's integer matmuls hardly grow with rows (AMX, the 0.5B code model: 31 ms at 1 row, 41 at 9),
-        so in a batch a request's row costs a fraction of one alone, and a verification's extra rows what
-        they add; alone (n = 1) this is the whole step."""
+    def _batch_prices(f: StepCosts, n_active: int, queued: bool) -> tuple[float, Callable[[float], float]]:
+        """One request's part of a step among ``n_active``: (its share of the step, the seconds ``extra``
+        rows of its own add to the weights' matmuls). A CPU's integer matmuls hardly grow with rows (AMX,
+        the 0.5B code model: 31 ms at 1 row, 41 at 9), so a verification's extra rows cost what they add.
+        Its share: with requests ``queued`` for admission, a request that finishes sooner lets one in, so
+        its steps are worth its part of the step's fixed cost and weights ((c0 + weights(n)) / n, the whole
+        step alone); with none queued (a closed batch) finishing sooner frees nothing the others use (they
+        step on until their own ends), so a step of its own is worth only what its row adds to the step
+        (weights(n) - weights(n - 1)): rounds then pay by attention alone (8 x 8K of the code model on AMX
+        in q8qk: half the requests rounding on lookup proposals at the throughput share while the others'
+        plain steps set the batch's end took it to 0.84x full)."""
         n = max(n_active, 1)
         base = f.weights(n)
-        return (f.c0 + base) / n, lambda extra: f.weights(n + extra) - base
+        share = (f.c0 + base) / n if queued or n == 1 else base - f.weights(n - 1)
+        return share, lambda extra: f.weights(n + extra) - base
 
     def choose(self, alpha: float, n_active: int, draft_cost: tuple[int, int], verify_cost: Callable[[int], tuple[int, int]],
-               k_max: int, draft_yield: tuple[float, float] = (1.0, 1.0)) -> int | None:
+               k_max: int, draft_yield: tuple[float, float] = (1.0, 1.0), queued: bool = True) -> int | None:
         """The best k for one request: 0 when a plain full step yields more tokens a second than any
         round (``verify_cost(0)``: one row over the full KV), None before the fit exists. A round's
         price includes its update (``round_s``).
         ``draft_cost``: (K/V bytes, pairs) of one draft row over its compressed KV; ``verify_cost(k)``:
         the same for a chunk of k + 1 rows over its full KV. The step's fixed cost and its weights are
-        shared by the ``n_active`` requests (``_batch_prices``). ``draft_yield``: (drafts, rows) of the
+        shared by the ``n_active`` requests, or with none ``queued`` only a row's part counted
+        (``_batch_prices``). ``draft_yield``: (drafts, rows) of the
         request's draft steps as measured (``drafting.round.draft_step_yield``): a step checking a lookup
         proposal carries more rows and may give several drafts, so a draft costs its step over its yield."""
         if self.fitted is None or k_max < 1:
             return None
         f = self.fitted
-        share, extra_rows = self._batch_prices(f, n_active)
+        share, extra_rows = self._batch_prices(f, n_active, queued)
         drafts, rows = draft_yield
         kv_bytes, pairs = draft_cost
         draft_s = (share + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
@@ -259,12 +266,15 @@ class DraftCost:
         def verify_s(k: int) -> float:   # k = 0: a plain full step, no round to update
             return share + extra_rows(k) + f.seq(*verify_cost(k)) + (self.round_s if k else 0.0)
 
+        if not verify_s(0) > 0 and not queued and n_active > 1:
+            return 0   # a closed batch whose rows add nothing to a step: no round can save anything
         if not draft_s > 0 or not verify_s(0) > 0:   # costs that price a step at nothing cannot decide
             return None
         k = best_draft_len(alpha, draft_s, verify_s, k_max)
         return k if expected_tokens(alpha, k) / (k * draft_s + verify_s(k)) > (1.0 + MARGIN) / verify_s(0) else 0
 
-    def proposal_len(self, keep: float, n_active: int, draft_cost: Callable[[int], tuple[int, int]], room: int) -> int:
+    def proposal_len(self, keep: float, n_active: int, draft_cost: Callable[[int], tuple[int, int]], room: int,
+                     queued: bool = True) -> int:
         """Lookup proposal tokens worth checking in one draft step (``drafting.lookup``; 0: a single row),
         ``room`` at most: the L that maximises drafts a second, expected_tokens(keep, L) drafts from one
         step of L + 1 rows over the compressed KV (``keep``: the request's per-token rate of kept
@@ -275,7 +285,7 @@ class DraftCost:
         if room < 1 or self.fitted is None or (self.source != "fitted" and self.fitted.matmuls is None):
             return max(room, 0)
         f = self.fitted
-        share, extra_rows = self._batch_prices(f, n_active)
+        share, extra_rows = self._batch_prices(f, n_active, queued)
 
         def step(rows: int) -> float:
             return share + extra_rows(rows - 1) + f.seq(*draft_cost(rows))

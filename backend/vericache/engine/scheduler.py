@@ -118,12 +118,13 @@ class DraftPlanner:
        so its transfer buys more tokens; a grouped request whose complete draft waits for its group's
        turn drafts on while its drafts are mostly accepted (P2)."""
 
-    def __init__(self, offload: Offload, n_active: Callable[[], int],
+    def __init__(self, offload: Offload, n_active: Callable[[], int], queued: Callable[[], bool],
                  instruments: Instruments, calibrate: Callable[[], Calibrated] | None = None) -> None:
         """``offload``: the engine's ``Offload`` (for requests whose placement is offloaded: full KV behind the link);
-        ``n_active()``: requests drafting or decoding now; ``instruments``: the measured steps;
+        ``n_active()``: requests drafting or decoding now; ``queued()``: whether any waits for admission
+        (what a request finishing sooner is worth: ``DraftCost``); ``instruments``: the measured steps;
         ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``), asked once at the first choice."""
-        self.offload, self.n_active, self.instruments = offload, n_active, instruments
+        self.offload, self.n_active, self.queued, self.instruments = offload, n_active, queued, instruments
         self.cost = DraftCost(calibrate=calibrate)   # draft lengths from this engine's step costs
         self.pools: dict[str, SharedAcceptance] = {}   # rounds pooled per compressor (a request's prior)
 
@@ -167,7 +168,7 @@ class DraftPlanner:
         pos = r.position + len(rs.drafts)
         self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
         n = self.cost.proposal_len(r.drafting.lookup.keep_rate(), self.n_active(),
-                                   lambda rows: r.kv.draft_kv().attention_cost(pos, rows), len(proposal))
+                                   lambda rows: r.kv.draft_kv().attention_cost(pos, rows), len(proposal), self.queued())
         return proposal[:n]
 
     def extend_waiting(self, r: Request) -> None:
@@ -204,7 +205,7 @@ class DraftPlanner:
         step_yield = self._step_yield(r, k_max)
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.kv.draft_kv().attention_cost(draft_position(r.kv.draft_kv(), pos), 1),
-                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max, step_yield)
+                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max, step_yield, self.queued())
         if choice is None:
             return k
         if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
@@ -263,7 +264,8 @@ class DraftPlanner:
         offered, keep = len(lookup.propose(tokens, tokens[-3:], k_max - 1)), lookup.keep_rate()
         if offered:
             draft, pos = r.kv.draft_kv(), draft_position(r.kv.draft_kv(), r.position)
-            offered = self.cost.proposal_len(keep, self.n_active(), lambda rows: draft.attention_cost(pos, rows), offered)
+            offered = self.cost.proposal_len(keep, self.n_active(), lambda rows: draft.attention_cost(pos, rows), offered,
+                                             self.queued())
         return draft_step_yield(r.drafting.round, lookup.proposed, offered, keep)
 
 
@@ -278,7 +280,8 @@ class Scheduler:
         self.offload = Offload(config.scheduler, loaded, memory, requests, instruments, self.make_room,
                                lambda r: self.planner.extend_waiting(r), link)
         self.planner = DraftPlanner(self.offload,   # every draft length
-                                    lambda: len(requests.in_state(State.DRAFTING, State.DECODING)), instruments,
+                                    lambda: len(requests.in_state(State.DRAFTING, State.DECODING)),
+                                    lambda: bool(requests.in_state(State.WAITING)), instruments,
                                     lambda: model_calibration(loaded))
         self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
                                    self.charge) if prefix is not None or verifier is not None else None
