@@ -153,10 +153,11 @@ def test_the_key_coding_takes_off_offsets_and_balances_channels():
         attend_packed(q, [t], [[part]], HKV, score_unit=1, key_coding=torch.stack([coding[0], torch.zeros(HKV, D)]))
 
 
-def test_a_drafters_parts_take_fp32_scores_whatever_the_numerics():
-    """A part marked inexact (a compressed cache's: drafts need not be exact) is scored in fp32 under the
-    q8qk numerics too, the fp32 path's bits, while the exact part beside it in the same call keeps the
-    integer path's; a compressed cache marks its parts so, a full cache does not."""
+def test_an_inexact_part_takes_fp32_scores_whatever_the_numerics():
+    """A part marked inexact (a compressed cache's that keeps no codes: drafts need not be exact) is scored
+    in fp32 under the q8qk numerics too, the fp32 path's bits, while the exact part beside it in the same
+    call keeps the integer path's; a compressed cache without codes marks its parts so, one with codes
+    (the engine's under q8qk) and a full cache do not."""
     from vericache.compress.registry import parse_compressor
     from vericache.kv.compressed import CompressedKVCache
 
@@ -172,6 +173,10 @@ def test_a_drafters_parts_take_fp32_scores_whatever_the_numerics():
     draft.begin(0, 4)
     parts = draft.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4])
     assert parts and not any(p.exact for p in parts)
+    coded = CompressedKVCache(parse_compressor("snapkv:ratio=0.25"), CFG, "cpu", torch.float32, capacity=64,
+                              key_codes=True)
+    coded.begin(0, 4)
+    assert all(p.exact for p in coded.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4]))
     full = FullKVCache(CFG, "cpu", torch.float32, capacity=64, key_codes=True)
     full.begin(0, 4)
     assert all(p.exact for p in full.parts(0, q[:, :1].expand(HQ, 4, D).contiguous(), k[:, :4], v[:, :4]))
@@ -327,3 +332,51 @@ def test_a_q8qk_model_measures_its_key_coding_at_load_and_vericache_still_equals
     full = LLM("tiny", mode="full", numerics="q8qk").generate(prompt, params)[0].token_ids
     veri = LLM("tiny", mode="vericache", numerics="q8qk", compressor="snapkv:ratio=0.25").generate(prompt, params)[0]
     assert veri.token_ids == full
+
+
+def _drafter_keeps_true_codes(monkeypatch, broken: bool) -> list[bool]:
+    """A SnapKV drafter with kept codes through a prefill, decode steps whose commits compress (kept tokens
+    fill evicted slots) and verification-guided trades: per check, whether its draft row's attention with
+    the kept codes has the bits of codes made in the call. ``broken``: the store never drops stale codes."""
+    import dataclasses
+
+    from vericache.compress.registry import parse_compressor
+    from vericache.kv.compressed import CompressedKVCache
+
+    if broken:
+        monkeypatch.setattr(CompressedKVCache, "_uncode_store", lambda self, slot: None)
+    gen = torch.Generator().manual_seed(5)
+    n = 400
+    full = FullKVCache(CFG, "cpu", torch.float16, capacity=n, key_codes=True)
+    full.begin(0, n)
+    full.fill_random()
+    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25,window=16"), CFG, "cpu", torch.float16,
+                              capacity=n, key_codes=True)
+    prompt = FullKVCache(CFG, "cpu", torch.float16, capacity=n, key_codes=True)
+    prompt.load(full, 256)
+    draft.load_prefill(prompt, [torch.randn(HQ, 16, D, generator=gen).half()] * CFG.num_hidden_layers)
+    draft.commit(256, source=full)
+    same = []
+    for pos in range(256, 330):
+        draft.begin(pos, 1)
+        for layer in range(CFG.num_hidden_layers):
+            q = torch.randn(HQ, 1, D, generator=gen)
+            parts = draft.parts(layer, q, full.k[layer, :, pos : pos + 1], full.v[layer, :, pos : pos + 1])
+            made = attend_packed(q, [1], [[dataclasses.replace(p, codes=None) for p in parts]], HKV, score_unit=1)
+            same.append(torch.equal(attend_packed(q, [1], [parts], HKV, score_unit=1), made))
+        draft.commit(pos + 1, source=full)
+        if pos % 9 == 0 and draft.count:   # a verification's trades: stored slots take other positions
+            slots = torch.arange(3) * 5 % draft.count
+            trades = torch.stack([torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), slots,
+                                  torch.tensor([3, 40, 77])], 1)
+            draft.trade(trades, full)
+    assert draft.codes is not None and int(draft.codes.coded.max()) > 0
+    return same
+
+
+def test_a_drafters_kept_codes_have_the_bits_of_codes_made_in_the_call(monkeypatch):
+    """Under q8qk a drafter scores as the verifier does, from codes its cache keeps (coded again only where
+    a compression or a trade rewrote store slots): its draft rows get the bits of codes made in each call,
+    through compressions and trades; a store that kept stale codes would not."""
+    assert all(_drafter_keeps_true_codes(monkeypatch, broken=False))
+    assert not all(_drafter_keeps_true_codes(monkeypatch, broken=True))

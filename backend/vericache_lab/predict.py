@@ -87,7 +87,7 @@ def measure_step_costs(llm, compressor, context: int, weights: Callable[[int], f
         f.k.normal_()
         f.v.normal_()
         fulls.append(f)
-        c = CompressedKVCache(compressor, cfg, dev, dt, capacity=context + 9)
+        c = CompressedKVCache(compressor, cfg, dev, dt, capacity=context + 9, key_codes=llm.loaded.key_codes)
         c.load_prefill(f, [torch.randn(cfg.num_attention_heads, compressor.window, cfg.head_dim, dtype=dt)]
                        * cfg.num_hidden_layers)
         c.commit(context)

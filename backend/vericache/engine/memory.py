@@ -149,7 +149,8 @@ class KVMemory:
                 # prefill attends on the device: into a device buffer, copied home when done
                 req.kv.prefill_buf = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, key_codes=self.key_codes)
         if where.draft_here:
-            req.kv.draft = CompressedKVCache(req.opts.compressor, self.cfg, self.dev, self.dtype, capacity=cap)
+            req.kv.draft = CompressedKVCache(req.opts.compressor, self.cfg, self.dev, self.dtype, capacity=cap,
+                                             key_codes=self.key_codes)
         if where.offloaded and self.resident_layers:
             req.kv.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers,
                                           key_codes=self.key_codes)

@@ -32,7 +32,7 @@ import torch
 
 from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache, storage_bytes
-from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts, new_key_codes
 from vericache.kv.protocol import KVCache
 from vericache.kv.quantized import Layout, StoredFields
 
@@ -150,8 +150,13 @@ def planned_bytes(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capaci
 
 
 class CompressedKVCache(KVCache):
+    """A drafter's cache: a store the compressor fills (kept or quantized tokens) and a residual of the
+    latest positions. ``key_codes`` (the q8qk numerics): both keep their keys' integer-score codes, so its
+    draft rows score as the verifier's rows do (a plain store's codes made again in the first call after
+    it changes, not in every call)."""
+
     def __init__(self, compressor: Compressor, cfg: ModelConfig, device: torch.device | str,
-                 dtype: torch.dtype, capacity: int = 256) -> None:
+                 dtype: torch.dtype, capacity: int = 256, key_codes: bool = False) -> None:
         self.compressor, self.cfg, self.dtype = compressor, cfg, dtype
         self.window = compressor.window
         self.layouts = compressor.layouts() if compressor.quantizes else None
@@ -164,7 +169,12 @@ class CompressedKVCache(KVCache):
         self.count = 0                                             # tokens per KV head in the store
         self.q_seen = 0                                            # queries observed (by the last layer)
         self.state: dict[str, torch.Tensor] = {}                   # the scorer's (all layers)
-        self.residual = FullKVCache(cfg, device, dtype, capacity=residual_capacity(compressor))
+        self.residual = FullKVCache(cfg, device, dtype, capacity=residual_capacity(compressor), key_codes=key_codes)
+        # a plain store's codes, slot by slot as the store's (a quantized store scores in fp32)
+        self.codes: KeyCodes | None = None
+        if key_codes and self.layouts is None:
+            x = self.fields["k.tok.x"]
+            self.codes = new_key_codes(x.shape[0], x.shape[1], x.shape[2], x.shape[3], x.device)
         self.res_start = 0
         self.committed = 0
         self.prompt_len = 0
@@ -224,11 +234,14 @@ class CompressedKVCache(KVCache):
         self.residual.k[layer, :, s : s + t] = k
         self.residual.v[layer, :, s : s + t] = v
         self.observe(layer, q)
-        parts = [KeyPart(self.residual.k[layer], self.residual.v[layer], n=s + t, diag=s, exact=False)]
+        res, codes = self.residual.codes, self.codes
+        parts = [KeyPart(self.residual.k[layer], self.residual.v[layer], n=s + t, diag=s,
+                         codes=None if res is None else res.layer(layer), exact=res is not None)]
         if self.count:
             kp, vp = self._parts[layer]
             if self.layouts is None:
-                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count, exact=False))
+                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count,
+                                        codes=None if codes is None else codes.layer(layer), exact=codes is not None))
             else:
                 pos = None if self.slots is None else self.slots.pos[layer]
                 parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos, exact=False))
@@ -237,11 +250,13 @@ class CompressedKVCache(KVCache):
     def layered_parts(self, t: int) -> LayeredParts:
         """``parts`` for every layer at once (the native step, which also keeps the queries: ``observed``)."""
         s = self._start - self.res_start
-        parts = [KeyPart(self.residual.k, self.residual.v, n=s + t, diag=s, exact=False)]
+        res = self.residual.codes
+        parts = [KeyPart(self.residual.k, self.residual.v, n=s + t, diag=s, codes=res, exact=res is not None)]
         if self.count:
             kp, vp = self._all_layers
             if self.layouts is None:
-                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count, exact=False))
+                parts.insert(0, KeyPart(kp["tok"]["x"], vp["tok"]["x"], n=self.count, codes=self.codes,
+                                        exact=self.codes is not None))
             else:
                 pos = None if self.slots is None else self.slots.pos
                 parts.insert(0, KeyPart(kp, vp, n=self.count, layouts=self.layouts, pos=pos, exact=False))
@@ -297,6 +312,7 @@ class CompressedKVCache(KVCache):
             slots.scores[:, :, :count] = float("inf")  # a stored form has no scores: its tokens stay
             slots.memory[:, :, :count] = NO_MEMORY
         self.count = count
+        self._uncode_store(0)
         self.res_start = self.committed = self.prompt_len = n
         self.residual.truncate(0)
         return n
@@ -360,7 +376,7 @@ class CompressedKVCache(KVCache):
         """Residual slots dst..dst+n := k/v[:, :, src..src+n] (shrinking a prefill-sized residual)."""
         res, cap = self.residual, residual_capacity(self.compressor)
         if res.capacity > cap and dst + n <= cap:
-            res = FullKVCache(self.cfg, res.k.device, self.dtype, capacity=cap)
+            res = FullKVCache(self.cfg, res.k.device, self.dtype, capacity=cap, key_codes=res.codes is not None)
             res.begin(0, dst)
             res.k[:, :, :dst] = self.residual.k[:, :, :dst]
             res.v[:, :, :dst] = self.residual.v[:, :, :dst]
@@ -385,6 +401,7 @@ class CompressedKVCache(KVCache):
             for name, y in new.items():
                 self.fields[name][:, :, c : c + n] = y
             self.count = c + n
+            self._uncode_store(c)
             return
         # eviction: the kept tokens (their carried scores) and the entering ones compete for the budget
         n_l, hkv = k.shape[:2]
@@ -394,6 +411,7 @@ class CompressedKVCache(KVCache):
         entering = new | {"pos": positions, "scores": scores[:, c:].view(n_l, hkv, n),
                           "memory": torch.full((n_l, hkv, n), NO_MEMORY, device=k.device)}
         self._keep_top(scores, min(budget, c + n), entering, self.slots)
+        self._uncode_store(0)   # kept tokens fill holes anywhere below the budget
 
     def _candidate_scores(self, k: torch.Tensor, positions: torch.Tensor, slots: EvictionSlots) -> torch.Tensor:
         """[L*Hkv, count + n]: the kept tokens' scores, then the n entering ones' (k: [L, Hkv, n, D]).
@@ -454,7 +472,15 @@ class CompressedKVCache(KVCache):
         k, v = self.fields["k.tok.x"], self.fields["v.tok.x"]
         if not all(x.dtype == full.k.dtype and x.is_contiguous() for x in (k, v, full.k, full.v)):
             return None
-        return len(op(*args, full.k, full.v, k, v))
+        made = len(op(*args, full.k, full.v, k, v))
+        if made:
+            self._uncode_store(0)
+        return made
+
+    def _uncode_store(self, slot: int) -> None:
+        """Store slots from ``slot`` on were rewritten: their codes no longer hold (the op codes them again)."""
+        if self.codes is not None:
+            self.codes.coded.clamp_(max=slot)
 
     def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
         """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
@@ -481,6 +507,7 @@ class CompressedKVCache(KVCache):
         scores = torch.maximum(kept_scores[li, hi, si], kept_scores.median(dim=2).values[li, hi])
         for name, y in new.items():
             self.fields[name][li, hi, si] = y.to(self.fields[name].dtype)
+        self._uncode_store(0)
         slots.pos[li, hi, si] = positions.to(torch.int32)
         slots.scores[li, hi, si] = scores
 
@@ -517,7 +544,8 @@ class CompressedKVCache(KVCache):
         """Every tensor the cache holds."""
         state = [x for x in self.state.values() if isinstance(x, torch.Tensor)]
         evict = [] if self.slots is None else list(self.slots.by_name().values())
-        return [*self.fields.values(), self.queries, self.residual.k, self.residual.v, *state, *evict]
+        codes = [] if self.codes is None else list(self.codes.arrays())
+        return [*self.fields.values(), self.queries, *self.residual.tensors(), *state, *evict, *codes]
 
     def resident_bytes(self) -> int:
         """Bytes of every storage the cache holds, each counted once (allocated, not only used)."""

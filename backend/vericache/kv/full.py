@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch
 
 from vericache.config import ModelConfig
-from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts
+from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts, new_key_codes
 from vericache.kv.protocol import KVCache
-
-CODE_BLOCK = 64   # the attention op's keys a block: key codes are kept for whole blocks
 
 
 class FullKVCache(KVCache):
@@ -86,12 +84,7 @@ class FullKVCache(KVCache):
     def _new_codes(self, capacity: int) -> KeyCodes:
         """Empty key codes for ``capacity`` positions (whole blocks) of every layer held."""
         layers, heads, _, dim = self.k.shape
-        cap = -(-capacity // CODE_BLOCK) * CODE_BLOCK
-        dev = self.k.device
-        return KeyCodes(torch.zeros(layers, heads, cap * dim, dtype=torch.int8, device=dev),
-                        torch.zeros(layers, heads, cap, device=dev), torch.zeros(layers, heads, cap, dtype=torch.int32, device=dev),
-                        torch.zeros(layers, heads, cap * dim, dtype=torch.int8, device=dev),
-                        torch.zeros(layers, heads, cap, device=dev), torch.zeros(layers, dtype=torch.int64, device=dev))
+        return new_key_codes(layers, heads, capacity, dim, self.k.device)
 
     def _uncode_from(self, position: int) -> None:
         """Keys from ``position`` on are rewritten: their codes no longer hold (the op codes them again)."""

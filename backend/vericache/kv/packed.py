@@ -53,6 +53,20 @@ class KeyCodes:
         return self.codes, self.dk, self.csum, self.vcodes, self.dv
 
 
+CODE_BLOCK = 64   # the attention op's keys a block: key codes are kept for whole blocks
+
+
+def new_key_codes(layers: int, heads: int, capacity: int, dim: int, device: torch.device) -> KeyCodes:
+    """Empty key codes (none coded) for ``capacity`` keys, in whole blocks, of ``heads`` KV heads in each of
+    ``layers`` layers."""
+    cap = -(-capacity // CODE_BLOCK) * CODE_BLOCK
+    return KeyCodes(torch.zeros(layers, heads, cap * dim, dtype=torch.int8, device=device),
+                    torch.zeros(layers, heads, cap, device=device),
+                    torch.zeros(layers, heads, cap, dtype=torch.int32, device=device),
+                    torch.zeros(layers, heads, cap * dim, dtype=torch.int8, device=device),
+                    torch.zeros(layers, heads, cap, device=device), torch.zeros(layers, dtype=torch.int64, device=device))
+
+
 @dataclass
 class KeyPart:
     """n keys per KV head that a sequence's T queries attend.
@@ -69,9 +83,10 @@ class KeyPart:
     group's heads (what the drafter reads: one row a KV head).
     ``codes`` (optional, dense parts): its keys' integer-score codes, kept by the cache (``KeyCodes``);
     without them the q8qk numerics code each block's keys in the call (the same bits).
-    ``exact`` False: a drafter's part (a compressed cache's), whose scores are fp32 whatever the numerics:
-    drafts need not be exact, and under q8qk coding a compressed cache's keys and values in every call
-    cost SmolLM2's draft step at 8K 6.5 ms of 22 (only full caches keep codes).
+    ``exact`` False: a part scored in fp32 whatever the numerics (a compressed cache's that keeps no codes:
+    coding its keys and values in every call cost SmolLM2's draft step at 8K 6.5 ms of 22). A compressed
+    cache that keeps codes (``CompressedKVCache(key_codes=True)``) scores in the verifier's numerics: under
+    q8qk, fp32 drafts over integer verification kept 0.74 of SmolLM2's drafts at 8K against 0.98.
     """
 
     k: torch.Tensor | StoredFields

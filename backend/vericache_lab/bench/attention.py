@@ -63,7 +63,8 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
         torch_kernels = spec == "full:torch"  # the same parts through PyTorch's per-part kernels, side by side
         if not spec.startswith("full"):
             comp = parse_compressor(spec)
-            cache = CompressedKVCache(comp, cfg, loaded.device, loaded.kv_dtype, capacity=context + 1)
+            cache = CompressedKVCache(comp, cfg, loaded.device, loaded.kv_dtype, capacity=context + 1,
+                                      key_codes=loaded.key_codes)
             cache.load_prefill(full, shared.queries)
             cache.set_prefill_scores(comp.on_prefill(loaded.model, full, prompt, llm.tokenizer), context)
             cache.commit(context, source=full)
