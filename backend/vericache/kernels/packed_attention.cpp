@@ -646,9 +646,6 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   }
 }
 
-// Every query row's codes for the integer scores, made once a call, not once a work item (at 32K a
-// verification's 63 rows of a KV head were coded again in each of its 63 items: a fifth of the op's time).
-// Row n of query head hq at hq * N + n: its codes [D], scale and share of the key offset (code_query).
 // no key coding: offset 0, scale 1 a channel
 alignas(64) constexpr std::array<float, MAX_D> NO_OFFSET{};
 constexpr std::array<float, MAX_D> UNIT_SCALE = [] {
@@ -657,6 +654,9 @@ constexpr std::array<float, MAX_D> UNIT_SCALE = [] {
   return a;
 }();
 
+// Every query row's codes for the integer scores, made once a call, not once a work item (at 32K a
+// verification's 63 rows of a KV head were coded again in each of its 63 items: 14% of the op's samples).
+// Row n of query head hq at hq * N + n: its codes [D], scale and share of the key offset (code_query).
 struct QueryCodes {
   int64_t n = 0;                 // rows per query head (the call's N)
   std::vector<int8_t> codes;     // [Hq * N * D]
