@@ -345,6 +345,7 @@ def _drafter_keeps_true_codes(monkeypatch, broken: bool) -> list[bool]:
 
     if broken:
         monkeypatch.setattr(CompressedKVCache, "_uncode_store", lambda self, slot: None)
+        monkeypatch.setattr(CompressedKVCache, "_uncode_slots", lambda self, layers, slots: None)
     gen = torch.Generator().manual_seed(5)
     n = 400
     full = FullKVCache(CFG, "cpu", torch.float16, capacity=n, key_codes=True)
@@ -372,6 +373,19 @@ def _drafter_keeps_true_codes(monkeypatch, broken: bool) -> list[bool]:
             draft.trade(trades, full)
     assert draft.codes is not None and int(draft.codes.coded.max()) > 0
     return same
+
+
+def test_a_trade_drops_only_its_layers_codes_from_its_first_slot():
+    """A verification's trades rewrite a few store slots: each traded layer's codes hold below its first
+    traded slot, an untraded layer's all (not the whole store coded again after every round)."""
+    from vericache.compress.registry import parse_compressor
+    from vericache.kv.compressed import CompressedKVCache
+
+    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25"), CFG, "cpu", torch.float16, capacity=64,
+                              key_codes=True)
+    draft.codes.coded.fill_(40)
+    draft._uncode_slots(torch.tensor([1, 1]), torch.tensor([30, 12]))
+    assert draft.codes.coded.tolist() == [40, 12]
 
 
 def test_a_drafters_kept_codes_have_the_bits_of_codes_made_in_the_call(monkeypatch):

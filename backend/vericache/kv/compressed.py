@@ -411,7 +411,6 @@ class CompressedKVCache(KVCache):
         entering = new | {"pos": positions, "scores": scores[:, c:].view(n_l, hkv, n),
                           "memory": torch.full((n_l, hkv, n), NO_MEMORY, device=k.device)}
         self._keep_top(scores, min(budget, c + n), entering, self.slots)
-        self._uncode_store(0)   # kept tokens fill holes anywhere below the budget
 
     def _candidate_scores(self, k: torch.Tensor, positions: torch.Tensor, slots: EvictionSlots) -> torch.Tensor:
         """[L*Hkv, count + n]: the kept tokens' scores, then the n entering ones' (k: [L, Hkv, n, D]).
@@ -453,6 +452,7 @@ class CompressedKVCache(KVCache):
             vals[stored] = store[mover_h[stored], mover_j[stored]]
             vals[~stored] = y[mover_h[~stored], mover_j[~stored] - c].to(store.dtype)
             store[hole_h, hole_j] = vals
+        self._uncode_slots(hole_h // self.cfg.num_key_value_heads, hole_j)
         self.count = b
 
     def kept(self) -> KeptTokens | None:
@@ -472,15 +472,25 @@ class CompressedKVCache(KVCache):
         k, v = self.fields["k.tok.x"], self.fields["v.tok.x"]
         if not all(x.dtype == full.k.dtype and x.is_contiguous() for x in (k, v, full.k, full.v)):
             return None
-        made = len(op(*args, full.k, full.v, k, v))
-        if made:
-            self._uncode_store(0)
-        return made
+        trades = op(*args, full.k, full.v, k, v)          # int64 [T, 4]: layer, head, slot, position
+        self._uncode_slots(trades[:, 0], trades[:, 2])
+        return len(trades)
 
     def _uncode_store(self, slot: int) -> None:
         """Store slots from ``slot`` on were rewritten: their codes no longer hold (the op codes them again)."""
         if self.codes is not None:
             self.codes.coded.clamp_(max=slot)
+
+    def _uncode_slots(self, layers: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store slots ``slots`` of layers ``layers`` (int64 [T] each) were rewritten: each layer's codes hold
+        below its first rewritten slot (a layer with none keeps them all; a verification's trades touch a
+        few slots a layer, not the whole store)."""
+        if self.codes is not None and len(slots):
+            coded = self.codes.coded
+            first = torch.full_like(coded, torch.iinfo(torch.int64).max)
+            first.scatter_reduce_(0, layers.to(coded.device, torch.int64), slots.to(coded.device, torch.int64),
+                                  reduce="amin")
+            torch.minimum(coded, first, out=coded)
 
     def trade(self, trades: torch.Tensor, full: FullKVCache) -> None:
         """Store slots take other tokens: ``trades`` int64 [T, 4] rows (layer, head, slot < count, position <
@@ -507,7 +517,7 @@ class CompressedKVCache(KVCache):
         scores = torch.maximum(kept_scores[li, hi, si], kept_scores.median(dim=2).values[li, hi])
         for name, y in new.items():
             self.fields[name][li, hi, si] = y.to(self.fields[name].dtype)
-        self._uncode_store(0)
+        self._uncode_slots(li, si)
         slots.pos[li, hi, si] = positions.to(torch.int32)
         slots.scores[li, hi, si] = scores
 
