@@ -381,11 +381,19 @@ def test_a_trade_drops_only_its_layers_codes_from_its_first_slot():
     from vericache.compress.registry import parse_compressor
     from vericache.kv.compressed import CompressedKVCache
 
-    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25"), CFG, "cpu", torch.float16, capacity=64,
-                              key_codes=True)
-    draft.codes.coded.fill_(40)
-    draft._uncode_slots(torch.tensor([1, 1]), torch.tensor([30, 12]))
-    assert draft.codes.coded.tolist() == [40, 12]
+    full = FullKVCache(CFG, "cpu", torch.float16, capacity=300, key_codes=True)
+    full.begin(0, 300)
+    full.fill_random()
+    draft = CompressedKVCache(parse_compressor("snapkv:ratio=0.25,window=16"), CFG, "cpu", torch.float16,
+                              capacity=300, key_codes=True)
+    prompt = FullKVCache(CFG, "cpu", torch.float16, capacity=300)
+    prompt.load(full, 256)
+    draft.load_prefill(prompt, [torch.randn(HQ, 16, D).half()] * CFG.num_hidden_layers)
+    draft.commit(256, source=full)
+    assert draft.count > 30
+    draft.codes.coded.fill_(draft.count)                 # as if a draft step had coded the whole store
+    draft.trade(torch.tensor([[1, 0, 30, 3], [1, 1, 12, 40]]), full)
+    assert draft.codes.coded.tolist() == [draft.count, 12]
 
 
 def test_a_drafters_kept_codes_have_the_bits_of_codes_made_in_the_call(monkeypatch):
