@@ -180,34 +180,43 @@ inline ValueView quantize_values(const float* const* rows, int64_t bt, int64_t D
   return vv;
 }
 
-// A row's probabilities over the block (p [KB], 0 past what it sees) as the value pass's unsigned codes
-// u [KB] with the values' scales folded in; returns their scale dw (the rule above).
-inline float code_weights(const float* p, const float* dv, uint8_t* u) {
+// A chunk's probabilities as the value pass's unsigned codes with the values' scales folded in (the rule
+// above): row x's p = s[x] [KB] (0 past what it sees) into u[x * KB ..], its scale into dw[x], for x < nr.
+// In three passes over the rows (each row's max of w = p dv, the scales, the codes), not row by row: a
+// row's chain (a reduction, two divisions, the codes) is then independent of the next row's, and the CPU
+// overlaps them. Each row's operations are the one-row rule's: the same bits.
+inline float weights_max(const float* p, const float* dv) {
 #if defined(__AVX512F__)
-  __m512 w[KB / 16];
   __m512 mx = _mm512_setzero_ps();
-  for (int c = 0; c < KB / 16; ++c) {
-    w[c] = _mm512_mul_ps(_mm512_loadu_ps(p + 16 * c), _mm512_loadu_ps(dv + 16 * c));
-    mx = _mm512_max_ps(mx, w[c]);   // w >= 0: a max is exact in any order
-  }
-  const float d = _mm512_reduce_max_ps(mx) / 255.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-  const __m512 vi = _mm512_set1_ps(inv);
-  for (int c = 0; c < KB / 16; ++c)
-    _mm_storeu_si128((__m128i*)(u + 16 * c), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w[c], vi))));
-  return d;
+  for (int c = 0; c < KB / 16; ++c)   // w >= 0: a max is exact in any order
+    mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(p + 16 * c), _mm512_loadu_ps(dv + 16 * c)));
+  return _mm512_reduce_max_ps(mx);
 #else
-  alignas(64) float w[KB];
   float lanes[8] = {};   // 8 running maxima: no chain of 64 dependent max instructions
-  for (int t = 0; t < KB; ++t) {
-    w[t] = p[t] * dv[t];
-    lanes[t % 8] = std::max(lanes[t % 8], w[t]);
-  }
+  for (int t = 0; t < KB; ++t) lanes[t % 8] = std::max(lanes[t % 8], p[t] * dv[t]);
   float amax = 0.0f;
   for (float x : lanes) amax = std::max(amax, x);
-  const float d = amax / 255.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-  for (int t = 0; t < KB; ++t) u[t] = (uint8_t)(int)std::nearbyint(w[t] * inv);
-  return d;
+  return amax;
 #endif
+}
+
+inline void code_weights_at(const float* p, const float* dv, float inv, uint8_t* u) {
+#if defined(__AVX512F__)
+  const __m512 vi = _mm512_set1_ps(inv);
+  for (int c = 0; c < KB / 16; ++c) {
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p + 16 * c), _mm512_loadu_ps(dv + 16 * c));
+    _mm_storeu_si128((__m128i*)(u + 16 * c), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w, vi))));
+  }
+#else
+  for (int t = 0; t < KB; ++t) u[t] = (uint8_t)(int)std::nearbyint((p[t] * dv[t]) * inv);
+#endif
+}
+
+inline void code_weights(int nr, const float (*s)[KB], const float* dv, float* dw, uint8_t* u) {
+  alignas(64) float inv[ROWS];
+  for (int x = 0; x < nr; ++x) dw[x] = weights_max(s[x], dv) / 255.0f;
+  for (int x = 0; x < nr; ++x) inv[x] = dw[x] > 0.0f ? 1.0f / dw[x] : 0.0f;
+  for (int x = 0; x < nr; ++x) code_weights_at(s[x], dv, inv[x], u + x * KB);
 }
 
 // ---------------------------------------------------------------- the integer dots: dots[x][t], x < nr

@@ -696,7 +696,7 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
   KeyCodes kc;                              // codes made here (a part without the cache's)
   ValueCodes vc;
   alignas(64) uint8_t wcodes[ROWS * BLK];  // a chunk's weights' codes [ROWS][BLK]
-  alignas(64) float dw[ROWS], alpha[ROWS];
+  alignas(64) float dw[ROWS], alpha[ROWS], m_new[ROWS];
   alignas(64) int32_t dots[ROWS][BLK];
   alignas(64) int32_t pv[ROWS][MAX_D];
   alignas(64) float s[ROWS][BLK];           // the chunk's scores, then probabilities
@@ -775,20 +775,25 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
     for (size_t c0 = 0; c0 < rows.size(); c0 += ROWS) {
       const int nc = (int)std::min<size_t>(ROWS, rows.size() - c0);
       int64_t vis[ROWS];
-      for (int c = 0; c < nc; ++c) {
-        const int64_t i = rows[c0 + c] % T;
-        vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
-      }
+      for (int c = 0; c < nc; ++c)   // (a row's i, rows[] % T, only under a causal limit: a division a row)
+        vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, rows[c0 + c] % T + p.diag + 1 - t0) : bt;
       block_scores(unit, qcodes.data() + c0 * D, dq.data() + c0, qm.data() + c0, nc, keys, D, dots, s);
       if (p.seen) record_seen(p, rows.data() + c0, nc, h, G, T, t0, vis, s);
-      for (int c = 0; c < nc; ++c) {   // online softmax: the block's max, exp, rescale; the weights coded
+      // online softmax (the block's max, exp, rescale), then the weights coded: in passes over the chunk's
+      // rows, not row by row, so one row's chain of reductions and exps does not stall the next (the same
+      // operations a row: the same bits)
+      for (int c = 0; c < nc; ++c) {
         const int64_t r = rows[c0 + c];
-        const float m_new = std::max(m[r], block_max(s[c], vis[c]));
-        alpha[c] = exp_neg(m[r] - m_new);
-        l[r] = std::fma(l[r], alpha[c], exp_block(s[c], vis[c], m_new));
-        m[r] = m_new;
-        dw[c] = code_weights(s[c], values.dv, wcodes + c * BLK);
+        m_new[c] = std::max(m[r], block_max(s[c], vis[c]));
+        alpha[c] = m[r] - m_new[c];
+        m[r] = m_new[c];
       }
+      for (int c = 0; c < nc; ++c) alpha[c] = exp_neg(alpha[c]);
+      for (int c = 0; c < nc; ++c) {
+        const int64_t r = rows[c0 + c];
+        l[r] = std::fma(l[r], alpha[c], exp_block(s[c], vis[c], m_new[c]));
+      }
+      code_weights(nc, s, values.dv, dw, wcodes);
       std::memset(wcodes + nc * BLK, 0, (ROWS - nc) * BLK);
       block_values(unit, wcodes, nc, values, D, pv);
       for (int c = 0; c < nc; ++c) {
