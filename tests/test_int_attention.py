@@ -7,6 +7,8 @@ attention, and bad input refused."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -295,6 +297,22 @@ def test_bad_integer_score_calls_are_refused():
         attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, score_unit=7)
     with pytest.raises(ValueError, match="native CPU op"):
         attend_packed(q, [1], [[KeyPart(k, v, n=40, diag=39)]], HKV, kernels="torch", score_unit=1)
+
+
+@pytest.mark.skipif("amx" not in supported_isas(), reason="this CPU or kernel gives no AMX tiles")
+def test_the_op_asks_for_the_amx_tiles_itself():
+    """A process that calls the op's AMX unit before anything else asked Linux for the tiles runs it (the
+    op asks), where a tile instruction without the grant would kill the process (an illegal instruction)."""
+    script = (
+        "import torch\n"
+        "from vericache.kernels import packed_kernels\n"
+        "from vericache.kv.packed import KeyPart, op_args\n"
+        "k, v, q = torch.randn(2, 300, 64), torch.randn(2, 300, 64), torch.randn(6, 9, 64)\n"
+        "ints, tensors = op_args(0, KeyPart(k, v, n=300, diag=291), 64)\n"
+        "out = packed_kernels('amx').attend_packed(q, 2, [9], ints, tensors, 3)\n"
+        "print(bool(torch.isfinite(out).all()))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 def test_a_q8qk_model_measures_its_key_coding_at_load_and_vericache_still_equals_full():

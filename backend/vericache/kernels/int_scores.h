@@ -33,6 +33,8 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace vc_int_scores {
 
@@ -319,6 +321,18 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Whether this process may run the unit: the CPU has VNNI; Linux grants the AMX tiles (asked once a process,
+// as ``kernels.cpu.amx_permitted`` does; without the grant a tile instruction is an illegal instruction).
+inline bool unit_permitted(Unit unit) {
+  if (unit == VNNI) return __builtin_cpu_supports("avx512vnni");
+  if (unit != AMX) return true;
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;   // refused without AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
 
 // AMX: tiles 0-3 hold C for the block's 4 groups of 16 keys (16 rows x 16 int32), 4 A (16 rows x 64
 // channels), 5 B (a group's 16 lines for 64 channels). This thread's tiles: configured per call.

@@ -884,6 +884,10 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   TORCH_CHECK(score_unit >= vc_int_scores::FP32 && score_unit <= vc_int_scores::AMX,
               "score_unit must be 0 (fp32), 1 (this build's integer dots), 2 (VNNI) or 3 (AMX), got ", score_unit);
   const auto unit = vc_int_scores::runnable((vc_int_scores::Unit)score_unit, q.size(2));
+#if defined(VC_INT_SCORES_UNITS)
+  TORCH_CHECK(vc_int_scores::unit_permitted(unit), "score_unit ", score_unit, ": this CPU or kernel does not let this "
+              "process run it (VNNI missing, or AMX tiles refused by arch_prctl): use a lower unit");
+#endif
   TORCH_CHECK(unit == vc_int_scores::FP32 || q.size(2) % 16 == 0, "integer scores need a head dim that is a "
               "multiple of 16, got ", q.size(2));
   const float *offsets = nullptr, *scales = nullptr;   // q8qk's key coding (int_scores.h; none: 0 and 1)
