@@ -13,6 +13,7 @@ from vericache.compress.registry import METHODS, parse_compressor
 from vericache.engine.options import RequestOptions
 from vericache.engine.requests import State
 from vericache.kv.attention import attend_all
+from vericache.kv.full import storage_bytes
 from vericache.kv.packed import KeyPart, attend_packed
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout, attend_quantized
 
@@ -96,6 +97,36 @@ def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
     draft = req.kv.draft.resident_bytes()
     nominal = parse_compressor(spec).nominal_ratio(llm.loaded.kv_dtype.itemsize)
     assert draft < (nominal + 0.15) * full   # really compressed (stored over full bytes, in the KV's dtype)
+    while loop.has_unfinished():
+        loop.step()
+    assert loop.device.used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def q8qk_tiny():
+    from vericache.model.loader import load_model
+
+    return load_model("tiny", device="cpu", dtype="float32", numerics="q8qk")
+
+
+@pytest.mark.parametrize("mode,spec", [("full", "snapkv:ratio=0.2"), ("vericache", "snapkv:ratio=0.2"),
+                                       ("vericache", "kivi:bits=2"), ("lossy", "h2o:ratio=0.2")])
+def test_q8qk_key_codes_are_planned_and_charged(q8qk_tiny, prompt_4k, mode, spec):
+    """Under q8qk the caches keep their keys' codes (55% over fp16 K and V at D = 64): admission plans
+    them and the device pool is charged for them, so both match the storage the caches hold (within 5%;
+    without the codes a full cache's plan falls short by their share, which this would catch)."""
+    loop = bare_loop(q8qk_tiny, mode=mode, compressor=spec, tiered=False, prefill_chunk=4096)
+    rid = loop.add_request(prompt_4k, SamplingParams(max_tokens=8, ignore_eos=True), RequestOptions(mode=mode))
+    req = loop.requests[rid]
+    while req.state in (State.WAITING, State.PREFILL):
+        loop.step()
+    resident = req.kv.resident_bytes()
+    codes = sum(storage_bytes(list(c.codes.arrays())) for c in (req.kv.full, req.kv.draft) if c is not None
+                and c.codes is not None)
+    codes += req.kv.draft.residual.held_bytes() - req.kv.draft.residual.nbytes() if req.kv.draft else 0
+    assert codes > 0.2 * resident   # the codes are a real share of what is held ...
+    assert resident == pytest.approx(loop.memory.device_bytes(req), rel=0.05)   # ... and charged
+    assert resident == pytest.approx(loop.memory.needed(req), rel=0.05)         # ... and planned
     while loop.has_unfinished():
         loop.step()
     assert loop.device.used_blocks == 0

@@ -19,6 +19,7 @@ from vericache.config import ModelConfig
 from vericache.engine.requests import Request
 from vericache.kv.compressed import CompressedKVCache, planned_bytes
 from vericache.kv.full import FullKVCache
+from vericache.kv.packed import key_codes_bytes
 
 UNLIMITED = 1 << 62
 
@@ -113,17 +114,26 @@ class KVMemory:
         n_layers = self.cfg.num_hidden_layers
         return full_bytes * (n_layers - self.resident_layers) // n_layers
 
+    def full_bytes(self, positions: int) -> int:
+        """A full cache's bytes at ``positions``: K and V, and their keys' codes where caches keep them (q8qk:
+        at D = 64 they add 55%; ``FullKVCache.held_bytes``)."""
+        cfg = self.cfg
+        codes = key_codes_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, positions, cfg.head_dim) \
+            if self.key_codes else 0
+        return positions * self.per_pos + codes
+
     def needed(self, req: Request) -> int:
         """Device bytes a request holds at its longest (admission control)."""
-        full = self.capacity(req) * self.per_pos
-        draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req)) \
+        full = self.full_bytes(self.capacity(req))
+        draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req), self.key_codes) \
             if req.placement.draft_here else 0
         return req.placement.device_bytes_needed(full, draft, resident=full - self.streamed(full))
 
     def transient(self, req: Request) -> int:
         """Device bytes held only for a while: the uncompressed prompt in a lossy draft cache's
-        residual until the prefill is compressed, or a verification buffer (offloaded vericache)."""
-        return req.placement.transient_bytes(prompt=len(req.prefill_ids) * self.per_pos,
+        residual until the prefill is compressed, or a verification buffer (offloaded vericache: K and V
+        only, the op codes its keys in the call)."""
+        return req.placement.transient_bytes(prompt=self.full_bytes(len(req.prefill_ids)),
                                              streamed=self.streamed(self.capacity(req) * self.per_pos))
 
     def verify_buffer_bytes(self, req: Request) -> int:
@@ -159,12 +169,12 @@ class KVMemory:
         """Device bytes the request's caches hold now (what it is charged)."""
         total = 0
         if req.kv.full is not None and not req.placement.offloaded:
-            total += req.kv.full.nbytes()
+            total += req.kv.full.held_bytes()
         if req.kv.draft is not None:  # everything it allocated (its store is allocated up front)
             total += req.kv.draft.resident_bytes()
         for cache in (req.kv.resident, req.kv.prefill_buf):
             if cache is not None:
-                total += cache.nbytes()
+                total += cache.held_bytes()
         return total
 
     def fits(self, req: Request) -> bool:
@@ -174,7 +184,7 @@ class KVMemory:
         """Charge both tiers for what the request holds now (``fits`` first: raises OutOfBlocks otherwise)."""
         self.device.resize(("kv", req.id), self.device_bytes(req))
         if req.placement.offloaded and req.kv.full is not None:
-            self.host.resize(("full", req.id), req.kv.full.nbytes())
+            self.host.resize(("full", req.id), req.kv.full.held_bytes())
 
     def free(self, req: Request) -> None:
         for pool, key in ((self.device, ("kv", req.id)), (self.device, ("verify", req.id)),

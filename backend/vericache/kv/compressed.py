@@ -32,7 +32,7 @@ import torch
 
 from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache, storage_bytes
-from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts, new_key_codes
+from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts, key_codes_bytes, new_key_codes
 from vericache.kv.protocol import KVCache
 from vericache.kv.quantized import Layout, StoredFields
 
@@ -140,13 +140,21 @@ def store_spec(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity:
     return spec
 
 
-def planned_bytes(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity: int) -> int:
-    """Bytes a compressed cache of ``capacity`` positions allocates (admission charges this)."""
+def planned_bytes(comp: Compressor, cfg: ModelConfig, dtype: torch.dtype, capacity: int, key_codes: bool = False) -> int:
+    """Bytes a compressed cache of ``capacity`` positions allocates (admission charges this); ``key_codes``:
+    as ``CompressedKVCache(key_codes=True)`` allocates, its residual's and a plain store's codes too."""
     spec = store_spec(comp, cfg, dtype, capacity)
     store = sum(math.prod(shape) * dt.itemsize for shape, dt in spec.values())
     # KVzip keeps its prompt scores, fp32 [L * Hkv, prompt] (``set_prefill_scores``)
     scores = cfg.num_hidden_layers * cfg.num_key_value_heads * capacity * 4 if comp.needs_whole_prompt else 0
-    return store + scores + residual_capacity(comp) * cfg.kv_bytes_per_position(dtype.itemsize)
+    residual = residual_capacity(comp)
+    total = store + scores + residual * cfg.kv_bytes_per_position(dtype.itemsize)
+    if key_codes:
+        layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        total += key_codes_bytes(layers, heads, residual, dim)
+        if not comp.quantizes:   # a quantized store scores in fp32: no codes
+            total += key_codes_bytes(layers, heads, store_capacity(comp, capacity), dim)
+    return total
 
 
 class CompressedKVCache(KVCache):

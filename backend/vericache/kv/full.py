@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from vericache.config import ModelConfig
-from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts, new_key_codes
+from vericache.kv.packed import KeyCodes, KeyPart, LayeredParts, key_codes_bytes, new_key_codes
 from vericache.kv.protocol import KVCache
 
 
@@ -75,6 +75,14 @@ class FullKVCache(KVCache):
     def nbytes(self) -> int:
         """Bytes held for valid positions (what a transfer of this KV would move)."""
         return self.length * self.nbytes_per_position()
+
+    def held_bytes(self) -> int:
+        """Bytes its valid positions hold (what a memory tier charges): K and V (``nbytes``) and, where it
+        keeps them (q8qk), their keys' codes."""
+        if self.codes is None:
+            return self.nbytes()
+        layers, heads, _, dim = self.k.shape
+        return self.nbytes() + key_codes_bytes(layers, heads, self.length, dim)
 
     def attention_cost(self, start: int, t: int) -> tuple[int, int]:
         """What ``t`` queries written at ``start`` cost the attention: (K/V bytes read over all layers,

@@ -56,6 +56,14 @@ class KeyCodes:
 CODE_BLOCK = 64   # the attention op's keys a block: key codes are kept for whole blocks
 
 
+def key_codes_bytes(layers: int, heads: int, capacity: int, dim: int) -> int:
+    """Bytes ``new_key_codes`` allocates for these sizes: per key and KV head its D key codes, D value codes
+    and three 4-byte numbers (dk, csum, dv), in whole blocks; one count a layer. (fp16 K and V take 4 D
+    bytes a key and head: the codes add (2 D + 12) / 4 D to them, 55% at D = 64.)"""
+    cap = -(-capacity // CODE_BLOCK) * CODE_BLOCK
+    return layers * heads * cap * (2 * dim + 12) + 8 * layers
+
+
 def new_key_codes(layers: int, heads: int, capacity: int, dim: int, device: torch.device) -> KeyCodes:
     """Empty key codes (none coded) for ``capacity`` keys, in whole blocks, of ``heads`` KV heads in each of
     ``layers`` layers."""
