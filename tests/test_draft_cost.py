@@ -562,3 +562,19 @@ def test_a_closed_batch_prices_a_request_s_steps_at_what_its_rows_add():
     assert cost.choose(*alone, queued=False) == cost.choose(*alone, queued=True) >= 1
     # proposals sized the same way: worth checking with a queue, not in a closed batch of this shape
     assert cost.proposal_len(0.95, 8, lambda rows: (0, rows * 1000), 6, queued=True) >= 1
+
+
+def test_a_closed_batch_prices_the_steps_a_round_falls_behind_at_the_batch_s_end():
+    """A closed batch ends with its last request, and a round of single-row drafts takes k + 1 steps for
+    E(k) <= k + 1 tokens. Eight requests whose full KV read is most of a row's cost (5 ms, a draft row
+    0.65): priced at its rows alone a round pays; the steps it falls behind at a lower acceptance (0.8)
+    are steps of its own at the batch's end (a fixed 5 ms and one row's weights), and with no slack (the
+    others' outputs as long as its own) that declines it. Where the others have twice its output to go
+    the same round costs nothing at the end, and with requests queued the step shares price it as before."""
+    f = StepCosts(c0=0.005, t_byte=5e-3 / 8e6, t_pair=0.2e-3 / 8000, matmuls=lambda rows: 0.010 + 0.0005 * rows)
+    cost = DraftCost(fitted=f, source="fitted")
+    draft_row, full_kv = (1_000_000, 1000), lambda k: (8_000_000, (k + 1) * 8000)
+    args = (0.9, 8, draft_row, full_kv, 8)
+    assert cost.choose(*args, queued=False, slack=0.0, behind_alpha=0.8) == 0
+    assert cost.choose(*args, queued=False, slack=1.0, behind_alpha=0.8) >= 1
+    assert cost.choose(*args, queued=True, slack=0.0, behind_alpha=0.8) >= 1

@@ -293,6 +293,12 @@ class DraftState:
         mean = (accepted + 1) / (n + 2)
         return min(mean + (mean * (1 - mean) / (n + 3)) ** 0.5, 1.0) if optimistic else mean
 
+    def cautious_acceptance(self) -> float:
+        """The acceptance less one standard deviation (the optimistic one's mirror): what a closed batch
+        prices the steps a round may fall behind at (``DraftCost.choose``: its end is its latest request's,
+        so an unlucky round costs the batch more than a lucky one saves)."""
+        return max(2 * self.acceptance() - self.acceptance(optimistic=True), 0.0)
+
     @property
     def measured(self) -> bool:
         """Whether a drafted round has been verified, this request's or (pooled) a neighbour's: the

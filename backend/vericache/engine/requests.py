@@ -59,6 +59,8 @@ class State(StrEnum):
 
 
 DONE = frozenset({State.FINISHED, State.ABORTED, State.FAILED})
+# admitted and still to make output tokens (a verifier session makes none of its own)
+MAKING_OUTPUT = (State.PREFILL, State.DECODING, State.DRAFTING, State.TRANSFERRING, State.AWAITING_VERIFIER)
 ALLOWED = {
     State.WAITING: {State.PREFILL} | DONE,
     State.PREFILL: {State.DECODING, State.DRAFTING, State.SERVING, State.WAITING} | DONE,

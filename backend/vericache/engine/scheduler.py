@@ -48,7 +48,7 @@ from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.options import ResolvedOptions
 from vericache.engine.remote_rounds import PrefixSource, RemoteRounds, VerifierSource
-from vericache.engine.requests import DONE, Instruments, Request, RequestTable, State
+from vericache.engine.requests import DONE, MAKING_OUTPUT, Instruments, Request, RequestTable, State
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import Link, StreamedKV
 from vericache.kv.protocol import KVCache
@@ -119,12 +119,16 @@ class DraftPlanner:
        turn drafts on while its drafts are mostly accepted (P2)."""
 
     def __init__(self, offload: Offload, n_active: Callable[[], int], queued: Callable[[], bool],
-                 instruments: Instruments, calibrate: Callable[[], Calibrated] | None = None) -> None:
+                 longest_other: Callable[[Request], int], instruments: Instruments,
+                 calibrate: Callable[[], Calibrated] | None = None) -> None:
         """``offload``: the engine's ``Offload`` (for requests whose placement is offloaded: full KV behind the link);
         ``n_active()``: requests drafting or decoding now; ``queued()``: whether any waits for admission
-        (what a request finishing sooner is worth: ``DraftCost``); ``instruments``: the measured steps;
-        ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``), asked once at the first choice."""
+        (what a request finishing sooner is worth: ``DraftCost``); ``longest_other(r)``: the most output
+        tokens any other admitted request has still to make (where a closed batch ends); ``instruments``:
+        the measured steps; ``calibrate``: the model's timed forwards (``drafting.calibrate.Calibration``),
+        asked once at the first choice."""
         self.offload, self.n_active, self.queued, self.instruments = offload, n_active, queued, instruments
+        self.longest_other = longest_other
         self.cost = DraftCost(calibrate=calibrate)   # draft lengths from this engine's step costs
         self.pools: dict[str, SharedAcceptance] = {}   # rounds pooled per compressor (a request's prior)
 
@@ -203,9 +207,11 @@ class DraftPlanner:
         pos, k_max, n = r.position, min(policy.max_len, r.seq.remaining - 1), self.n_active()
         self.cost.refit(self.instruments.steps, self.instruments.n_steps, self.instruments.round_updates)
         step_yield = self._step_yield(r, k_max)
+        slack = max(self.longest_other(r) / max(r.seq.remaining, 1) - 1.0, 0.0)   # steps a token it may lose
         choice = self.cost.choose(st.acceptance(optimistic=probing), n,
                                   r.kv.draft_kv().attention_cost(draft_position(r.kv.draft_kv(), pos), 1),
-                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max, step_yield, self.queued())
+                                  lambda j: r.kv.full_kv().attention_cost(pos, j + 1), k_max, step_yield, self.queued(),
+                                  slack, st.cautious_acceptance())
         if choice is None:
             return k
         if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
@@ -281,7 +287,10 @@ class Scheduler:
                                lambda r: self.planner.extend_waiting(r), link)
         self.planner = DraftPlanner(self.offload,   # every draft length
                                     lambda: len(requests.in_state(State.DRAFTING, State.DECODING)),
-                                    lambda: bool(requests.in_state(State.WAITING)), instruments,
+                                    lambda: bool(requests.in_state(State.WAITING)),
+                                    lambda r: max((o.seq.remaining for o in requests.in_state(*MAKING_OUTPUT) if o is not r),
+                                                  default=0),
+                                    instruments,
                                     lambda: model_calibration(loaded))
         self.remote = RemoteRounds(prefix, verifier, requests, memory, instruments, loaded.device,
                                    self.charge) if prefix is not None or verifier is not None else None
