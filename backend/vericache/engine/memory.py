@@ -177,12 +177,10 @@ class KVMemory:
                 total += cache.held_bytes()
         return total
 
-    def fits(self, req: Request) -> bool:
-        return self.device.can_fit(self.device_bytes(req), ("kv", req.id))
-
-    def charge(self, req: Request) -> None:
-        """Charge both tiers for what the request holds now (``fits`` first: raises OutOfBlocks otherwise)."""
-        self.device.resize(("kv", req.id), self.device_bytes(req))
+    def charge(self, req: Request, device_bytes: int | None = None) -> None:
+        """Charge both tiers for what the request holds now (raises OutOfBlocks where they do not fit: ``BlockPool.can_fit`` first);
+        ``device_bytes``: its ``device_bytes``, where the caller has just counted them."""
+        self.device.resize(("kv", req.id), self.device_bytes(req) if device_bytes is None else device_bytes)
         if req.placement.offloaded and req.kv.full is not None:
             self.host.resize(("full", req.id), req.kv.full.held_bytes())
 

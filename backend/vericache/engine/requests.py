@@ -39,7 +39,7 @@ from vericache.engine.options import ResolvedOptions
 from vericache.engine.placement import Placement
 from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.compressed import CompressedKVCache
-from vericache.kv.full import FullKVCache, storage_bytes
+from vericache.kv.full import FullKVCache
 from vericache.kv.link import Transfer
 from vericache.kv.tee import QueryRecorder
 from vericache.sampling import Sequence
@@ -130,14 +130,8 @@ class RequestKV:
 
     def resident_bytes(self) -> int:
         """Bytes of every storage the caches hold (allocated capacity, not only valid positions), each
-        storage counted once."""
-        tensors = []
-        for c in (self.full, self.draft, self.resident, self.prefill_buf):
-            if isinstance(c, FullKVCache):
-                tensors += c.tensors()
-            elif isinstance(c, CompressedKVCache):
-                tensors += c.tensors()
-        return storage_bytes(tensors)
+        storage counted once (no two of a request's caches share one)."""
+        return sum(c.resident_bytes() for c in (self.full, self.draft, self.resident, self.prefill_buf) if c is not None)
 
 
 @dataclass

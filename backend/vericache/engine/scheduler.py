@@ -527,9 +527,10 @@ class Scheduler:
     # ------------------------------------------------------------------ memory: charge, preempt
     def charge(self, req: Request) -> None:
         """Charge the tiers for what the request holds now; preempt newer requests if the device is full."""
-        self.make_room(self.memory.device_bytes(req), ("kv", req.id), req)
-        if req.state not in (State.WAITING, *DONE) and self.memory.fits(req):
-            self.memory.charge(req)
+        held = self.memory.device_bytes(req)
+        self.make_room(held, ("kv", req.id), req)
+        if req.state not in (State.WAITING, *DONE) and self.memory.device.can_fit(held, ("kv", req.id)):
+            self.memory.charge(req, held)
 
     def make_room(self, nbytes: int, key: tuple[str, int], req: Request) -> None:
         """Preempt newer requests (newest first) until ``nbytes`` fit; if none is newer, ``req`` itself

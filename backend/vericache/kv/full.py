@@ -68,6 +68,10 @@ class FullKVCache(KVCache):
         """Every storage it holds: K, V and any q8qk codes (``resident_bytes``)."""
         return [self.k, self.v, *(self.codes.arrays() if self.codes is not None else ())]
 
+    def resident_bytes(self) -> int:
+        """Bytes of every storage it holds, each counted once (allocated, not only valid positions)."""
+        return storage_bytes(self.tensors())
+
     def nbytes_per_position(self) -> int:
         layers, heads, _, dim = self.k.shape
         return 2 * layers * heads * dim * self.k.element_size()  # K and V
