@@ -578,3 +578,15 @@ def test_a_closed_batch_prices_the_steps_a_round_falls_behind_at_the_batch_s_end
     assert cost.choose(*args, queued=False, slack=0.0, behind_alpha=0.8) == 0
     assert cost.choose(*args, queued=False, slack=1.0, behind_alpha=0.8) >= 1
     assert cost.choose(*args, queued=True, slack=0.0, behind_alpha=0.8) >= 1
+
+
+def test_a_short_round_takes_a_draft_step_however_many_drafts_a_step_gives():
+    """A request whose draft steps give 4 drafts (lookup proposals) still takes a whole draft step and the
+    verification for a 1-draft round: in a closed batch with no slack, 2 steps for E(1) < 2 tokens, the
+    step lost priced at the batch's end (counted as a quarter step, this 1-draft probe would pass)."""
+    f = StepCosts(c0=0.005, t_byte=5e-3 / 8e6, t_pair=0.2e-3 / 8000, matmuls=lambda rows: 0.010 + 0.0005 * rows)
+    cost = DraftCost(fitted=f, source="fitted")
+    draft_row, full_kv = (1_000_000, 1000), lambda k: (8_000_000, (k + 1) * 8000)
+    args = (0.9, 8, draft_row, full_kv, 1, (4.0, 5.0))
+    assert cost.choose(*args, queued=False, slack=0.0, behind_alpha=0.3) == 0
+    assert cost.choose(*args, queued=False, slack=1.0, behind_alpha=0.3) == 1

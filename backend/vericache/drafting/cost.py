@@ -284,7 +284,8 @@ class DraftCost:
             if k == 0:
                 return share + extra_rows(0) + f.seq(*verify_cost(0))
             tokens = expected_tokens(alpha if behind_alpha is None else behind_alpha, k)
-            behind = max(k / drafts + 1.0 - tokens * (1.0 + slack), 0.0)   # steps lost past the slack
+            steps = max(k / drafts, 1.0) + 1.0   # its draft steps (one at least, however many a step gives) and the verification
+            behind = max(steps - tokens * (1.0 + slack), 0.0)   # steps lost past the slack
             return share + extra_rows(k) + f.seq(*verify_cost(k)) + self.round_s + tail * behind
 
         if not verify_s(0) > 0 and not queued and n_active > 1:
