@@ -14,7 +14,7 @@ from vericache.engine.options import RequestOptions
 from vericache.engine.requests import State
 from vericache.kv.attention import attend_all
 from vericache.kv.full import storage_bytes
-from vericache.kv.packed import KeyPart, attend_packed
+from vericache.kv.packed import KeyPart, attend_packed, key_codes_bytes, new_key_codes
 from vericache.kv.quantized import CHANNEL_GROUPS, FP8, TOKEN_GROUPS, Layout, attend_quantized
 
 LAYOUTS = {
@@ -100,6 +100,12 @@ def test_resident_bytes_are_what_is_charged(llm, prompt_4k, spec, mode):
     while loop.has_unfinished():
         loop.step()
     assert loop.device.used_blocks == 0
+
+
+def test_key_codes_bytes_are_what_new_key_codes_allocates():
+    for layers, heads, capacity, dim in ((2, 2, 1, 64), (30, 3, 4100, 64), (24, 2, 128, 128)):
+        codes = new_key_codes(layers, heads, capacity, dim, torch.device("cpu"))
+        assert storage_bytes([*codes.arrays(), codes.coded]) == key_codes_bytes(layers, heads, capacity, dim)
 
 
 @pytest.fixture(scope="module")

@@ -266,8 +266,9 @@ class DraftCost:
         proposal carries more rows and may give several drafts, so a draft costs its step over its yield.
         A closed batch ends with its last request, and a round of single-row drafts takes k + 1 steps for
         E(k) <= k + 1 tokens: a request that rounds falls behind a plain step's pace, and past the steps the
-        others still run (``slack``: steps a token it may lose so, the others' longest remaining output
-        over its own, less 1) each step it lost is a step of its own at the batch's end (``_tail_step``),
+        others still run (``slack``, steps a token it may lose without ending after them: the others'
+        longest remaining output over its own, less 1) each step it lost is a step of its own at the
+        batch's end (``_tail_step``),
         priced into the round at ``behind_alpha`` (default ``alpha``; the planner's is a cautious one: an
         unlucky round costs the batch's end more than a lucky one saves). SmolLM2 8 x 4K on AMX: rounds
         priced at their rows' attention alone took 66 to 87 steps against full's 62, 0.78-0.93x full."""

@@ -178,8 +178,8 @@ class KVMemory:
         return total
 
     def charge(self, req: Request, device_bytes: int | None = None) -> None:
-        """Charge both tiers for what the request holds now (raises OutOfBlocks where they do not fit: ``BlockPool.can_fit`` first);
-        ``device_bytes``: its ``device_bytes``, where the caller has just counted them."""
+        """Charge both tiers for what the request holds now (OutOfBlocks where it does not fit: ask
+        ``BlockPool.can_fit`` first); ``device_bytes``: its ``device_bytes``, where the caller just counted them."""
         self.device.resize(("kv", req.id), self.device_bytes(req) if device_bytes is None else device_bytes)
         if req.placement.offloaded and req.kv.full is not None:
             self.host.resize(("full", req.id), req.kv.full.held_bytes())

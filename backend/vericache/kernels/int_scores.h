@@ -182,11 +182,7 @@ inline ValueView quantize_values(const float* const* rows, int64_t bt, int64_t D
   return vv;
 }
 
-// A chunk's probabilities as the value pass's unsigned codes with the values' scales folded in (the rule
-// above): row x's p = s[x] [KB] (0 past what it sees) into u[x * KB ..], its scale into dw[x], for x < nr.
-// In three passes over the rows (each row's max of w = p dv, the scales, the codes), not row by row: a
-// row's chain (a reduction, two divisions, the codes) is then independent of the next row's, and the CPU
-// overlaps them. Each row's operations are the one-row rule's: the same bits.
+// The largest of a row's weights w_t = p_t dv[t] over a block (p [KB], 0 past what it sees).
 inline float weights_max(const float* p, const float* dv) {
 #if defined(__AVX512F__)
   __m512 mx = _mm512_setzero_ps();
@@ -202,6 +198,7 @@ inline float weights_max(const float* p, const float* dv) {
 #endif
 }
 
+// A row's weights' codes u [KB], nearbyint(w_t * inv) (inv = 1 / its scale, 0 for a zero scale).
 inline void code_weights_at(const float* p, const float* dv, float inv, uint8_t* u) {
 #if defined(__AVX512F__)
   const __m512 vi = _mm512_set1_ps(inv);
@@ -214,6 +211,11 @@ inline void code_weights_at(const float* p, const float* dv, float inv, uint8_t*
 #endif
 }
 
+// A chunk's probabilities as the value pass's unsigned codes with the values' scales folded in (the rule
+// above): row x's p = s[x] [KB] into u[x * KB ..], its scale into dw[x], for x < nr. In three passes over
+// the rows (each row's max, the scales, the codes), not row by row: a row's chain (a reduction, two
+// divisions, the codes) is then independent of the next row's, and the CPU overlaps them. Each row's
+// operations are the one-row rule's: the same bits.
 inline void code_weights(int nr, const float (*s)[KB], const float* dv, float* dw, uint8_t* u) {
   alignas(64) float inv[ROWS];
   for (int x = 0; x < nr; ++x) dw[x] = weights_max(s[x], dv) / 255.0f;

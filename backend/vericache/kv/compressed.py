@@ -568,8 +568,9 @@ class CompressedKVCache(KVCache):
 
     def resident_bytes(self) -> int:
         """Bytes of every storage the cache holds, each counted once (allocated, not only used). Its
-        storages are allocated up front, so this is counted again only when the residual (or its storage) or
-        the scorer's state is replaced (every step's charge asks: walking ~25 storages was 0.1 ms a request a step)."""
+        storages are allocated up front, so this is counted again only when the residual (or its
+        storage) or the scorer's state is replaced (every step's charge asks: walking its ~25 storages
+        took 0.1 ms a request a step)."""
         key = (id(self.residual), id(self.residual.k), *map(id, self.state.values()))
         if self._resident is None or self._resident[0] != key:
             self._resident = (key, storage_bytes(self.tensors()))
