@@ -138,9 +138,13 @@ def test_with_no_context_full_decoding_alone_is_the_baseline(tmp_path):
     """Context 0 and no compressors: the problem alone, full decoding only (the pass@1 a long context is
     held against), drawn dashed beside a context's panel."""
     args = dict(model="tiny", configs=[], limit=1, max_tokens=8, log=lambda m: None)
-    baseline = he.run_humaneval(contexts=(0,), **args)
+    ckpt = str(tmp_path / "he.jsonl")
+    grid = dict(contexts=(200,), **{**args, "configs": ["streaming:ratio=0.25"]})
+    assert [r["context"] for r in he.run_humaneval(**grid, checkpoint=ckpt)] == [200, 200, 200]   # none measured yet
+    baseline = he.run_humaneval(contexts=(0,), **args, checkpoint=ckpt)
     assert [(r["context"], r["config"], r["problems"]) for r in baseline] == [(0, "full", 1)]
-    rows = baseline + he.run_humaneval(contexts=(200,), **{**args, "configs": ["streaming:ratio=0.25"]})
+    rows = he.run_humaneval(**grid, checkpoint=ckpt)   # the checkpoint's baseline comes with the grid
+    assert rows[0] == baseline[0] and [r["context"] for r in rows] == [0, 200, 200, 200]
     he.plot_humaneval(rows, str(tmp_path / "he.png"))
     assert (tmp_path / "he.png").stat().st_size > 10_000
 

@@ -3,6 +3,9 @@ batch-invariant bit for bit, the same bits in every build (AVX-512, AVX2, portab
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,29 @@ def _reference(q, keys, values, start):
     v = values[:, : start + t].repeat_interleave(HQ // HKV, 0).double()
     mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
     return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask)
+
+
+def test_other_threads_run_while_the_op_attends():
+    """The op lets go of the GIL while it runs (``bindings.cpp``; the whole forward too), so a server's
+    threads run beside a step: a Python thread beside a long call never stands still for long (held, it
+    would stand still for the whole call)."""
+    n, t = 24_000, 256
+    k, v = _kv(n, 1)
+    q, parts = _q(t, 2), [[KeyPart(k, v, n=n, diag=n - t)]]
+    alone = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        attend_packed(q, [t], parts, HKV)
+        alone.append(time.perf_counter() - t0)
+    worker = threading.Thread(target=attend_packed, args=(q, [t], parts, HKV))
+    marks = [time.perf_counter()]
+    worker.start()
+    while worker.is_alive():
+        marks.append(time.perf_counter())
+    worker.join()
+    longest_stall = max(b - a for a, b in zip(marks, marks[1:]))
+    assert min(alone) > 0.06, "the call is too short to tell"
+    assert longest_stall < min(alone) / 2, f"the other thread stood still {longest_stall:.3f} s of a {min(alone):.3f} s call"
 
 
 @pytest.mark.parametrize("start, t", [(0, 1), (0, 7), (37, 1), (63, 2), (130, 33), (511, 3), (1100, 17)])

@@ -339,3 +339,25 @@ def test_bench_triton_streams_against_the_embedded_engine(triton, capsys):
     assert all(r["requests"] == 4 and r["tokens"] > 4 and r["tokens_per_s"] > 0 for r in res["rows"])
     assert all(0 <= r["accepted_tokens"] <= r["drafted_tokens"] for r in res["rows"])   # rounds vs full steps, per side
     assert res["triton_over_embedded"] > 0
+
+
+def test_bench_triton_at_the_benches_load_measures_each_mode_on_both_sides(triton, capsys):
+    """``--prompt-tokens``: one long prompt a stream, each request mode in turn on each side; the texts
+    are the same on both sides and in both modes, and each side's VeriCache is given over its full mode.
+    A bad mode is a clear error naming it, before any server is asked."""
+    import json
+
+    from vericache.cli import main
+
+    args = ["bench", "triton", "--grpc-url", triton["grpc"], "--streams", "2", "--max-tokens", "8", "--repeats", "1",
+            "--prompt-tokens", "300", "--json"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["mode"], r["request_mode"]) for r in res["rows"]] == [
+        ("triton-grpc", "full"), ("embedded", "full"), ("triton-grpc", "vericache"), ("embedded", "vericache")]
+    assert res["identical_texts"] and all(r["requests"] == 2 and r["decode_tokens_per_s"] > 0 for r in res["rows"])
+    assert res["rows"][0]["drafted_tokens"] == res["rows"][1]["drafted_tokens"] == 0   # full mode drafts nothing
+    assert set(res["x_full"]) == {"triton-grpc full", "triton-grpc vericache", "embedded full", "embedded vericache"}
+    assert res["x_full"]["embedded full"] == 1.0 and res["x_full"]["triton-grpc vericache"] > 0
+    assert main(args[:-1] + ["--modes", "full,fastest"]) == 2
+    assert "unknown mode 'fastest'" in capsys.readouterr().err

@@ -434,19 +434,28 @@ def _serve_defaults(args: argparse.Namespace) -> int:
 def _cmd_triton(args: argparse.Namespace) -> int:
     import tempfile
 
+    from vericache.engine.options import check_mode
     from vericache_lab.bench.triton_streams import COLUMNS, run_triton_streams
     from vericache_lab.report import markdown_table, record
 
     if min(args.streams, args.requests, args.max_tokens, args.repeats) < 1:
         raise ValueError(f"--streams, --requests, --max-tokens and --repeats must be >= 1, got "
                          f"{args.streams}, {args.requests}, {args.max_tokens}, {args.repeats}")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    modes = [check_mode(m.strip()) for m in args.modes.split(",")] if args.modes else None
+    if args.prompt_tokens is not None and modes is None:
+        modes = ["full", "vericache"]
     with tempfile.TemporaryDirectory(prefix="vericache-bench-triton-") as work:
         res = run_triton_streams(Path(work), args.model, args.streams, args.requests, args.max_tokens, args.repeats,
-                                 grpc_url=args.grpc_url, log=progress(args))
+                                 grpc_url=args.grpc_url, log=progress(args), prompt_tokens=args.prompt_tokens,
+                                 modes=modes)
+    prompts = f"{res['prompt_tokens']}-token prompts, " if res["prompt_tokens"] else ""
     text = (f"{res['cpu']}; {res['model']}; {res['streams']} streams x {res['requests_per_stream']} requests x "
-            f"{res['max_tokens']} tokens (greedy).\n\n" + markdown_table(res["rows"], COLUMNS) +
-            f"\n\nTriton / embedded tokens/s: {res['triton_over_embedded']} (median of {res['ratios']}); "
-            f"identical texts: {res['identical_texts']}")
+            f"{prompts}{res['max_tokens']} tokens (greedy).\n\n" + markdown_table(res["rows"], COLUMNS) +
+            f"\n\nTriton / embedded tokens/s: {res['triton_over_embedded']} (median of {res['ratios']}; by mode "
+            f"{res['triton_over_embedded_by_mode']}); identical texts: {res['identical_texts']}" +
+            (f"; over full mode, each side: {res['x_full']}" if "x_full" in res else ""))
     print(json.dumps(res) if args.json else text)
     record(args.record, f"Triton under {args.streams} gRPC streams vs the embedded engine", text, args.argv)
     return 0 if res["identical_texts"] else 1
@@ -461,6 +470,11 @@ def _add_triton(bsub) -> None:
     tr.add_argument("--max-tokens", type=int, default=64)
     tr.add_argument("--repeats", type=int, default=2, help="Triton/embedded pairs (alternating)")
     tr.add_argument("--grpc-url", default=None, help="a running tritonserver's gRPC host:port (default: start one)")
+    tr.add_argument("--prompt-tokens", type=int, default=None,
+                    help="one request a stream, this many tokens of code each (bench batch's prompts), all at once")
+    tr.add_argument("--modes", default=None,
+                    help="comma-separated request modes, each in turn (default: the server's; with --prompt-tokens "
+                         "full,vericache)")
     tr.add_argument("--json", action="store_true")
     tr.add_argument("--record", default=None)
     tr.set_defaults(func=_cmd_triton)
