@@ -184,8 +184,7 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                   log=print, context_format: str = "documents", draft_len: int | str = "auto",
                   numerics: str | None = None) -> list[dict]:
     """The grid (``contexts`` x full, lossy and VeriCache over ``configs``; ``[]``: full decoding alone) on
-    the first ``limit`` problems, a row per (context, configuration); context 0: the problem alone (full
-    decoding's row there is added, not run, where the checkpoint holds it for every problem). Rows of
+    the first ``limit`` problems, a row per (context, configuration; ``_grid_rows``); context 0: the problem alone. Rows of
     each ``context_format`` (``CONTEXT_FORMATS``), VeriCache ``draft_len`` (an integer: rounds of that length,
     where "auto" may decode plain full steps) and ``numerics`` (None: the model's) are kept apart."""
     from vericache.engine.engine import Engine
@@ -239,9 +238,15 @@ def run_humaneval(model: str, contexts: tuple[int, ...] = (8000, 16000), configs
                         f.write(json.dumps(rec) + "\n")
             log(f"[{time.perf_counter() - t0:7.0f} s] context {context}: {i + 1}/{len(problems)} "
                 f"{problem['task_id']} (full {'passed' if done[(context, problem['task_id'], 'full')]['passed'] else 'failed'})")
+    return _grid_rows(contexts, labels, problems, done)
+
+
+def _grid_rows(contexts: tuple[int, ...], labels: list[str], problems: list[dict], done: dict) -> list[dict]:
+    """A row per (context, configuration); first, where the grid leaves out context 0 and the checkpoint
+    holds full decoding's rows there for every problem, that baseline (measured before, not run)."""
     rows = [_row(context, label, problems, done) for context in contexts for label in labels]
     if 0 not in contexts and all((0, p["task_id"], "full") in done for p in problems):
-        rows.insert(0, _row(0, "full", problems, done))   # the baseline, measured before: beside the grid, not run
+        rows.insert(0, _row(0, "full", problems, done))
     return rows
 
 
