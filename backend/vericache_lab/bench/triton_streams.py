@@ -52,6 +52,13 @@ class StreamLog:
     itl: list[float] = field(default_factory=list)
     chunks: list[tuple[float, int]] = field(default_factory=list)   # (arrival, tokens so far), every request
 
+    def received(self, first: bool, t0: float, last: float, now: float, tokens: int) -> None:
+        """A response of ``tokens`` new tokens arrived at ``now`` (``t0``: the request sent; ``last``: its
+        previous tokens)."""
+        (self.ttft if first else self.itl).append(now - (t0 if first else last))
+        self.tokens += tokens
+        self.chunks.append((now, self.tokens))
+
 
 @dataclass
 class Load:
@@ -65,13 +72,6 @@ class Load:
 
     def prompt(self, stream: int, request: int) -> str:
         return self.prompts[(stream + request) % len(self.prompts)]
-
-    def received(self, log: StreamLog, first: bool, t0: float, last: float, now: float, tokens: int) -> None:
-        """A response of ``tokens`` new tokens arrived at ``now`` (``t0``: the request sent; ``last``: its
-        previous tokens)."""
-        (log.ttft if first else log.itl).append(now - (t0 if first else last))
-        log.tokens += tokens
-        log.chunks.append((now, log.tokens))
 
 
 def _summary(label: str, load: Load, logs: list[StreamLog], seconds: float) -> dict:
@@ -124,7 +124,7 @@ def embedded_load(service: BackgroundService, tokenizer, load: Load) -> dict:
                 d = stream.get(timeout=600)
                 now = time.perf_counter()
                 if d.token_ids:
-                    load.received(log, first, t0, last, now, len(d.token_ids))
+                    log.received(first, t0, last, now, len(d.token_ids))
                     first, last = False, now
                 text += d.text
                 if d.finished:
@@ -171,7 +171,7 @@ def triton_load(grpc_url: str, load: Load) -> dict:
                     now = time.perf_counter()
                     ids = result.as_numpy("output_ids")   # None: a final flag alone (a cancelled request)
                     if ids is not None and len(ids):
-                        load.received(log, first, t0, last, now, len(ids))
+                        log.received(first, t0, last, now, len(ids))
                         first, last = False, now
                     if ids is not None:
                         text += result.as_numpy("text_output")[0].decode()
