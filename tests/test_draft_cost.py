@@ -175,6 +175,44 @@ def test_acceptance_estimate_follows_the_rounds():
     assert high > 0.95 and st.acceptance() < high and st.rejections == 1
 
 
+def test_a_fully_accepted_probe_prices_the_next_round_as_a_probe():
+    """From a uniform prior one accepted draft leaves the mean acceptance at 0.67: at 32K of the code model
+    (a draft step 41 ms, a full step 57, a verified row 10) no round pays below ~0.95, so a probe's success
+    used to end drafting with the backoff doubled. A probe fully accepted prices the next round at the
+    optimistic acceptance again and forgets its backoff; a probe with a rejection, or a round priced at
+    the mean, does not."""
+    policy = DraftLengthPolicy()
+    st = policy.new_state()
+    st.probing, st.backoff = True, 64
+    policy.update(st, 1, 1)
+    assert st.probe and not st.probing and st.backoff == 0
+    assert st.acceptance() < 0.7 < 0.9 < st.acceptance(optimistic=True)
+    st.probe, st.probing, st.backoff = False, True, 64
+    policy.update(st, 4, 2)
+    assert not st.probe and not st.probing and st.backoff == 64
+    policy.update(st, 4, 4)                     # priced at the mean: fully accepted, still no probe
+    assert not st.probe
+
+
+def test_the_backoff_doubles_only_while_rounds_fail_between_fallbacks():
+    """Declines with no round between rest on the same evidence: each waits the same cool-down (asking
+    again costs a price, not a step); a round that failed since the last decline doubles it (16x at most)."""
+    policy = DraftLengthPolicy()
+    st = policy.new_state()
+    waits = []
+    for failed_between in (False, False, True, True, False, True, True, True, True):
+        if failed_between:
+            st.probing = True
+            policy.update(st, 2, 0)
+        st.fall_back(policy.cooldown, 1.0)
+        waits.append(st.cooldown)
+    assert waits == [16, 16, 32, 64, 64, 128, 256, 256, 256] and st.cost_fallbacks == 9
+    st.probing = True
+    policy.update(st, 3, 3)                     # a probe fully accepted: the backoff starts over
+    st.fall_back(policy.cooldown, 1.0)
+    assert st.cooldown == 16
+
+
 def test_one_model_prices_every_row_kind_and_the_offloaded_modes():
     """``CostsAt``: the same terms price a full row, a draft row and a verification chunk (read once,
     r x the pairs); ``predict_offloaded``: the budget limits full, drafts beat full, and P1 (max) beats
@@ -287,7 +325,7 @@ def test_in_a_batch_a_request_pays_its_share_of_the_weights():
     assert cost.choose(0.8, 8, draft_row, full_kv, 16) >= 2
 
 
-def _decode_at_fixed_costs(llm, costs: StepCosts) -> tuple[list[int], list[int], dict]:
+def _decode_at_fixed_costs(llm, costs: StepCosts, lookup: bool = True) -> tuple[list[int], list[int], dict]:
     """One request of 64 tokens, VeriCache with "auto" draft lengths, its planner deciding on ``costs``
     (fitted, never refitted): (its tokens, full decoding's, its stats)."""
     from vericache import Engine, SamplingParams
@@ -295,7 +333,7 @@ def _decode_at_fixed_costs(llm, costs: StepCosts) -> tuple[list[int], list[int],
     text = "def add(a, b):\n    return a + b\n" * 10
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     full = llm.generate([text], params)[0].token_ids
-    engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto")
+    engine = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.25", draft_len="auto", lookup=lookup)
     cost = engine.loop.scheduler.planner.cost
     cost.fitted, cost.source, cost.every = costs, "fitted", 10 ** 9
     rid = engine.add_request(llm.tokenizer.encode(text), params)
@@ -305,14 +343,38 @@ def _decode_at_fixed_costs(llm, costs: StepCosts) -> tuple[list[int], list[int],
     return [t for o in outs for t in o.token_ids], full, outs[-1].stats
 
 
+def test_a_request_whose_probes_are_accepted_keeps_drafting(llm, monkeypatch):
+    """Costs under which a 1-draft probe pays at the prior's optimistic acceptance (0.79) and longer rounds
+    only above 0.9 (the code model at 32K: a draft step 41 ms against a full step's 57). This text's drafts
+    are all accepted: each probe's success prices the next round as a probe, so the request drafts from
+    its first round to its last (no fallback). Broken control: a probe's success forgotten (the next round
+    priced at the mean, 0.67 after 1 of 1) falls back to plain full steps after the first probe."""
+    from vericache.drafting.round import DraftLengthPolicy
+
+    monkeypatch.setattr(DraftCost, "choose", lambda self, alpha, *a, **kw: 1 if 0.78 < alpha < 0.8 else 4 * (alpha > 0.9))
+    tokens, full, stats = _decode_at_fixed_costs(llm, StepCosts(t_row=1.0), lookup=False)
+    assert tokens == full and stats["drafted_tokens"] == stats["accepted_tokens"] > 32
+    assert stats["cost_fallbacks"] == 0 and stats["full_step_tokens"] <= 1
+    real = DraftLengthPolicy.update
+
+    def forgetful(self, st, drafted, accepted):
+        st.probing = False
+        real(self, st, drafted, accepted)
+
+    monkeypatch.setattr(DraftLengthPolicy, "update", forgetful)
+    tokens, full, stats = _decode_at_fixed_costs(llm, StepCosts(t_row=1.0), lookup=False)
+    assert tokens == full and stats["cost_fallbacks"] >= 1 and stats["full_step_tokens"] >= 16
+
+
 def test_a_request_whose_drafts_cannot_pay_decodes_full_steps_and_asks_again(llm):
     """Every row costs the same (a forward of n rows n times one row's): no round can beat a full step,
     not even at the optimistic acceptance a first round is priced at nor with lookup proposals checked in
     a step, so the request drafts nothing (no losing probe rounds: "never slower than full"): 16 full
-    steps, asks again, 32, again, then 64 (cut by max_tokens): 3 fallbacks."""
+    steps, asks again (no round ran between: the same evidence, the same 16 steps), again and again: 4
+    fallbacks in 63 tokens."""
     tokens, full, stats = _decode_at_fixed_costs(llm, StepCosts(t_row=1.0))
     assert tokens == full                                                  # the same tokens either way
-    assert stats["cost_fallbacks"] == 3 and stats["drafted_tokens"] == 0
+    assert stats["cost_fallbacks"] == 4 and stats["drafted_tokens"] == 0
     assert stats["full_step_tokens"] == 63                                 # the first token came from prefill
 
 

@@ -276,12 +276,24 @@ class DraftState:
     cooldown: int = 0
     fallbacks: int = 0
     cost_fallbacks: int = 0       # times the cost model found full steps faster than drafting
-    probe: bool = False           # after such a fallback: one round at the policy's length, to re-measure
+    probe: bool = False           # the next round is priced at the optimistic acceptance (to re-measure)
+    probing: bool = False         # the round in flight was priced so: fully accepted, the next one is too
     backoff: int = 0              # full steps of the next such fallback: doubles while probes keep failing
+    declined_rejections: int = 0  # ``rejections`` at the last such fallback (a decline with none since keeps it)
     declined_yield: float = 0.0   # in such a fallback: the drafts a step it priced (0: none in force)
     accepted_total: int = 0       # drafted tokens accepted, all rounds
     rejections: int = 0           # rounds that ended at a mismatch
     pool: SharedAcceptance | None = None   # the engine's pooled rounds with this compressor (the prior)
+
+    def fall_back(self, cooldown: int, drafts_a_step: float) -> None:
+        """The costs found no round paying (``engine.scheduler.DraftPlanner``): plain full steps for the
+        backoff (``cooldown`` at first, doubling up to 16x only while rounds fail between fallbacks: a
+        decline with no round since rests on the same evidence, and asking again costs only a price), then
+        a probe. ``drafts_a_step``: what a draft step was priced at (a better lookup offer asks sooner)."""
+        failed = self.rejections > self.declined_rejections
+        self.backoff = min(2 * self.backoff, 16 * cooldown) if self.backoff and failed else self.backoff or cooldown
+        self.cooldown, self.probe, self.declined_rejections = self.backoff, True, self.rejections
+        self.cost_fallbacks, self.declined_yield = self.cost_fallbacks + 1, drafts_a_step
 
     def acceptance(self, optimistic: bool = False) -> float:
         """Per-token acceptance, a geometric model's estimate: the mean of its Beta posterior from a
@@ -341,6 +353,9 @@ class DraftLengthPolicy:
             return
         st.accepted_total += accepted
         st.rejections += accepted < drafted
+        if st.probing:   # a probe fully accepted is evidence the optimism held: price the next round so too
+            st.probing, st.probe = False, accepted == drafted
+            st.backoff = 0 if st.probe else st.backoff
         if st.pool is not None:
             st.pool.add(accepted, accepted < drafted)
         if self.fixed is not None:

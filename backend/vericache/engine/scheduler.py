@@ -186,14 +186,18 @@ class DraftPlanner:
         """The draft length the step costs call for (``DraftCost``: calibrated on the model, then fitted
         to the engine's own forwards); the policy's ``k`` when no costs exist. Where they find plain full
         steps faster than any round at the request's acceptance, the request decodes full steps (the same
-        tokens either way: ``cooldown`` of them, doubling up to 16x while the costs keep saying so), then
+        tokens either way: ``cooldown`` of them, doubling up to 16x while rounds between keep failing), then
         asks again as a probe (sooner where the lookup now offers a better step: ``_better_offer``). A
         probe, and a request's first round, is priced at an optimistic acceptance (``DraftState.acceptance``,
         which starts from the rounds of the engine's other requests with the same compressor:
         ``SharedAcceptance``): where a round may pay at it, the request drafts the length
         the costs call for there, the policy's ``k`` at most (one request at 8K: a long first round measures
         a high acceptance at once; 8 x 2K of SmolLM2: 1-draft probes, where eight 8-draft probes failing
-        together cost the batch 8 steps of 30); where even then no round
+        together cost the batch 8 steps of 30). A probe fully accepted makes the next round a probe too
+        (``DraftLengthPolicy.update``): from a uniform prior a few accepted drafts leave the mean acceptance
+        low (1 of 1: 0.67), which at 32K of the code model declines every round (draft 41 ms, full 57, a
+        verified row 10: rounds pay only above ~0.95), so a first probe's success used to end drafting with
+        the backoff doubled, where 8-draft rounds were all accepted (1.18x full); where even then no round
         pays, it drafts nothing and decodes full steps as above, so a request whose rounds cannot pay runs
         as full mode does (8 x 8K of the 0.5B code model on AMX: a verified row's fp32 attention costs
         two thirds of a full row, and short probe rounds there cost 12%: "never slower than full"). Until
@@ -215,13 +219,11 @@ class DraftPlanner:
         if choice is None:
             return k
         if choice == 0:   # no round pays (probing: not even at the optimistic acceptance): full steps a while
-            st.backoff = min(2 * st.backoff, 16 * policy.cooldown) if st.backoff else policy.cooldown
-            st.cooldown, st.probe = st.backoff, True
-            st.cost_fallbacks, st.declined_yield = st.cost_fallbacks + 1, step_yield[0]
+            st.fall_back(policy.cooldown, step_yield[0])
             return 0
         st.declined_yield = 0.0
         if probing:   # explore at the length that pays if the optimistic acceptance holds (the policy's at most)
-            st.probe = False   # (the backoff stays: a probe the measured acceptance then declines doubles it)
+            st.probe, st.probing = False, True   # (the backoff stays unless the probe is fully accepted)
             return min(k, choice)
         if self.cost.source != "fitted":
             return k   # the calibration may veto rounds; until the engine's own fit, the policy sizes them
