@@ -290,8 +290,10 @@ class DraftState:
         backoff (``cooldown`` at first, doubling up to 16x only while rounds fail between fallbacks: a
         decline with no round since rests on the same evidence, and asking again costs only a price), then
         a probe. ``drafts_a_step``: what a draft step was priced at (a better lookup offer asks sooner)."""
-        failed = self.rejections > self.declined_rejections
-        self.backoff = min(2 * self.backoff, 16 * cooldown) if self.backoff and failed else self.backoff or cooldown
+        if not self.backoff:
+            self.backoff = cooldown
+        elif self.rejections > self.declined_rejections:   # a round failed since the last fallback
+            self.backoff = min(2 * self.backoff, 16 * cooldown)
         self.cooldown, self.probe, self.declined_rejections = self.backoff, True, self.rejections
         self.cost_fallbacks, self.declined_yield = self.cost_fallbacks + 1, drafts_a_step
 
@@ -355,7 +357,8 @@ class DraftLengthPolicy:
         st.rejections += accepted < drafted
         if st.probing:   # a probe fully accepted is evidence the optimism held: price the next round so too
             st.probing, st.probe = False, accepted == drafted
-            st.backoff = 0 if st.probe else st.backoff
+            if st.probe:
+                st.backoff = 0
         if st.pool is not None:
             st.pool.add(accepted, accepted < drafted)
         if self.fixed is not None:
