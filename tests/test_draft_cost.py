@@ -492,6 +492,8 @@ def test_a_calibration_timed_through_a_stall_is_timed_again(llm, monkeypatch):
     assert calibration.costs is not None and calibration.costs.usable()
     assert list(calibration.seconds) == quiet
     assert replay(1).costs is None
+    with pytest.raises(ValueError, match="attempts"):
+        cal.calibrate(llm.loaded, attempts=0)
 
 
 def test_the_calibration_fit_recovers_attention_beyond_the_weights_curve():

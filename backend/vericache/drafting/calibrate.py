@@ -81,6 +81,8 @@ def calibrate(loaded: LoadedModel, repeats: int = 2, short: int = SHORT, long: i
     times while the fit is not usable (timings through a stall of the host). Nothing is timed for
     the Triton kernels on a CPU: Triton's interpreter (gpu-check's dry run) runs them in numpy, minutes a
     forward at 4096 positions, and its times describe no machine."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     if interpreted(loaded):
         return Calibration(np.zeros((0, 5)), np.zeros(0), None)
     model, cfg, dev = loaded.model, loaded.config, loaded.device
@@ -111,7 +113,7 @@ def calibrate(loaded: LoadedModel, repeats: int = 2, short: int = SHORT, long: i
         cache.begin(0, long)
         cache.fill_random()
     shapes = [(short, 1, rows) for rows in curve_rows] + [(long, n, rows) for n, rows in SHAPES]
-    for _ in range(max(attempts, 1)):
+    for _ in range(attempts):
         features, seconds = zip(*(timed(*shape) for shape in shapes))
         x, y = np.array(features, dtype=np.float64), np.array(seconds)
         costs = fit_calibration(x, y, lambda rows: caches[0].attention_cost(short, rows), len(curve_rows))
