@@ -1,5 +1,10 @@
 """KVzip's context-reconstruction pass: score context tokens by the attention they get
-while the model re-reads the context after a repeat prompt."""
+while the model re-reads the context after a repeat prompt.
+
+A context key's score is the largest probability any query of its KV group gives it. The pass
+never forms the [Hq, T, S] probabilities: attention runs fused (torch's CPU flash attention, which
+also returns each row's log-sum-exp), and then p(row, key) = exp(q . k / sqrt(D) - lse(row)) is
+computed for the P context keys only, in row blocks, keeping the running maximum."""
 
 from __future__ import annotations
 
@@ -10,56 +15,102 @@ import torch
 from vericache.kv.full import FullKVCache
 from vericache.kv.protocol import KVCache
 
+SCORE_ROWS = 512   # query rows per block of the score pass ([Hkv, 512, P] fp32 logits at a time)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [H, R, D] over k, v [H, S, D]: output [H, R, D] and each row's log-sum-exp
+    [H, R] (fp32). ``causal`` masks top-left aligned (row i sees keys 0..i)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], is_causal=causal)
+    return out[0], lse[0].float()
+
+
+def merged(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets from each one's output [..., R, D] and lse [..., R]."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a.float() * (lse_a - lse).exp()[..., None] + out_b.float() * (lse_b - lse).exp()[..., None]
+    return out.to(out_a.dtype), lse
+
+
+def largest_probabilities(q: torch.Tensor, lse: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """max over rows of softmax probability for each key: q [Hkv, R, D] (a group's rows together),
+    lse [Hkv, R] over all the keys the rows attend, keys [Hkv, P, D] (all seen by every row) -> [Hkv, P]."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    kt = keys.float().transpose(1, 2)                                                 # [Hkv, D, P]
+    best = None
+    for r in range(0, q.shape[1], SCORE_ROWS):
+        # log p = q.k * scale - lse, maximised over this block's rows; exp is monotone, so taken last
+        logp = torch.baddbmm(-lse[:, r : r + SCORE_ROWS, None], q[:, r : r + SCORE_ROWS].float(), kt, alpha=scale)
+        block = logp.amax(dim=1)                                                      # [Hkv, P]
+        best = block if best is None else torch.maximum(best, block)
+    assert best is not None
+    return best.exp()
+
 
 class ReconstructionScoringCache(KVCache):
-    """Attends over a read-only context (a full cache's first P positions) plus its own tokens,
-    with explicit probabilities so the context's share can be recorded: scores[layer]: [Hkv, P]."""
+    """Attends over a read-only context (a full cache's first P positions) plus up to ``own`` tokens
+    of its own, in order, recording the context's largest probabilities: scores[layer]: [Hkv, P]."""
 
     computes_attention = True
 
-    def __init__(self, context: FullKVCache, n_layers: int) -> None:
+    def __init__(self, context: FullKVCache, n_layers: int, own: int) -> None:
         self.ctx = context
         self.p = context.length
-        self.own_k: list[torch.Tensor | None] = [None] * n_layers
-        self.own_v: list[torch.Tensor | None] = [None] * n_layers
+        self.own = own
+        # per layer K, V [Hkv, P + own, D]: the context copied once, then each chunk written after it,
+        # so a chunk attends through a view (no concatenation over S per layer and chunk)
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
         self.scores: dict[int, torch.Tensor] = {}
-        self._start = self.p
+        self._start = self._end = self.p
 
     def begin(self, start: int, count: int) -> None:
-        self._start = start
+        if start != self._end:
+            raise ValueError(f"the scoring pass runs in order: expected position {self._end}, got {start}")
+        if start + count > self.p + self.own:
+            raise ValueError(f"positions {start}..{start + count - 1} exceed the {self.own} this pass holds "
+                             f"after its {self.p}-token context")
+        self._start, self._end = start, start + count
+
+    def _layer_buffers(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is None or values is None:
+            ctx_k, ctx_v = self.ctx.layer_views(layer, self.p)                          # [Hkv, P, D]
+            shape = (ctx_k.shape[0], self.p + self.own, ctx_k.shape[2])
+            # in the forward's dtype (a cache may hold fp16 or bf16 K/V for fp32 activations)
+            keys, values = ctx_k.new_empty(shape, dtype=dtype), ctx_v.new_empty(shape, dtype=dtype)
+            keys[:, : self.p], values[:, : self.p] = ctx_k, ctx_v
+            self.keys[layer], self.values[layer] = keys, values
+        return keys, values
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1 (all >= P)
-        own_k, own_v = self.own_k[layer], self.own_v[layer]
-        if own_k is None or own_v is None:
-            own_k, own_v = k, v
-        else:
-            own_k, own_v = torch.cat([own_k, k], dim=1), torch.cat([own_v, v], dim=1)
-        self.own_k[layer], self.own_v[layer] = own_k, own_v
-        ctx_k, ctx_v = self.ctx.layer_views(layer, self.p)                               # [Hkv, P, D]
-        keys = torch.cat([ctx_k, own_k], dim=1)                                          # [Hkv, S, D]
-        vals = torch.cat([ctx_v, own_v], dim=1)
         hq, t, d = q.shape
-        hkv, s, _ = keys.shape
-        qg = q.view(hkv, hq // hkv, t, d)
-        logits = torch.einsum("hgtd,hsd->hgts", qg, keys) / math.sqrt(d)
-        qpos = torch.arange(self._start, self._start + t)
-        kpos = torch.arange(s)
-        logits = logits.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        probs = torch.softmax(logits.float(), dim=-1)
-        ctx_max = probs[..., : self.p].amax(dim=(1, 2))                                 # [Hkv, P]
+        hkv = k.shape[0]
+        group = hq // hkv
+        keys, values = self._layer_buffers(layer, q.dtype)
+        keys[:, self._start : self._end], values[:, self._start : self._end] = k, v
+        # every earlier key is seen by every row: a group's rows attend together, [Hkv, G*T, D]
+        rows = q.reshape(hkv, group * t, d)
+        out_a, lse_a = fused_attention(rows, keys[:, : self._start], values[:, : self._start])
+        # the chunk's own keys: causal, per query head ([Hq, T, D], k and v repeated over the group)
+        out_b, lse_b = fused_attention(q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), causal=True)
+        out, lse = merged(out_a.reshape(hq, t, d), lse_a.reshape(hq, t), out_b, lse_b)
+        ctx_max = largest_probabilities(rows, lse.reshape(hkv, group * t), keys[:, : self.p])   # [Hkv, P]
         prev = self.scores.get(layer)
         self.scores[layer] = ctx_max if prev is None else torch.maximum(prev, ctx_max)
-        out = torch.einsum("hgts,hsd->hgtd", probs.to(vals.dtype), vals)
-        return out.reshape(hq, t, d)
+        return out
 
 
 @torch.inference_mode()
 def reconstruction_scores(model, full_cache: FullKVCache, prompt_ids: list[int], repeat_ids: list[int],
                           chunk: int = 512) -> dict[int, torch.Tensor]:
     """Per-layer [Hkv, P] importance of the P context tokens held in ``full_cache``."""
-    scorer = ReconstructionScoringCache(full_cache, model.config.num_hidden_layers)
     ids = list(repeat_ids) + list(prompt_ids)
+    scorer = ReconstructionScoringCache(full_cache, model.config.num_hidden_layers, own=len(ids))
     device = full_cache.device
     pos = full_cache.length
     for s in range(0, len(ids), chunk):

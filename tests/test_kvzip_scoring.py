@@ -1,0 +1,83 @@
+"""KVzip's reconstruction pass: fused attention plus a score pass equal the explicit probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vericache.compress import kvzip_scoring
+from vericache.compress.kvzip_scoring import ReconstructionScoringCache
+from vericache.config import ModelConfig
+from vericache.kv.full import FullKVCache
+
+HQ, HKV, D, P = 6, 2, 16, 40
+CFG = ModelConfig(vocab_size=32, hidden_size=HQ * D, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=HQ, num_key_value_heads=HKV)
+
+
+def explicit_pass(ctx_k, ctx_v, chunks):
+    """The reference: softmax over [context, own keys so far] with a causal mask, written out.
+    chunks: (q [Hq, T, D], k, v [Hkv, T, D]) in order -> (outputs, [Hkv, P] max probabilities)."""
+    keys, vals, outs, best = ctx_k, ctx_v, [], torch.zeros(HKV, P)
+    for q, k, v in chunks:
+        start = keys.shape[1]
+        keys, vals = torch.cat([keys, k], dim=1), torch.cat([vals, v], dim=1)
+        t = q.shape[1]
+        qg = q.view(HKV, HQ // HKV, t, D)
+        logits = torch.einsum("hgtd,hsd->hgts", qg, keys) / math.sqrt(D)
+        later = torch.arange(keys.shape[1])[None, :] > torch.arange(start, start + t)[:, None]
+        probs = torch.softmax(logits.masked_fill(later, float("-inf")), dim=-1)
+        best = torch.maximum(best, probs[..., :P].amax(dim=(1, 2)))
+        outs.append(torch.einsum("hgts,hsd->hgtd", probs, vals).reshape(HQ, t, D))
+    return outs, best
+
+
+def scored(chunks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ctx = FullKVCache(CFG, "cpu", torch.float32, capacity=P)
+    ctx.append(torch.randn(1, HKV, P, D, generator=g), torch.randn(1, HKV, P, D, generator=g))
+    scorer = ReconstructionScoringCache(ctx, n_layers=1, own=sum(q.shape[1] for q, _, _ in chunks))
+    outs, start = [], P
+    for q, k, v in chunks:
+        scorer.begin(start, q.shape[1])
+        start += q.shape[1]
+        outs.append(scorer.attend(0, q, k, v))
+    reference = explicit_pass(*ctx.layer_views(0, P), chunks)
+    return outs, scorer.scores[0], reference
+
+
+def random_chunks(sizes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    # scaled queries give peaked rows: some probabilities near 1, most near 0, as in a real model
+    return [(3 * torch.randn(HQ, t, D, generator=g), torch.randn(HKV, t, D, generator=g),
+             torch.randn(HKV, t, D, generator=g)) for t in sizes]
+
+
+@pytest.mark.parametrize("sizes", [[8], [8, 5, 1], [1, 1, 3]])
+def test_the_fused_pass_equals_the_explicit_probabilities(sizes):
+    outs, scores, (ref_outs, ref_scores) = scored(random_chunks(sizes))
+    for out, ref in zip(outs, ref_outs):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-7)
+    assert scores.shape == (HKV, P) and float(scores.max()) > 0.1   # peaked rows: a real maximum to match
+
+
+def test_a_score_pass_without_the_row_normaliser_fails_the_comparison(monkeypatch):
+    real = kvzip_scoring.largest_probabilities
+    # broken: every row's log-sum-exp taken as 0 (the raw exp(q.k), not a probability)
+    monkeypatch.setattr(kvzip_scoring, "largest_probabilities", lambda q, lse, keys: real(q, lse * 0, keys))
+    _, scores, (_, ref_scores) = scored(random_chunks([8, 5]))
+    assert not torch.allclose(scores, ref_scores, rtol=1e-4, atol=1e-7)
+
+
+def test_chunks_out_of_order_or_past_the_pass_are_refused():
+    ctx = FullKVCache(CFG, "cpu", torch.float32, capacity=P)
+    ctx.append(torch.zeros(1, HKV, P, D), torch.zeros(1, HKV, P, D))
+    scorer = ReconstructionScoringCache(ctx, n_layers=1, own=4)
+    with pytest.raises(ValueError, match=f"expected position {P}, got {P + 3}"):
+        scorer.begin(P + 3, 2)
+    with pytest.raises(ValueError, match=f"positions {P}..{P + 4} exceed the 4 this pass holds"):
+        scorer.begin(P, 5)
+    scorer.begin(P, 4)   # the refusals changed nothing
