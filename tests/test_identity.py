@@ -11,6 +11,7 @@ occurs; 36 cases where the product is 144 (a test checks the covering).
 from __future__ import annotations
 
 import json
+import pickle
 import random
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from vericache import SamplingParams
 from vericache.compress.base import EvictionCompressor
+from vericache.compress.eviction import KVzip
 from vericache.compress.registry import METHODS, parse_compressor
 from vericache.engine.engine import Engine
 
@@ -203,6 +205,28 @@ def test_shared_prefill_equals_own_prefill_in_every_mode(kv_loaded, identity_pro
         runner.generate([runner.new_sequence(0, prompts[0], params)], "full", prefills=shared)
     with pytest.raises(ValueError, match="this prefill is of"):  # a prefill of another prompt
         runner.generate([runner.new_sequence(0, prompts[0] + [1], params)], "lossy", prefills=shared[:1])
+
+
+def test_kvzip_scores_a_shared_prefill_once(kv_loaded, identity_prompts, monkeypatch):
+    """KVzip's reconstruction pass (a second forward over the prompt) runs once per shared prefill: the
+    lossy and VeriCache requests after the first take its scores, and decode as with their own; a prefill
+    pickled before scores were kept loads with none."""
+    calls = []
+    real = KVzip.on_prefill
+    monkeypatch.setattr(KVzip, "on_prefill", lambda self, *a: calls.append(1) or real(self, *a))
+    runner = Engine(kv_loaded, compressor="kvzip:ratio=0.1", mode="full")
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    prompt = identity_prompts[0]
+    shared = runner.shared_prefill(runner.new_sequence(0, prompt, params))
+    own = {mode: runner.generate([runner.new_sequence(0, prompt, params)], mode)[0] for mode in ("lossy", "vericache")}
+    assert len(calls) == 2   # each request's own prefill scores its prompt
+    for mode in ("lossy", "vericache", "lossy"):
+        assert runner.generate([runner.new_sequence(0, prompt, params)], mode, prefills=[shared])[0].token_ids \
+            == own[mode].token_ids, mode
+    assert len(calls) == 3 and list(shared.scores) == [parse_compressor("kvzip:ratio=0.1").spec()]
+    del shared.__dict__["scores"]   # as a prefill pickled before scores were kept
+    old = pickle.loads(pickle.dumps(shared))
+    assert old.scores == {} and old.prompt_len == shared.prompt_len
 
 
 def test_one_shared_prefill_for_requests_that_run_together(kv_loaded, identity_prompts):

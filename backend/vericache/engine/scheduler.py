@@ -49,6 +49,7 @@ from vericache.engine.offload import Offload
 from vericache.engine.options import ResolvedOptions
 from vericache.engine.remote_rounds import PrefixSource, RemoteRounds, VerifierSource
 from vericache.engine.requests import DONE, MAKING_OUTPUT, Instruments, Request, RequestTable, State
+from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import Link, StreamedKV
 from vericache.kv.protocol import KVCache
@@ -411,7 +412,7 @@ class Scheduler:
             req.kv.draft.load_prefill(shared.reset(req.seq), shared.queries)
         req.prefill.done_ids = shared.prompt_len
         if req.prefill.done_ids == len(req.seq.prompt_ids) + max(len(req.seq.output_ids) - 1, 0):
-            self._finish_prefill(req, shared.logits, shared.full)
+            self._finish_prefill(req, shared.logits, shared.full, shared)
         self.instruments.note_interval(t0, time.perf_counter(), "load")
 
     # ------------------------------------------------------------------ update
@@ -438,8 +439,10 @@ class Scheduler:
                 log.exception("request %s failed in %s", req.id, row.kind)
                 self.requests.fail(req, f"{type(exc).__name__}: {exc}")
 
-    def _finish_prefill(self, req: Request, logits: torch.Tensor, context: FullKVCache | None) -> None:
-        """The prompt (and any recomputed output) is in the caches: compress, pick the first token."""
+    def _finish_prefill(self, req: Request, logits: torch.Tensor, context: FullKVCache | None,
+                        shared: SharedPrefill | None = None) -> None:
+        """The prompt (and any recomputed output) is in the caches: compress, pick the first token.
+        ``shared``: the exact prefill made elsewhere that ``context`` is, whose prompt scores are shared."""
         seq, n = req.seq, req.prefill.done_ids
         if req.kv.prefill_buf is not None:  # home to the host tier
             req.kv.full_kv().load(req.kv.prefill_buf, n)
@@ -447,8 +450,9 @@ class Scheduler:
             comp = req.opts.compressor
             # a prompt partly loaded from the prefix store has no whole-prompt context here
             whole = req.kv.draft.prefill_context()
-            scores = None if whole is None else comp.on_prefill(self.loaded.model, context or whole, req.prefill_ids,
-                                                                self.loaded.tokenizer)
+            def score() -> dict[int, torch.Tensor] | None:
+                return comp.on_prefill(self.loaded.model, context or whole, req.prefill_ids, self.loaded.tokenizer)
+            scores = None if whole is None else score() if shared is None else shared.prompt_scores(comp.spec(), score)
             req.kv.draft.set_prefill_scores(scores, n)
             # compression starts once the whole prompt is in (an exact prefill); beside a full
             # cache the draft cache takes the prompt's K/V from it
