@@ -450,9 +450,14 @@ class Scheduler:
             comp = req.opts.compressor
             # a prompt partly loaded from the prefix store has no whole-prompt context here
             whole = req.kv.draft.prefill_context()
-            def score() -> dict[int, torch.Tensor] | None:
-                return comp.on_prefill(self.loaded.model, context or whole, req.prefill_ids, self.loaded.tokenizer)
-            scores = None if whole is None else score() if shared is None else shared.prompt_scores(comp.spec(), score)
+            scores = None
+            if whole is not None:
+                source = context or whole
+
+                def score() -> dict[int, torch.Tensor] | None:
+                    return comp.on_prefill(self.loaded.model, source, req.prefill_ids, self.loaded.tokenizer)
+                # a shared prefill scores its prompt once for every request over it (KVzip: a second forward)
+                scores = score() if shared is None else shared.prompt_scores(comp.spec(), score)
             req.kv.draft.set_prefill_scores(scores, n)
             # compression starts once the whole prompt is in (an exact prefill); beside a full
             # cache the draft cache takes the prompt's K/V from it
