@@ -85,6 +85,6 @@ def test_a_long_prompt_reports_its_prefill_and_the_kv_it_holds(capsys):
     show = prefill_progress_printer(0.0, every_s=0.0)
     show(64, total)
     show(total, total)
-    assert capsys.readouterr().err.splitlines()[-1].startswith(f"prefill {total}/{total} prompt tokens")
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"prefill {total}/{total} tokens")
     assert main(["generate", "--model", "tiny", "--prompt", "def f(x):", "--max-tokens", "3"]) == 0
     assert "KV " in capsys.readouterr().err

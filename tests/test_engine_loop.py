@@ -194,3 +194,59 @@ def test_a_verification_buffer_that_can_never_fit_fails_its_request_instead_of_w
     assert req.state == State.FAILED and f"verification buffer ({too_big} bytes) does not fit" in req.error
     assert loop.device.used_blocks == 0 and loop.host.used_blocks == 0
     link.close()
+
+
+def test_kvzip_scores_its_prompt_a_chunk_a_step_beside_the_other_requests(llm, pool, reference, monkeypatch):
+    """KVzip's scoring pass (the repeat prompt and the prompt again, a second forward) runs a prefill
+    chunk a step once the prompt is in, so a request decoding beside it gains a token every step meanwhile
+    (it ran inside one step before: every other stream stalled for the whole pass). Its scores are the
+    one-call pass's bits; the prefill's progress counts it; the request decodes as full decoding; a
+    request aborted inside its pass frees everything, and a broken pass (its chunks out of order) fails."""
+    from vericache.compress.base import prompt_scores
+    from vericache.compress.kvzip_scoring import ReconstructionScoringCache
+    from vericache.compress.registry import parse_compressor
+
+    monkeypatch.setattr(ReconstructionScoringCache, "chunk", 48)   # the pass in several steps (its 512: one)
+    kvzip = RequestOptions(mode="vericache", compressor="kvzip:ratio=0.25")
+    loop = bare_loop(llm.loaded, mode="full", tiered=False, prefill_chunk=64)
+    other = loop.add_request(pool[0], SamplingParams(max_tokens=60, ignore_eos=True))
+    loop.step()   # its prefill
+    rid = loop.add_request(pool[3], SamplingParams(max_tokens=8, ignore_eos=True), kvzip)
+    req, beside = loop.requests[rid], loop.requests[other]
+    progress, steps_in_pass = [], 0
+    while req.state in (State.WAITING, State.PREFILL):
+        made = len(beside.seq.output_ids)
+        loop.step()
+        progress.append((req.prefill.done_ids + req.prefill.scored, len(req.seq.prompt_ids) + len(req.prefill.scoring_ids)))
+        if "prefill_score" in loop.instruments.intervals[-1][2]:
+            steps_in_pass += 1
+            assert len(beside.seq.output_ids) == made + 1   # the other request decoded in the same step
+    ids = parse_compressor("kvzip:ratio=0.25").scoring_ids(pool[3], llm.tokenizer)
+    # a step runs a chunk of the pass's own (its scores' bits never depend on the engine's prefill chunk)
+    assert len(req.prefill.scoring_ids) == len(ids) and steps_in_pass == -(-len(ids) // ReconstructionScoringCache.chunk)
+    assert progress[-1] == (len(pool[3]) + len(ids),) * 2 and progress == sorted(progress)
+    # the pass over steps gives the one-call pass's scores (``set_prefill_scores`` kept them per layer)
+    full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(pool[3]))
+    llm.engine.prefill(pool[3], [full])
+    one_call = prompt_scores(parse_compressor("kvzip:ratio=0.25"), llm.loaded.model, full, pool[3], llm.tokenizer)
+    assert one_call is not None
+    kept = req.kv.draft_kv().state["prefill_scores"]
+    assert torch.equal(kept, torch.cat([one_call[i] for i in range(len(one_call))]))
+    while loop.has_unfinished():
+        loop.step()
+    assert req.seq.output_ids == reference(pool[3], 8) and beside.seq.output_ids == reference(pool[0], 60)
+
+    rid = loop.add_request(pool[3], SamplingParams(max_tokens=8, ignore_eos=True), kvzip)
+    while loop.requests[rid].prefill.scoring is None:
+        loop.step()
+    loop.step()   # one chunk of the pass in
+    loop.abort(rid)
+    req = loop.requests[rid]
+    assert req.state == State.ABORTED and req.prefill.scoring is None and loop.device.used_blocks == 0
+    rid = loop.add_request(pool[3], SamplingParams(max_tokens=8, ignore_eos=True), kvzip)
+    while loop.requests[rid].prefill.scoring is None:
+        loop.step()
+    loop.requests[rid].prefill.scored += 1   # a chunk skipped: the pass refuses it, the request fails alone
+    loop.step()
+    assert loop.requests[rid].state == State.FAILED and "runs in order" in loop.requests[rid].error
+    assert loop.device.used_blocks == 0

@@ -212,8 +212,8 @@ def test_kvzip_scores_a_shared_prefill_once(kv_loaded, identity_prompts, monkeyp
     lossy and VeriCache requests after the first take its scores, and decode as with their own; a prefill
     pickled before scores were kept loads with none."""
     calls = []
-    real = KVzip.on_prefill
-    monkeypatch.setattr(KVzip, "on_prefill", lambda self, *a: calls.append(1) or real(self, *a))
+    real = KVzip.scoring_cache   # called once as each pass starts
+    monkeypatch.setattr(KVzip, "scoring_cache", lambda self, *a: calls.append(1) or real(self, *a))
     runner = Engine(kv_loaded, compressor="kvzip:ratio=0.1", mode="full")
     params = SamplingParams(max_tokens=MAX_TOKENS)
     prompt = identity_prompts[0]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_identity import COMPRESSORS
+from vericache.compress.base import prompt_scores
 from vericache.compress.registry import parse_compressor
 from vericache.kv.compressed import CompressedKVCache
 from vericache.kv.full import FullKVCache
@@ -175,7 +176,7 @@ def test_compressed_form_round_trip(llm, stored, prefix, spec):
     full = FullKVCache(cfg, "cpu", llm.loaded.kv_dtype, capacity=n)
     rec = QueryRecorder(cfg.num_hidden_layers, 64)
     llm.engine.prefill(prefix[:n], [TeeCache(full, rec)])
-    scores = comp.on_prefill(llm.loaded.model, full, prefix[:n], llm.tokenizer)
+    scores = prompt_scores(comp, llm.loaded.model, full, prefix[:n], llm.tokenizer)
     expect = compressed_forms(comp, full, rec.queries, entry["blocks"], BT, scores)
     for block, want in zip(got.blocks, expect):
         assert set(block) == set(want)

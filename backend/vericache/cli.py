@@ -130,7 +130,7 @@ def prefill_progress_printer(started: float, every_s: float = 2.0):
         now = time.perf_counter()
         if now - (last[-1] if last else started) >= every_s or (done == total and last):
             last.append(now)
-            print(f"prefill {done}/{total} prompt tokens ({now - started:.0f} s)", file=sys.stderr, flush=True)
+            print(f"prefill {done}/{total} tokens ({now - started:.0f} s)", file=sys.stderr, flush=True)
 
     return show
 

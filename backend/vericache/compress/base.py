@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from vericache.kv.compressed import ScoreInputs
+
+if TYPE_CHECKING:
+    from vericache.compress.kvzip_scoring import ReconstructionScoringCache
+    from vericache.kv.full import FullKVCache
 
 
 def observed_attention(inp: ScoreInputs) -> torch.Tensor:
@@ -99,13 +103,32 @@ class Compressor:
         """True when scoring needs the whole prompt before anything is compressed (KVzip)."""
         return False
 
-    def on_prefill(self, model, full_cache, prompt_ids: list[int], tokenizer) -> dict[int, torch.Tensor] | None:
-        """Optional extra prefill work (KVzip); returns per-layer [Hkv, P] prompt scores."""
-        return None
+    def scoring_ids(self, prompt_ids: list[int], tokenizer) -> list[int]:
+        """The tokens of a pass this compressor scores a prompt by once it is prefilled (KVzip: a repeat
+        prompt, then the prompt again), run after the prompt's positions; [] for none (the default)."""
+        return []
+
+    def scoring_cache(self, context: FullKVCache, n_layers: int, own: int) -> ReconstructionScoringCache:
+        """What that pass's rows attend through: ``context``'s first P positions (read-only) and the
+        pass's own ``own`` tokens; it records the per-layer [Hkv, P] prompt scores. The engine runs the
+        pass a chunk a step (``RowKind.PREFILL_SCORE``); ``kvzip_scoring.prompt_scores`` in one call."""
+        raise NotImplementedError(f"{self.spec()} runs no scoring pass (its scoring_ids are empty)")
 
     def spec(self) -> str:
         params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.init)
         return f"{self.name}:{params}" if params else self.name
+
+
+def prompt_scores(comp: Compressor, model, context: FullKVCache, prompt_ids: list[int],
+                  tokenizer) -> dict[int, torch.Tensor] | None:
+    """A compressor's per-layer [Hkv, P] scores of the P-token prompt in ``context`` from its scoring pass
+    (``Compressor.scoring_ids``), in one call; None where it runs none (it scores by recent queries)."""
+    ids = comp.scoring_ids(prompt_ids, tokenizer)
+    if not ids:
+        return None
+    from vericache.compress.kvzip_scoring import run_scoring_pass
+
+    return run_scoring_pass(model, comp.scoring_cache(context, model.config.num_hidden_layers, len(ids)), ids)
 
 
 @dataclass
@@ -174,8 +197,11 @@ class Composed(Compressor):
     def needs_whole_prompt(self) -> bool:
         return self.evictor.needs_whole_prompt
 
-    def on_prefill(self, model, full_cache, prompt_ids, tokenizer):
-        return self.evictor.on_prefill(model, full_cache, prompt_ids, tokenizer)
+    def scoring_ids(self, prompt_ids: list[int], tokenizer) -> list[int]:
+        return self.evictor.scoring_ids(prompt_ids, tokenizer)
+
+    def scoring_cache(self, context: FullKVCache, n_layers: int, own: int) -> ReconstructionScoringCache:
+        return self.evictor.scoring_cache(context, n_layers, own)
 
     def spec(self) -> str:
         return f"{self.evictor.spec()}+{self.quantizer.spec()}"

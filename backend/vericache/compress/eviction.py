@@ -7,13 +7,17 @@ chosen from the attention of all query heads of its group (GQA-aware).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from vericache.compress.base import EvictionCompressor, observed_attention
 from vericache.kv.compressed import ScoreInputs
+
+if TYPE_CHECKING:
+    from vericache.compress.kvzip_scoring import ReconstructionScoringCache
+    from vericache.kv.full import FullKVCache
 
 
 @dataclass
@@ -78,10 +82,13 @@ class KVzip(EvictionCompressor):
     def needs_whole_prompt(self) -> bool:
         return True
 
-    def on_prefill(self, model, full_cache, prompt_ids: list[int], tokenizer) -> dict[int, torch.Tensor]:
-        from vericache.compress.kvzip_scoring import reconstruction_scores
+    def scoring_ids(self, prompt_ids: list[int], tokenizer) -> list[int]:
+        return list(tokenizer.encode(self.repeat_prompt)) + list(prompt_ids)
 
-        return reconstruction_scores(model, full_cache, prompt_ids, tokenizer.encode(self.repeat_prompt))
+    def scoring_cache(self, context: FullKVCache, n_layers: int, own: int) -> ReconstructionScoringCache:
+        from vericache.compress.kvzip_scoring import ReconstructionScoringCache
+
+        return ReconstructionScoringCache(context, n_layers, own)
 
     def score(self, inp: ScoreInputs) -> torch.Tensor:
         recent = observed_attention(inp).amax(dim=1)                            # [Hkv, S]

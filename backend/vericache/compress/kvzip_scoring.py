@@ -9,6 +9,7 @@ computed for the P context keys only, in row blocks, keeping the running maximum
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -55,6 +56,9 @@ class ReconstructionScoringCache(KVCache):
     of its own, in order, recording the context's largest probabilities: scores[layer]: [Hkv, P]."""
 
     computes_attention = True
+    # the pass's tokens a forward, fixed: how its rows are split moves the scores' last bits (the merged
+    # attentions' rounding), so they never depend on an engine's prefill chunk
+    chunk: ClassVar[int] = 512
 
     def __init__(self, context: FullKVCache, n_layers: int, own: int) -> None:
         self.ctx = context
@@ -106,16 +110,21 @@ class ReconstructionScoringCache(KVCache):
 
 
 @torch.inference_mode()
-def reconstruction_scores(model, full_cache: FullKVCache, prompt_ids: list[int], repeat_ids: list[int],
-                          chunk: int = 512) -> dict[int, torch.Tensor]:
-    """Per-layer [Hkv, P] importance of the P context tokens held in ``full_cache``."""
-    ids = list(repeat_ids) + list(prompt_ids)
-    scorer = ReconstructionScoringCache(full_cache, model.config.num_hidden_layers, own=len(ids))
-    device = full_cache.device
-    pos = full_cache.length
-    for s in range(0, len(ids), chunk):
-        part = ids[s : s + chunk]
+def run_scoring_pass(model, scorer: ReconstructionScoringCache, ids: list[int]) -> dict[int, torch.Tensor]:
+    """The whole pass in one call, ``scorer.chunk`` tokens a forward (the prefix store's ingest, benches;
+    the engine runs it a chunk a step instead: ``RowKind.PREFILL_SCORE``): per-layer [Hkv, P] scores."""
+    device, pos = scorer.ctx.device, scorer.p
+    for s in range(0, len(ids), scorer.chunk):
+        part = ids[s : s + scorer.chunk]
         model(torch.tensor(part, device=device), [pos], [len(part)], [scorer],
               logits_index=torch.tensor([len(part) - 1], device=device))
         pos += len(part)
     return scorer.scores
+
+
+def reconstruction_scores(model, full_cache: FullKVCache, prompt_ids: list[int],
+                          repeat_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Per-layer [Hkv, P] importance of the P context tokens held in ``full_cache``."""
+    ids = list(repeat_ids) + list(prompt_ids)
+    scorer = ReconstructionScoringCache(full_cache, model.config.num_hidden_layers, own=len(ids))
+    return run_scoring_pass(model, scorer, ids)

@@ -203,10 +203,11 @@ class Engine:
         return self.loop.requests.counts()
 
     def prefill_progress(self) -> tuple[int, int]:
-        """(prompt tokens in the caches, prompt tokens) over the unfinished requests: a long prompt's
-        prefill runs ``prefill_chunk`` tokens a step."""
+        """(prefill tokens run, prefill tokens) over the unfinished requests: each prompt's, and once its
+        caches are made, its compressor's scoring pass's (KVzip); each runs ``prefill_chunk`` tokens a step."""
         reqs = [r for r in self.loop.requests if not r.done]
-        return sum(min(r.prefill.done_ids, len(r.seq.prompt_ids)) for r in reqs), sum(len(r.seq.prompt_ids) for r in reqs)
+        done = sum(min(r.prefill.done_ids, len(r.seq.prompt_ids)) + r.prefill.scored for r in reqs)
+        return done, sum(len(r.seq.prompt_ids) + len(r.prefill.scoring_ids) for r in reqs)
 
     def resident_bytes(self) -> int:
         """Bytes the unfinished requests' caches hold."""

@@ -134,7 +134,20 @@ class KVMemory:
         residual until the prefill is compressed, or a verification buffer (offloaded vericache: K and V
         only, the op codes its keys in the call)."""
         return req.placement.transient_bytes(prompt=self.full_bytes(len(req.prefill_ids)),
-                                             streamed=self.streamed(self.capacity(req) * self.per_pos))
+                                             streamed=self.streamed(self.capacity(req) * self.per_pos)) \
+            + self.scoring_bytes(req)
+
+    def scoring_bytes(self, req: Request) -> int:
+        """Bytes its compressor's scoring pass holds while it runs (KVzip: per layer K and V over the
+        prompt and the pass's own tokens, the repeat prompt and the prompt again, in the attention's dtype:
+        fp32 at most); 0 for a compressor with no pass. Before its caches are made the pass's length is
+        not known: the prompt plus 64 (KVzip's repeat prompt is ~10 tokens)."""
+        if not req.placement.draft_here or not req.opts.compressor.needs_whole_prompt:
+            return 0
+        prompt = len(req.prefill_ids)
+        own = len(req.prefill.scoring_ids) or prompt + 64
+        cfg = self.cfg
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (prompt + own) * cfg.head_dim * 4
 
     def verify_buffer_bytes(self, req: Request) -> int:
         """Device bytes of the buffer a verification of ``req`` needs now: its streamed layers plus the draft."""

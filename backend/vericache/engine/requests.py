@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vericache.compress.kvzip_scoring import ReconstructionScoringCache
 from vericache.drafting.lookup import LookupIndex
 from vericache.drafting.round import DraftState, RoundState, end_round
 from vericache.engine.options import ResolvedOptions
@@ -135,11 +136,30 @@ class RequestKV:
 
 
 @dataclass
+class ScoringPass:
+    """Its compressor's pass over the prompt once prefilled (KVzip's reconstruction: a second forward
+    over it), run a chunk a step (``RowKind.PREFILL_SCORE``) so the other requests' steps go on
+    meanwhile; the prefill completes when it ends, with what it left for then."""
+    cache: ReconstructionScoringCache   # the prompt's K/V read-only, the pass's own after them; the scores
+    logits: torch.Tensor                # [V]: the prompt's last logits (the first token, after the pass)
+    context: FullKVCache | None         # the full cache the prompt is in (None: a lossy request)
+    shared: SharedPrefill | None        # a shared prefill keeps the scores for the next request over it
+
+
+@dataclass
 class PrefillProgress:
-    """How far its prompt is in the caches."""
+    """How far its prompt is in the caches, and its compressor's scoring pass over it (KVzip)."""
     shared: SharedPrefill | None = None   # an exact prefill made elsewhere, loaded instead of computed
     done_ids: int = 0                     # tokens already in the caches
     complete: bool = False                # remote drafter: prefill done, the verifier's first token awaited
+    scoring_ids: list[int] = field(default_factory=list)   # the pass's tokens (``Compressor.scoring_ids``)
+    scored: int = 0                       # of them run (all of them once the pass ends or is not needed)
+    scoring: ScoringPass | None = None    # the pass under way
+
+    def restart(self) -> None:
+        """Nothing in the caches (a preempted request is prefilled again on re-admission)."""
+        self.done_ids = self.scored = 0
+        self.scoring_ids, self.scoring = [], None
 
     def shared_prefill(self) -> SharedPrefill:
         """The exact prefill this request loads (RuntimeError where it computes its own)."""
@@ -425,6 +445,7 @@ class RequestTable:
             req.remote.fetch.cancel()
             req.remote.fetch = None
         req.prefill.complete = False
+        req.prefill.scoring = None   # its pass's buffers go with it
         if req.drafting.transfer is not None:
             req.drafting.transfer.cancel()  # the copier skips what it has not started; the buffer dies with it
             req.drafting.transfer = None

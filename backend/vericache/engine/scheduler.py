@@ -48,7 +48,7 @@ from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.options import ResolvedOptions
 from vericache.engine.remote_rounds import PrefixSource, RemoteRounds, VerifierSource
-from vericache.engine.requests import DONE, MAKING_OUTPUT, Instruments, Request, RequestTable, State
+from vericache.engine.requests import DONE, MAKING_OUTPUT, Instruments, Request, RequestTable, ScoringPass, State
 from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.link import Link, StreamedKV
@@ -63,7 +63,10 @@ OFFER_GAIN = 1.0
 
 
 class RowKind(StrEnum):
+    # prefill work's values start with "prefill": the checks that leave it out of decode steps (the cost
+    # fit, the roofline) match on that
     PREFILL = "prefill"   # a chunk of a prompt into the caches
+    PREFILL_SCORE = "prefill_score"   # a chunk of a compressor's scoring pass over its prompt (KVzip)
     DECODE = "decode"     # one token of a full or lossy request
     DRAFT = "draft"       # one draft token over the compressed cache
     VERIFY = "verify"     # a round's chunk [x, d1 .. dk] over the full KV
@@ -372,15 +375,19 @@ class Scheduler:
         return SeenRecorder(cache, seen)
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
-        """Add the request's next prefill chunk; returns the tokens planned."""
+        """Add the request's next prefill chunk (or its scoring pass's); returns the tokens planned."""
         if req.prefill.done_ids == 0 and req.kv.full is None and req.kv.draft is None:
             self.memory.allocate(req)
+            if req.kv.draft is not None:   # its compressor's pass after the prompt (KVzip), if any
+                req.prefill.scoring_ids = req.opts.compressor.scoring_ids(req.prefill_ids, self.loaded.tokenizer)
             if req.prefill.shared is not None:  # an exact prefill made elsewhere: load it
                 self._load_shared_prefill(req)
                 if req.state != State.PREFILL:
                     return 0
             if self.remote is not None:
                 self.remote.start(req)
+        if req.prefill.scoring is not None:
+            return self._plan_scoring(req, plan)
         if self.remote is not None and self.remote.fetch_pending(req):
             return 0
         ids = req.prefill_ids
@@ -398,6 +405,17 @@ class Scheduler:
         last = req.prefill.done_ids + n == len(ids)
         plan.add(req, RowKind.PREFILL, chunk, req.prefill.done_ids, cache, "last" if last else "none")
         return n
+
+    @staticmethod
+    def _plan_scoring(req: Request, plan: StepPlan) -> int:
+        """The scoring pass's next chunk: its tokens after the prompt's positions, through its cache. The
+        chunk is the pass's own (``chunk``), not what is left of the step's budget: its scores' bits do not
+        depend on how an engine splits its prefill work."""
+        pf, scoring = req.prefill, req.prefill.scoring
+        assert scoring is not None
+        chunk = pf.scoring_ids[pf.scored : pf.scored + scoring.cache.chunk]
+        plan.add(req, RowKind.PREFILL_SCORE, chunk, scoring.cache.p + pf.scored, scoring.cache, "none")
+        return len(chunk)
 
     @staticmethod
     def _prefill_full(req: Request) -> FullKVCache:
@@ -427,6 +445,8 @@ class Scheduler:
             try:
                 if row.kind == RowKind.PREFILL:   # logits only for a prompt's last chunk
                     self._after_prefill(req, row, logits)
+                elif row.kind == RowKind.PREFILL_SCORE:
+                    self._after_scoring(req, row)
                 elif logits is None or argmax is None:
                     raise RuntimeError(f"the forward returned no logits for a {row.kind} row")
                 else:
@@ -441,23 +461,38 @@ class Scheduler:
 
     def _finish_prefill(self, req: Request, logits: torch.Tensor, context: FullKVCache | None,
                         shared: SharedPrefill | None = None) -> None:
-        """The prompt (and any recomputed output) is in the caches: compress, pick the first token.
-        ``shared``: the exact prefill made elsewhere that ``context`` is, whose prompt scores are shared."""
-        seq, n = req.seq, req.prefill.done_ids
+        """The prompt (and any recomputed output) is in the caches: its compressor's scoring pass starts
+        (KVzip: a chunk a step from the next), or the prefill completes. ``shared``: the exact prefill
+        made elsewhere that ``context`` is, which keeps its prompt's scores for every request over it."""
         if req.kv.prefill_buf is not None:  # home to the host tier
-            req.kv.full_kv().load(req.kv.prefill_buf, n)
-        if req.kv.draft is not None:
-            comp = req.opts.compressor
-            # a prompt partly loaded from the prefix store has no whole-prompt context here
-            whole = req.kv.draft.prefill_context()
-            scores = None
-            if whole is not None:
-                source = context or whole
+            req.kv.full_kv().load(req.kv.prefill_buf, req.prefill.done_ids)
+        pf, comp = req.prefill, req.opts.compressor
+        # a prompt partly loaded from the prefix store has no whole-prompt context here: no pass
+        whole = req.kv.draft.prefill_context() if req.kv.draft is not None else None
+        known = shared is not None and comp.spec() in shared.scores
+        if pf.scoring_ids and whole is not None and not known:
+            source = context or whole
+            cache = comp.scoring_cache(source, self.loaded.config.num_hidden_layers, len(pf.scoring_ids))
+            pf.scoring = ScoringPass(cache, logits, context, shared)
+            return
+        pf.scored = len(pf.scoring_ids)
+        self._complete_prefill(req, logits, context, shared.scores.get(comp.spec()) if shared is not None else None)
 
-                def score() -> dict[int, torch.Tensor] | None:
-                    return comp.on_prefill(self.loaded.model, source, req.prefill_ids, self.loaded.tokenizer)
-                # a shared prefill scores its prompt once for every request over it (KVzip: a second forward)
-                scores = score() if shared is None else shared.prompt_scores(comp.spec(), score)
+    def _after_scoring(self, req: Request, row: Row) -> None:
+        pf, scoring = req.prefill, req.prefill.scoring
+        assert scoring is not None
+        pf.scored += len(row.tokens)
+        if pf.scored == len(pf.scoring_ids):   # the pass is over: the prefill completes with its scores
+            pf.scoring, scores = None, scoring.cache.scores
+            if scoring.shared is not None:
+                scoring.shared.scores[req.opts.compressor.spec()] = scores
+            self._complete_prefill(req, scoring.logits, scoring.context, scores)
+
+    def _complete_prefill(self, req: Request, logits: torch.Tensor, context: FullKVCache | None,
+                          scores: dict[int, torch.Tensor] | None) -> None:
+        """Compress the prompt (``scores``: its scoring pass's, else None), pick the first token."""
+        seq, n = req.seq, req.prefill.done_ids
+        if req.kv.draft is not None:
             req.kv.draft.set_prefill_scores(scores, n)
             # compression starts once the whole prompt is in (an exact prefill); beside a full
             # cache the draft cache takes the prompt's K/V from it
@@ -559,6 +594,6 @@ class Scheduler:
         """Back to waiting with nothing held: it is prefilled again when admitted."""
         self.instruments.preemptions += 1
         self.requests.drop_kv(req)
-        req.prefill.done_ids = 0
+        req.prefill.restart()
         req.drafting.round.reset()
         self.requests.set_state(req, State.WAITING)

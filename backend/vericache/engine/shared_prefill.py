@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -26,19 +25,11 @@ class SharedPrefill:
     prompt_len: int
     seconds: float
     prompt_ids: tuple[int, ...] = ()   # what was prefilled (a later prefill may extend it: ``prefix``)
-    # a scoring compressor's prompt scores by its spec (``prompt_scores``)
+    # a scoring compressor's prompt scores by its spec: its pass (KVzip's) runs once per prefill
     scores: dict[str, dict[int, torch.Tensor] | None] = field(default_factory=dict)
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update({"scores": {}, **state})   # a prefill pickled before scores were kept has none
-
-    def prompt_scores(self, spec: str, compute: Callable[[], dict[int, torch.Tensor] | None]
-                      ) -> dict[int, torch.Tensor] | None:
-        """A compressor's scores of this prompt (``Compressor.on_prefill``: KVzip's reconstruction pass, a
-        second forward over the prompt), computed by the first request that asks, shared with later ones."""
-        if spec not in self.scores:
-            self.scores[spec] = compute()
-        return self.scores[spec]
 
     def check(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) != self.prompt_len:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from vericache.compress.base import prompt_scores
 from vericache.compress.registry import parse_compressor
 from vericache.kv.full import FullKVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
@@ -41,7 +42,7 @@ def put_prompt(engine, store: PrefixStore, token_ids: list[int], compressors: li
     forms = {"full": full_forms(full, nb, bt)}
     for spec in compressors:
         comp = parse_compressor(spec)
-        scores = comp.on_prefill(loaded.model, full, token_ids[: nb * bt], loaded.tokenizer)
+        scores = prompt_scores(comp, loaded.model, full, token_ids[: nb * bt], loaded.tokenizer)
         forms[comp.spec()] = compressed_forms(comp, full, recorder.recorded(), nb, bt, scores)
     entry = store.put(token_ids[: nb * bt], forms)
     entry.pop("hashes", None)

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from vericache.compress.base import prompt_scores
 from vericache.compress.registry import parse_compressor
 from vericache.kv.attention import merge
 from vericache.kv.compressed import CompressedKVCache
@@ -66,7 +67,7 @@ def run_attention(model: str, context: int, compressors: list[str], repeats: int
             cache = CompressedKVCache(comp, cfg, loaded.device, loaded.kv_dtype, capacity=context + 1,
                                       key_codes=loaded.key_codes)
             cache.load_prefill(full, shared.queries)
-            cache.set_prefill_scores(comp.on_prefill(loaded.model, full, prompt, llm.tokenizer), context)
+            cache.set_prefill_scores(prompt_scores(comp, loaded.model, full, prompt, llm.tokenizer), context)
             cache.commit(context, source=full)
 
         def attention() -> None:
