@@ -58,11 +58,14 @@ def test_bench_decode_command(tmp_path, capsys):
     # a fixed draft length: with "auto" the cost model may find no round paying for tiny here (a machine's call)
     rc = main(["bench", "decode", "--model", "tiny", "--modes", "full,lossy,vericache", "--compressor", "snapkv:ratio=0.125",
                "--context", "600", "--max-tokens", "12", "--draft-len", "4", "--json", "--no-transformers", "--plot", str(tmp_path / "d.png"),
-               "--roofline-plot", str(tmp_path / "r.png")])
+               "--roofline-plot", str(tmp_path / "r.png"), "--repeat", "2"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["mode"]: r for r in out["rows"]}
     assert set(rows) == {"full", "lossy", "vericache"}  # tiny has no GGUF: no llama.cpp row
+    # --repeat 2: one row a mode, both runs' figures beside it
+    assert len(out["rows"]) == 3 and all(len(r["tokens_per_s_runs"]) == 2 for r in rows.values())
+    assert len(rows["vericache"]["ratio_to_full_runs"]) == 2 and rows["full"]["ratio_to_full_runs"] == [1.0, 1.0]
     assert rows["vericache"]["identical_to_full"] is True and rows["full"]["ratio_to_full"] == 1.0
     assert rows["vericache"]["tokens_per_s"] > 0 and (tmp_path / "d.png").exists()
     # every decode step of every mode against its roofline: the kinds each mode runs, and only those
@@ -73,6 +76,24 @@ def test_bench_decode_command(tmp_path, capsys):
     assert out["roofline"]["read_bytes_per_s"] > 1e9 and (tmp_path / "r.png").stat().st_size > 1000
     # the cost model's step costs measured in this run: every row beside its prediction
     assert all(r["predicted_tokens_per_s"] > 0 and r["measured_over_predicted"] > 0 for r in rows.values())
+
+
+def test_repeated_decode_runs_give_each_mode_its_median_run_and_the_median_of_paired_ratios():
+    """A mode run in several repeats: its row is its median run by tokens/s, its ratio to full the median of
+    each repeat's own ratio (the host drifts between repeats, not within one), identical only if every
+    repeat was. A ratio of the medians (2.0 / 1.0 here) would be wrong by the drift."""
+    from vericache_lab.bench.decode import median_of_repeats
+
+    def row(mode, tps, ratio, same=True):
+        return {"context": 8, "mode": mode, "tokens_per_s": tps, "ratio_to_full": ratio, "identical_to_full": same}
+    rows = [row("full", 1.0, 1.0), row("vericache", 1.1, 1.1),        # a slow stretch of the host
+            row("full", 2.0, 1.0), row("vericache", 1.6, 0.8, False),  # a fast one for full alone
+            row("full", 1.0, 1.0), row("vericache", 2.0, 2.0)]
+    out = {r["mode"]: r for r in median_of_repeats(rows)}
+    assert out["vericache"]["tokens_per_s"] == 1.6 and out["vericache"]["tokens_per_s_runs"] == [1.1, 1.6, 2.0]
+    assert out["vericache"]["ratio_to_full"] == 1.1 and out["vericache"]["ratio_to_full_runs"] == [1.1, 0.8, 2.0]
+    assert out["vericache"]["identical_to_full"] is False and out["full"]["ratio_to_full"] == 1.0
+    assert median_of_repeats(rows[:2]) == rows[:2]   # one repeat: the rows as they were
 
 
 def test_bench_batch_command(tmp_path, capsys):

@@ -24,7 +24,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     modes = mode_labels(args.modes)
     res = run_decode_bench(args.model, args.context, args.max_tokens, modes, args.compressor, args.draft_len,
                            with_transformers=not args.no_transformers, dtype=args.dtype, kv_dtype=args.kv_dtype, log=progress(args),
-                           llamacpp=not args.no_llamacpp, numerics=args.numerics, openvino=not args.no_openvino)
+                           llamacpp=not args.no_llamacpp, numerics=args.numerics, openvino=not args.no_openvino,
+                           repeats=args.repeat)
     runs = res.pop("step_records")
     title = f"Decode: {', '.join(modes)} (CPU, weights {args.dtype}, batch 1, {torch.get_num_threads()} threads)"
     if args.plot:
@@ -48,6 +49,9 @@ def _add_decode(bsub) -> None:
     b.add_argument("--context", type=ints, default=[1024, 4096, 16384])
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--repeat", type=int, default=1,
+                   help="run the modes this many times, alternating; each row is its mode's median run, its ratio "
+                        "to full the median of each repeat's")
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face generate baseline")
     b.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row (it runs where llama_cpp imports)")
     b.add_argument("--no-openvino", action="store_true",

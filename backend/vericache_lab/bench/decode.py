@@ -7,6 +7,7 @@ timers, transformers' as generate(max_new_tokens=T) minus generate(max_new_token
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -14,9 +15,42 @@ import torch
 from vericache.llm import LLM
 from vericache.sampling import SamplingParams
 from vericache_lab.bench import llama_cpp_bench, openvino_bench
+from vericache_lab.bench.batch import median_rows
 from vericache_lab.bench.common import RowPredictor, code_prompt, cpu_model, engine_for, shared_prefills
 from vericache_lab.report import markdown_table
 from vericache_lab.sim import roofline
+
+
+def mode_row(mode: str, ctx: int, out, ref) -> dict:
+    """One mode's figures from its output (``ref``: full decoding's in the same repeat, or None)."""
+    st = out.stats
+    row = {"context": ctx, "mode": mode, "tokens_per_s": round(st["decode_tokens_per_s"], 1),
+           "compressor": "" if mode == "full" else st["compressor"],
+           "compression_ratio": st.get("compression_ratio", 1.0),
+           "kv_resident_bytes": st.get("kv_resident_bytes"),
+           "mean_acceptance_length": st.get("mean_acceptance_length", ""),
+           "acceptance_rate": st.get("acceptance_rate", ""),
+           "full_step_tokens": st.get("full_step_tokens", "")}   # tokens from plain full steps
+    if ref is not None:
+        row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
+        row["identical_to_full"] = out.token_ids == ref.token_ids
+    return row
+
+
+def median_of_repeats(rows: list[dict]) -> list[dict]:
+    """One context's rows, one per mode (``batch.median_rows``: its median run by tokens/s, every run's
+    listed); where a mode ran more than once its ratio to full is the median of each repeat's own ratio
+    (a repeat's modes run next to each other, so the host's drift between repeats cancels in each), every
+    repeat's listed in ``ratio_to_full_runs``, and it is identical to full only if every repeat was."""
+    out = median_rows(rows)
+    for row in out:
+        mine = [r for r in rows if r["mode"] == row["mode"]]
+        if len(mine) > 1 and "ratio_to_full" in row:
+            ratios = sorted(r["ratio_to_full"] for r in mine)
+            row["ratio_to_full"] = statistics.median(ratios)
+            row["ratio_to_full_runs"] = [r["ratio_to_full"] for r in mine]
+            row["identical_to_full"] = all(r["identical_to_full"] for r in mine)
+    return out
 
 
 def hf_decode_tokens_per_s(model: str, model_dir: str, prompt: list[int], max_tokens: int,
@@ -55,9 +89,14 @@ def generate_with_steps(engine, mode: str, prompt: list[int], params: SamplingPa
 def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: list[str], compressor: str,
                      draft_len: int | str = "auto", with_transformers: bool = True, dtype: str = "float32",
                      device: str = "cpu", log=print, llamacpp: bool = True, kv_dtype: str | None = None,
-                     numerics: str | None = None, openvino: bool = True) -> dict:
+                     numerics: str | None = None, openvino: bool = True, repeats: int = 1) -> dict:
     """Decode tokens/s of each mode on the same prompt, side by side, one context at a time; on CPU
-    each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports."""
+    each step kind's time against its roofline (``sim.roofline``) and llama.cpp where it imports.
+    ``repeats``: the modes run that many times, alternating (full, vericache, full, vericache ...), so a
+    shared machine's drift falls on both: each mode's row is its median run (every run's tokens/s in
+    ``tokens_per_s_runs``) and its ``ratio_to_full`` the median of each repeat's ratio to that repeat's full."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     # Long: one bench run read top to bottom (per context: every mode on the same prompt, side by side,
     # then the baselines); the modes share the prompt, prefill and reference outputs.
     llm = LLM(model, device=device, dtype=dtype, compressor=compressor, draft_len=draft_len, kv_dtype=kv_dtype,
@@ -70,34 +109,28 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
     for ctx in contexts:
         prompt = code_prompt(llm.tokenizer, ctx)
         prefill = shared_prefills(engine, [prompt], params, log)[0]   # once for every mode
-        results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params, prefill) for m in modes}
         bases = {m: engine_for(llm, m, engines)[1] for m in modes}
         predictor = RowPredictor(llm, ctx, roof.weights_s, log) if roof is not None else None
-        ref = results["full"][0] if "full" in results else None
-        for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
-            st = out.stats
-            row = {"context": ctx, "mode": mode, "tokens_per_s": round(st["decode_tokens_per_s"], 1),
-                   "compressor": "" if mode == "full" else st["compressor"],
-                   "compression_ratio": st.get("compression_ratio", 1.0),
-                   "kv_resident_bytes": st.get("kv_resident_bytes"),
-                   "mean_acceptance_length": st.get("mean_acceptance_length", ""),
-                   "acceptance_rate": st.get("acceptance_rate", ""),
-                   "full_step_tokens": st.get("full_step_tokens", "")}   # tokens from plain full steps
-            if ref is not None:
-                row["ratio_to_full"] = round(st["decode_tokens_per_s"] / ref.stats["decode_tokens_per_s"], 2)
-                row["identical_to_full"] = out.token_ids == ref.token_ids
-            if predictor is not None:
-                rounds = st.get("rounds", 0)
-                per_round = ((len(out.token_ids) - 1) / rounds, st["drafted_tokens"] / rounds) if rounds else (1.0, 0.0)
-                row["predicted_tokens_per_s"] = round(predictor(engine_for(llm, mode, engines)[0], bases[mode], 1,
-                                                                *per_round), 1)
-                row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
-            if roof is not None:
-                runs[f"{mode} {ctx}"] = (bases[mode], steps)
-            rows.append(row)
-            log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
-                + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
-                + (f", mean acceptance length {row['mean_acceptance_length']}" if bases[mode] == "vericache" else ""))
+        ctx_rows: list[dict] = []
+        for _ in range(repeats):
+            results = {m: generate_with_steps(*engine_for(llm, m, engines), prompt, params, prefill) for m in modes}
+            ref = results["full"][0] if "full" in results else None
+            for mode, (out, steps) in results.items():          # mode: the label (vericache+int8 ...)
+                row = mode_row(mode, ctx, out, ref)
+                if predictor is not None:
+                    st, rounds = out.stats, out.stats.get("rounds", 0)
+                    per_round = ((len(out.token_ids) - 1) / rounds, st["drafted_tokens"] / rounds) if rounds else (1.0, 0.0)
+                    row["predicted_tokens_per_s"] = round(predictor(engine_for(llm, mode, engines)[0], bases[mode], 1,
+                                                                    *per_round), 1)
+                    row["measured_over_predicted"] = round(row["tokens_per_s"] / row["predicted_tokens_per_s"], 2)
+                if roof is not None:   # the last repeat's steps
+                    runs[f"{mode} {ctx}"] = (bases[mode], steps)
+                ctx_rows.append(row)
+                log(f"context {ctx} {mode}: {row['tokens_per_s']} tok/s"
+                    + (f", {row['ratio_to_full']}x full, identical={row['identical_to_full']}" if ref else "")
+                    + (f", mean acceptance length {row['mean_acceptance_length']}" if bases[mode] == "vericache" else ""))
+        rows += median_of_repeats(ctx_rows)
+        # the baselines run next, and are over the last repeat's full decoding (the nearest in time)
         if llamacpp and roof is not None and llama_cpp_bench.available():
             for lc in llama_cpp_bench.rows(model, [prompt], max_tokens, log):
                 rows.append({"context": ctx, "mode": lc["mode"], "tokens_per_s": round(lc["tokens_per_s"], 1),
@@ -135,8 +168,8 @@ def run_decode_bench(model: str, contexts: list[int], max_tokens: int, modes: li
             "verified_row_cost": row_costs, "step_records": runs}
 
 
-COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "predicted_tokens_per_s", "measured_over_predicted",
-           "ratio_to_full", "identical_to_full",
+COLUMNS = ["context", "mode", "compressor", "tokens_per_s", "tokens_per_s_runs", "predicted_tokens_per_s",
+           "measured_over_predicted", "ratio_to_full", "ratio_to_full_runs", "identical_to_full",
            "mean_acceptance_length", "acceptance_rate", "compression_ratio"]
 
 
