@@ -218,6 +218,8 @@ def test_kvzip_scores_its_prompt_a_chunk_a_step_beside_the_other_requests(llm, p
         made = len(beside.seq.output_ids)
         loop.step()
         progress.append((req.prefill.done_ids + req.prefill.scored, len(req.seq.prompt_ids) + len(req.prefill.scoring_ids)))
+        if req.prefill.scoring is not None:   # its buffers charged while the pass runs
+            assert loop.memory.scoring_bytes(req) > 0
         if "prefill_score" in loop.instruments.intervals[-1][2]:
             steps_in_pass += 1
             assert len(beside.seq.output_ids) == made + 1   # the other request decoded in the same step
@@ -225,6 +227,7 @@ def test_kvzip_scores_its_prompt_a_chunk_a_step_beside_the_other_requests(llm, p
     # a step runs a chunk of the pass's own (its scores' bits never depend on the engine's prefill chunk)
     assert len(req.prefill.scoring_ids) == len(ids) and steps_in_pass == -(-len(ids) // ReconstructionScoringCache.chunk)
     assert progress[-1] == (len(pool[3]) + len(ids),) * 2 and progress == sorted(progress)
+    assert loop.memory.scoring_bytes(req) == 0 and loop.memory.scoring_bytes(beside) == 0   # over; none
     # the pass over steps gives the one-call pass's scores (``set_prefill_scores`` kept them per layer)
     full = FullKVCache(llm.loaded.config, "cpu", llm.loaded.kv_dtype, capacity=len(pool[3]))
     llm.engine.prefill(pool[3], [full])

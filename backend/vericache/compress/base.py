@@ -111,7 +111,7 @@ class Compressor:
     def scoring_cache(self, context: FullKVCache, n_layers: int, own: int) -> ReconstructionScoringCache:
         """What that pass's rows attend through: ``context``'s first P positions (read-only) and the
         pass's own ``own`` tokens; it records the per-layer [Hkv, P] prompt scores. The engine runs the
-        pass a chunk a step (``RowKind.PREFILL_SCORE``); ``kvzip_scoring.prompt_scores`` in one call."""
+        pass a chunk a step (``RowKind.PREFILL_SCORE``); ``prompt_scores`` below in one call."""
         raise NotImplementedError(f"{self.spec()} runs no scoring pass (its scoring_ids are empty)")
 
     def spec(self) -> str:

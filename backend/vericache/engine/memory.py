@@ -140,12 +140,14 @@ class KVMemory:
     def scoring_bytes(self, req: Request) -> int:
         """Bytes its compressor's scoring pass holds while it runs (KVzip: per layer K and V over the
         prompt and the pass's own tokens, the repeat prompt and the prompt again, in the attention's dtype:
-        fp32 at most); 0 for a compressor with no pass. Before its caches are made the pass's length is
-        not known: the prompt plus 64 (KVzip's repeat prompt is ~10 tokens)."""
-        if not req.placement.draft_here or not req.opts.compressor.needs_whole_prompt:
+        fp32 at most); 0 for a compressor with no pass, and once the pass is over. Before its caches are
+        made the pass's length is not known: the prompt plus 64 (KVzip's repeat prompt is ~10 tokens)."""
+        pf = req.prefill
+        if not req.placement.draft_here or not req.opts.compressor.needs_whole_prompt \
+                or (pf.scoring_ids and pf.scored == len(pf.scoring_ids)):
             return 0
         prompt = len(req.prefill_ids)
-        own = len(req.prefill.scoring_ids) or prompt + 64
+        own = len(pf.scoring_ids) or prompt + 64
         cfg = self.cfg
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (prompt + own) * cfg.head_dim * 4
 
