@@ -42,7 +42,9 @@ def decode_all(engine: Engine, seqs, opts, prefills, log, label: str, from_first
 
     With ``from_first_tokens`` the decode is timed from the step after every request has its first
     token; otherwise from the first step (requests that wait for admission are part of it). Either
-    way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode.
+    way loading a shared prefill into a cache and compressing the prompt count as prefill, not decode; but a
+    later-admitted KVzip request's scoring pass runs as rows of steps that decode the others (prefill work
+    beside decode rows, as a server runs it), and those steps are timed whole.
     ``until`` (a ``time.perf_counter()`` deadline): past it the requests left are aborted and the
     result says ``cut`` (the tokens decoded by then are what is timed)."""
     rids = [engine.add_sequence(s, opts, prefill=p) for s, p in zip(seqs, prefills)]
