@@ -46,9 +46,8 @@ def median_of_repeats(rows: list[dict]) -> list[dict]:
     for row in out:
         mine = [r for r in rows if r["mode"] == row["mode"]]
         if len(mine) > 1 and "ratio_to_full" in row:
-            ratios = sorted(r["ratio_to_full"] for r in mine)
-            row["ratio_to_full"] = statistics.median(ratios)
             row["ratio_to_full_runs"] = [r["ratio_to_full"] for r in mine]
+            row["ratio_to_full"] = statistics.median(row["ratio_to_full_runs"])
             row["identical_to_full"] = all(r["identical_to_full"] for r in mine)
     return out
 
