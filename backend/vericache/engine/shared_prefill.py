@@ -26,7 +26,7 @@ class SharedPrefill:
     seconds: float
     prompt_ids: tuple[int, ...] = ()   # what was prefilled (a later prefill may extend it: ``prefix``)
     # a scoring compressor's prompt scores by its spec: its pass (KVzip's) runs once per prefill
-    scores: dict[str, dict[int, torch.Tensor] | None] = field(default_factory=dict)
+    scores: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update({"scores": {}, **state})   # a prefill pickled before scores were kept has none
