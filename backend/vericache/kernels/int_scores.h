@@ -295,25 +295,38 @@ inline void dots_build(const int8_t* A, int nr, const KeyView& kc, int64_t D, in
 #define VC_INT_SCORES_UNITS 1
 // VNNI: `dpbusd` multiplies unsigned by signed bytes, so the rows go in as a + 128 (1 .. 255) and each
 // key's 128 * sum_j c_j comes off after: exact in int32.
+// Register tiles of 4 rows x the block's 4 groups of 16 keys (16 accumulators): each step over 4 channels
+// loads the 4 groups' lines once and broadcasts each row's 4 codes once, for 16 `dpbusd`. (A tile of one
+// group, as the build's unit has, reloads the rows' codes for every group: a broadcast and a bias per
+// `dpbusd`, and the CPU spent most of its time on those.) Integer sums are exact, so the order changes no bit.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void dots_vnni(const int8_t* A, int nr,
                                                                             const KeyView& kc, int64_t D,
                                                                             int32_t (*dots)[KB]) {
+  static_assert(KB == 64, "a tile holds the block's 4 groups of 16 keys");
   const __m512i bias = _mm512_set1_epi8((char)0x80);
-  for (int g = 0; g < KB / 16; ++g) {
-    const int8_t* kg = kc.c + g * 16 * D;
-    const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(kc.sum + 16 * g), 7);
-    for (int x0 = 0; x0 < nr; x0 += 4) {
-      __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int64_t j4 = 0; j4 < D / 4; ++j4) {
-        const __m512i k = _mm512_loadu_si512(kg + 64 * j4);
+  const int8_t* kg = kc.c;   // group g's line j4 at kg + g * 16 * D + 64 * j4
+  for (int x0 = 0; x0 < nr; x0 += 4) {   // rows past nr are zeros (A has ROWS rows): computed, not stored
+    __m512i acc[4][4];
 #pragma GCC unroll 4
-        for (int x = 0; x < 4; ++x) {
-          int32_t four;
-          std::memcpy(&four, A + (x0 + x) * D + 4 * j4, 4);
-          acc[x] = _mm512_dpbusd_epi32(acc[x], _mm512_xor_si512(_mm512_set1_epi32(four), bias), k);
-        }
+    for (int x = 0; x < 4; ++x)
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) acc[x][g] = _mm512_setzero_si512();
+    for (int64_t j4 = 0; j4 < D / 4; ++j4) {
+      __m512i k[4];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) k[g] = _mm512_loadu_si512(kg + g * 16 * D + 64 * j4);
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) {
+        int32_t four;
+        std::memcpy(&four, A + (x0 + x) * D + 4 * j4, 4);
+        const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(four), bias);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) acc[x][g] = _mm512_dpbusd_epi32(acc[x][g], a, k[g]);
       }
-      for (int x = 0; x < 4 && x0 + x < nr; ++x) _mm512_storeu_si512(dots[x0 + x] + 16 * g, _mm512_sub_epi32(acc[x], corr));
+    }
+    for (int g = 0; g < 4; ++g) {
+      const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(kc.sum + 16 * g), 7);
+      for (int x = 0; x < 4 && x0 + x < nr; ++x) _mm512_storeu_si512(dots[x0 + x] + 16 * g, _mm512_sub_epi32(acc[x][g], corr));
     }
   }
 }
@@ -502,24 +515,47 @@ inline void pv_build(const uint8_t* U, int nr, const ValueView& vv, int64_t D, i
 #endif
 
 #if defined(VC_INT_SCORES_UNITS)
+// VNNI's value dots for NG groups of 16 channels from group g0: register tiles of 4 rows x NG groups,
+// each step over 4 keys loading the groups' lines once and broadcasting each row's 4 weight codes once.
+template <int NG>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void pv_vnni_groups(const uint8_t* U, int nr,
+                                                                                  const int8_t* vc, int64_t g0,
+                                                                                  int32_t (*pv)[MAXD]) {
+  for (int x0 = 0; x0 < nr; x0 += 4) {   // rows past nr are zeros (U has ROWS rows): computed, not stored
+    __m512i acc[4][NG];
+#pragma GCC unroll 4
+    for (int x = 0; x < 4; ++x)
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) acc[x][g] = _mm512_setzero_si512();
+    for (int t4 = 0; t4 < KB / 4; ++t4) {
+      __m512i v[NG];
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) v[g] = _mm512_loadu_si512(vc + (g0 + g) * 16 * KB + 64 * t4);
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) {
+        int32_t four;
+        std::memcpy(&four, U + (x0 + x) * KB + 4 * t4, 4);
+        const __m512i w = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g) acc[x][g] = _mm512_dpbusd_epi32(acc[x][g], w, v[g]);
+      }
+    }
+    for (int x = 0; x < 4 && x0 + x < nr; ++x)
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) _mm512_storeu_si512(pv[x0 + x] + 16 * (g0 + g), acc[x][g]);
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void pv_vnni(const uint8_t* U, int nr,
                                                                           const ValueView& vv, int64_t D,
                                                                           int32_t (*pv)[MAXD]) {
-  for (int64_t g = 0; g < D / 16; ++g) {
-    const int8_t* vg = vv.c + g * 16 * KB;
-    for (int x0 = 0; x0 < nr; x0 += 4) {
-      __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int t4 = 0; t4 < KB / 4; ++t4) {
-        const __m512i v = _mm512_loadu_si512(vg + 64 * t4);
-#pragma GCC unroll 4
-        for (int x = 0; x < 4; ++x) {
-          int32_t four;
-          std::memcpy(&four, U + (x0 + x) * KB + 4 * t4, 4);
-          acc[x] = _mm512_dpbusd_epi32(acc[x], _mm512_set1_epi32(four), v);
-        }
-      }
-      for (int x = 0; x < 4 && x0 + x < nr; ++x) _mm512_storeu_si512(pv[x0 + x] + 16 * g, acc[x]);
-    }
+  int64_t g0 = 0;
+  for (; g0 + 4 <= D / 16; g0 += 4) pv_vnni_groups<4>(U, nr, vv.c, g0, pv);
+  switch (D / 16 - g0) {   // D a multiple of 16 (the unit's condition): 0 .. 3 groups left
+    case 3: pv_vnni_groups<3>(U, nr, vv.c, g0, pv); break;
+    case 2: pv_vnni_groups<2>(U, nr, vv.c, g0, pv); break;
+    case 1: pv_vnni_groups<1>(U, nr, vv.c, g0, pv); break;
+    default: break;
   }
 }
 
