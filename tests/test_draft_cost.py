@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -676,3 +678,27 @@ def test_a_short_round_takes_a_draft_step_however_many_drafts_a_step_gives():
     args = (0.9, 8, draft_row, full_kv, 1, (4.0, 5.0))
     assert cost.choose(*args, queued=False, slack=0.0, behind_alpha=0.3) == 0
     assert cost.choose(*args, queued=False, slack=1.0, behind_alpha=0.3) == 1
+
+
+def test_draft_vocabulary_rows_are_fitted_at_the_whole_heads_price_and_their_saving_priced_into_drafts():
+    """A one-token draft row on the draft vocabulary's head saves ``t_vocab`` (``StepCosts``): the fit adds
+    it back (steps that saved it fit as the same steps without it, and the result keeps it), and a draft
+    is priced that much cheaper, so rounds that do not pay on the whole head pay on the vocabulary's."""
+    true = (0.02, 0.002, 5e-11, 4e-9)
+    plain = StepCosts.fit(_steps(*true))
+    steps = _steps(*true)
+    for s in steps:
+        if "verify" not in s.kinds:
+            s.vocab_rows = 1
+            s.end -= 0.003   # the row's logits on the vocabulary's head: 3 ms less
+    fit = StepCosts.fit(steps, t_vocab=0.003)
+    assert fit.to_dict() == pytest.approx(plain.to_dict(), rel=1e-6) and fit.t_vocab == 0.003
+    assert StepCosts.fit(steps).to_dict() != pytest.approx(plain.to_dict(), rel=1e-3)   # the saving not added back
+    # alone, the weights (30 ms) price a draft row near a full row: no round pays ...
+    costs = StepCosts(t_byte=1e-9, matmuls=lambda rows: 0.030 + 0.001 * (rows - 1))
+    full_kv, draft_row = lambda k: (1e7, 0), (1.25e6, 0)   # noqa: E731 - a chunk reads the full KV once
+    assert DraftCost(fitted=costs, source="fitted").choose(0.8, 1, draft_row, full_kv, 16) == 0
+    # ... a draft 8 ms cheaper on the vocabulary's head does, unless its steps check lookup proposals
+    cheap = DraftCost(fitted=dataclasses.replace(costs, t_vocab=0.008), source="fitted")
+    assert cheap.choose(0.8, 1, draft_row, full_kv, 16) >= 1
+    assert cheap.choose(0.9, 1, draft_row, full_kv, 16, draft_yield=(1.0, 2.0)) == 0

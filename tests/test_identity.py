@@ -146,6 +146,38 @@ def test_vericache_with_quantized_draft_weights_equals_full(loaded_kv, identity_
     assert all(o.stats["drafted_tokens"] > 0 for o in outs)
 
 
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_vericache_with_a_draft_vocabulary_equals_full(loaded_kv, identity_prompts, references, spec):
+    """One-token drafts over the first 256 of the test model's 4,096 tokens (and their prompts' rare ones),
+    verification over all: still the full output for every method, batched, with the vocabulary live
+    (draft rows took it) and over a third of full decoding's tokens past its first 256."""
+    loaded = loaded_kv("float16")
+    runner = Engine(loaded, mode="vericache", compressor=spec, draft_len=4, draft_vocab=256)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    outs = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
+    assert [o.token_ids for o in outs] == references("float16")
+    assert sum(s.vocab_rows for s in runner.instruments.steps) > 0
+    assert sum(t >= 256 for ref in references("float16") for t in ref) > len(references("float16")) * MAX_TOKENS / 3
+
+
+def test_a_draft_vocabulary_proposes_the_prompts_rare_tokens(loaded_kv, identity_prompts, references, monkeypatch):
+    """Without its prompt's tokens past the vocabulary a draft cannot propose them, and the code model's
+    outputs copy such tokens: the same text, fewer drafts accepted (the extra tokens are live)."""
+    from vericache.engine import scheduler
+
+    def accepted() -> int:
+        runner = Engine(loaded_kv("float16"), mode="vericache", compressor="snapkv:ratio=0.1", draft_len=4,
+                        draft_vocab=256, lookup=False)
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        outs = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
+        assert [o.token_ids for o in outs] == references("float16")
+        return sum(o.stats["accepted_tokens"] for o in outs)
+
+    with_extra = accepted()
+    monkeypatch.setattr(scheduler, "prompt_vocab", lambda ids, n: None)
+    assert accepted() < with_extra
+
+
 @pytest.fixture(scope="session")
 def lossy_prompts(llm) -> list[list[int]]:
     from vericache_lab.bench.common import code_prompt
@@ -401,6 +433,23 @@ def test_seeded_vericache_equals_seeded_full_decoding(llm, identity_prompts, see
         accepted += sum(o.stats["accepted_tokens"] for o in outs)
     # int8's error rarely flips even a sample (as in LOSSY_SPECS); every other store had drafts rejected
     assert 0 < accepted < drafted or (spec.startswith("int8") and 0 < accepted == drafted)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.1", "kivi:bits=2", "streaming:ratio=0.1+kivi:bits=2"])
+def test_seeded_vericache_with_a_draft_vocabulary_equals_seeded_full_decoding(llm, identity_prompts,
+                                                                              seeded_reference, spec):
+    """Coupled sampling with one-token drafts over the first 256 tokens: a sampled draft never proposes a
+    token past them (or its prompt's), verification samples over all, and the text is seeded full
+    decoding's; under the rejection rule (whose q is then the draft vocabulary's distribution) every
+    request still ends with its tokens."""
+    sampled, reference = seeded_reference
+    outs = _seeded(llm.loaded, identity_prompts, "vericache", *sampled, compressor=spec, draft_len=3, draft_vocab=256)
+    assert [o.token_ids for o in outs] == reference
+    assert 0 < sum(o.stats["accepted_tokens"] for o in outs) < sum(o.stats["drafted_tokens"] for o in outs)
+    rejection = _seeded(llm.loaded, identity_prompts, "vericache", *sampled, compressor=spec, draft_len=3,
+                        draft_vocab=256, acceptance="rejection")
+    assert [len(o.token_ids) for o in rejection] == [MAX_TOKENS] * len(identity_prompts)
+    assert all(0 <= t < llm.loaded.config.vocab_size for o in rejection for t in o.token_ids)
 
 
 @pytest.fixture(scope="module")

@@ -169,11 +169,11 @@ def test_bad_descriptions_are_refused(llm):
     plan = native.plan([cache], [2])
     toks, cs = torch.zeros(2, dtype=torch.long), torch.zeros(2, cfg.head_dim)
     with pytest.raises(RuntimeError, match="seq_lens sum to 3"):
-        native.run(toks, cs, cs, [3], plan, 0)
+        native.run(toks, cs, cs, [3], plan, 0, False)
     with pytest.raises(RuntimeError, match=f"token {cfg.vocab_size} out of"):
-        native.run(torch.tensor([0, cfg.vocab_size]), cs, cs, [2], plan, 0)
+        native.run(torch.tensor([0, cfg.vocab_size]), cs, cs, [2], plan, 0, False)
     with pytest.raises(RuntimeError, match="logits_rows must ascend"):
-        native.run(toks, cs, cs, [2], plan, 0, torch.tensor([1, 0]))
+        native.run(toks, cs, cs, [2], plan, 0, False, logits_index=torch.tensor([1, 0]))
     with pytest.raises(RuntimeError, match="rms_norm: fp32"):
         k.rms_norm(cs, torch.ones(3), 1e-5)
     assert cache.length == 2 and not cache.k.any()   # refused before anything was written

@@ -30,6 +30,7 @@ choice (the link, not compute, sets k there).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -57,6 +58,7 @@ class StepSample(Protocol):
     end: float
     post: float
     round_post: float
+    vocab_rows: int
 
 
 @dataclass
@@ -67,6 +69,9 @@ class StepCosts:
     t_byte: float = 0.0
     t_pair: float = 0.0
     matmuls: Callable[[int], float] | None = field(default=None, repr=False, compare=False)  # replaces rows * t_row
+    # seconds a one-token draft row's logits save on the draft vocabulary's head (``model.set_draft_vocab``;
+    # measured by the calibration, kept by every refit): the terms above price whole-head steps
+    t_vocab: float = 0.0
 
     def weights(self, rows: float) -> float:
         """Seconds of the weight matmuls at ``rows`` rows."""
@@ -84,19 +89,23 @@ class StepCosts:
         return {t: getattr(self, t) for t in TERMS}
 
     @classmethod
-    def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None) -> StepCosts | None:
+    def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None,
+            t_vocab: float = 0.0) -> StepCosts | None:
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
         weights' measured seconds at a row count) that curve in place of rows * t_row. A step's seconds
         are its forward's and its update's (``post``: the round's accept and commits, the compressed
         cache's moves, guided swaps) less the drafted rounds' own updates (``round_post``), which
-        ``DraftCost`` prices per round. None until there are enough steps, with and without verification."""
+        ``DraftCost`` prices per round. ``t_vocab``: what each of a step's draft-vocabulary rows saved (added
+        back, so every step is priced as with the whole head, and kept on the result). None until there are
+        enough steps, with and without verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        return cls.from_samples(x, np.array([s.end - s.start + s.post - s.round_post for s in steps]), matmuls)
+        seconds = np.array([s.end - s.start + s.post - s.round_post + t_vocab * s.vocab_rows for s in steps])
+        return dataclasses.replace(cls.from_samples(x, seconds, matmuls), t_vocab=t_vocab)
 
     @classmethod
     def from_samples(cls, x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
@@ -207,6 +216,7 @@ class DraftCost:
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
     round_s: float = 0.0          # a drafted round's update, seconds (the mean of the latest)
+    t_vocab: float = 0.0          # a one-token draft row's saving on the draft vocabulary's head (calibrated)
     _fitted_at: int = field(default=0, repr=False)
 
     def refit(self, steps: Sequence[StepSample], n_steps: int, round_updates: Sequence[float] = ()) -> None:
@@ -218,12 +228,12 @@ class DraftCost:
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
             if calibration.costs is not None and calibration.costs.usable():
-                self.matmuls = calibration.costs.matmuls
+                self.matmuls, self.t_vocab = calibration.costs.matmuls, calibration.costs.t_vocab
                 if self.fitted is None:
                     self.fitted, self.source = calibration.costs, "calibrated"
         if n_steps - self._fitted_at >= self.every:
             self._fitted_at = n_steps
-            fit = StepCosts.fit(list(steps)[-96:], self.matmuls)
+            fit = StepCosts.fit(list(steps)[-96:], self.matmuls, self.t_vocab)
             if fit is not None and fit.usable():
                 self.fitted, self.source = fit, "fitted"
 
@@ -279,7 +289,10 @@ class DraftCost:
         tail = self._tail_step(f, n_active, queued)
         drafts, rows = draft_yield
         kv_bytes, pairs = draft_cost
-        draft_s = (share + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
+        # one-token draft steps read the draft vocabulary's head: at least a share 2 - rows of the steps are
+        # one-token ones (rows - 1 proposal tokens a step on average, each proposal step at least one)
+        vocab = f.t_vocab * min(max(2.0 - rows, 0.0), 1.0)
+        draft_s = (share - vocab + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
 
         def verify_s(k: int) -> float:   # k = 0: a plain full step, no round to update
             if k == 0:

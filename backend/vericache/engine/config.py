@@ -41,6 +41,7 @@ class EngineConfig:
     compressor: str = "snapkv:ratio=0.125"   # a spec (or a ``Compressor``): eviction[+quantization]
     draft_len: int | str = "auto"   # tokens a round, or "auto" (the cost model decides per round)
     draft_weights: str = "auto"     # what drafts read on the CPU: auto (fp32 or q8, measured), fp32, q8, int8, int4
+    draft_vocab: int | str = "auto"  # tokens a one-token draft takes logits for: auto, 0 (all), n (the first n)
     lookup: bool = True             # prompt-lookup proposals checked by the drafter (drafting.lookup)
     acceptance: str = "coupled"     # sampled drafts: coupled (seeded text == full decoding's) | rejection
     # the step loop
@@ -74,6 +75,9 @@ class EngineConfig:
             bad("acceptance", f"must be one of {', '.join(ACCEPTANCE_RULES)}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             bad("draft_weights", f"must be one of {', '.join(DRAFT_WEIGHTS)}")
+        if self.draft_vocab != "auto" and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                           or self.draft_vocab < 0):
+            bad("draft_vocab", "must be 'auto', 0 (the whole vocabulary) or a token count >= 1")
         if self.numerics is not None and self.numerics not in NUMERICS:
             bad("numerics", f"must be one of {', '.join(NUMERICS)} or None (auto)")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
@@ -150,6 +154,8 @@ def _parse_field(name: str, text: str) -> Any:
     """One config.pbtxt string as the field's type."""
     if name == "draft_len":
         return "auto" if text in ("auto", "0") else int(text)
+    if name == "draft_vocab":
+        return text if text == "auto" else int(text)
     if name == "lookup":
         return {"true": True, "false": False}[text.lower()]
     if name == "tiered":
@@ -173,7 +179,8 @@ MODEL_FIELDS = ("model", "device", "dtype", "kv_dtype", "kernels", "numerics")  
 
 def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:
     """The engine's flags, each default the config's: "model" (--model --device --dtype --kv-dtype
-    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights --lookup --acceptance), "loop" (--prefill-chunk
+    --kernels --numerics), "mode" (--mode --compressor --draft-len --draft-weights --draft-vocab --lookup
+    --acceptance), "loop" (--prefill-chunk
     --max-queue --device-budget-gb --tiered --scheduler). ``EngineConfig.from_args`` reads them back."""
     d = DEFAULTS
     if "model" in groups:
@@ -195,6 +202,10 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
                        help="weights the drafts read (CPU): fp32 (exact), q8 (int8 activations x the stored blocks), "
                             "int8, int4, or auto (per step, fp32 or q8, whichever measured faster here for its draft "
                             "rows; fp32 off CPU); verification is exact either way")
+        p.add_argument("--draft-vocab", default=d.draft_vocab, type=draft_vocab_arg,
+                       help="tokens a one-token draft takes logits for: the first n token ids (a BPE vocabulary's "
+                            "most frequent), 0 for all, or auto (32768 where the vocabulary is over twice that); "
+                            "verification's head decides every token either way")
         p.add_argument("--lookup", default=d.lookup, action=argparse.BooleanOptionalAction,
                        help="prompt-lookup proposals: where the last tokens occurred earlier, the drafter checks "
                             "what followed them in one step (a request's own option overrides it)")
@@ -226,6 +237,16 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
     """--kv-dtype: what the full KV caches hold (attention computes in fp32 on the CPU either way)."""
     p.add_argument("--kv-dtype", default=DEFAULTS.kv_dtype, choices=KV_DTYPES,
                    help="the full KV cache's dtype (default: float16 on the CPU, as llama.cpp; the weights' on CUDA)")
+
+
+def draft_vocab_arg(text: str) -> int | str:
+    """``--draft-vocab``: a token count (0: all), or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-vocab must be an integer or 'auto', got {text!r}") from None
 
 
 def draft_len_arg(text: str) -> int | str:

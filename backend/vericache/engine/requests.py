@@ -174,6 +174,7 @@ class Drafting:
     policy_state: DraftState
     round: RoundState = field(default_factory=RoundState)
     lookup: LookupIndex | None = None          # with lookup proposals: its n-gram index
+    vocab: torch.Tensor | None = None          # its prompt's tokens past the draft vocabulary (``prompt_vocab``)
     group: int = 0                             # grouped schedule: the phase group of the current round
     transfer: Transfer | None = None           # offloaded: its full KV on the link for this round
 
@@ -284,6 +285,7 @@ class StepRecord:
     by_kind: dict[str, tuple[int, int]] = field(default_factory=dict)   # row kind -> (rows, tokens)
     post: float = 0.0  # seconds of the step's postprocess after the forward (commits, compression moves)
     round_post: float = 0.0  # of ``post``: the drafted rounds' own updates (``Instruments.note_round_update``)
+    vocab_rows: int = 0      # draft rows whose logits took the draft vocabulary's head (``ModelRunner.execute``)
 
 
 def _bounded() -> deque[Any]:

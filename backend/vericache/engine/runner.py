@@ -31,7 +31,7 @@ from vericache.engine.shared_prefill import SharedPrefill
 from vericache.kv.full import FullKVCache
 from vericache.kv.protocol import KVCache
 from vericache.kv.tee import QueryRecorder, TeeCache
-from vericache.model.draft_weights import measured_choice
+from vericache.model.draft_weights import draft_vocab_size, measured_choice
 from vericache.model.loader import LoadedModel
 from vericache.sampling import SamplingParams, Sequence
 
@@ -66,6 +66,11 @@ class ModelRunner:
         self.policy = DraftLengthPolicy.from_arg(config.draft_len)
         self.defaults = ResolvedOptions(config.mode, self.compressor, self.policy, config.lookup, config.acceptance)
         self.draft_weights = draft_weights
+        # one-token drafts' logits over the vocabulary's first n tokens (None: all): the model holds it, so
+        # engines sharing one model with different settings set theirs at each step (``execute``)
+        self.draft_vocab = draft_vocab_size(config.draft_vocab, self.cfg.vocab_size)
+        if self.model.draft_vocab != self.draft_vocab:
+            self.model.set_draft_vocab(self.draft_vocab)
 
     def build_drafts(self) -> None:
         """The draft copies this engine's steps read (an extra copy each: the exact weights stay for
@@ -100,14 +105,20 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[StepResult, StepRecord]:
         """One forward over all of the plan's rows. Only the sampled rows get logits (the LM head over a
         whole prefill chunk would be wasted). Draft rows go first when they read draft weights
-        (``draft_kind``); every other row reads the exact weights."""
-        rows = plan.rows
-        n_draft = sum(len(r.tokens) for r in plan.of(RowKind.DRAFT))
+        (``draft_kind``) or the draft vocabulary (one-token draft rows, first of them, where the model has
+        one: ``Transformer.set_draft_vocab``; a row checking a lookup proposal keeps the whole head, as the
+        proposal copies the prompt's rare tokens too); every other row reads the exact weights and head."""
+        rows, drafts = plan.rows, plan.of(RowKind.DRAFT)
+        if drafts and self.model.draft_vocab != self.draft_vocab:
+            self.model.set_draft_vocab(self.draft_vocab)
+        n_draft = sum(len(r.tokens) for r in drafts)
         draft_weights = self.draft_kind(n_draft)
-        if draft_weights != "fp32":
+        n_vocab = sum(len(r.tokens) == 1 for r in drafts) if self.model.draft_vocab is not None else 0
+        if draft_weights != "fp32" or n_vocab:
             if self.model.draft_weights != draft_weights:  # engines sharing one model may draft on different copies
                 self.model.quantize_drafts(draft_weights)
-            rows = sorted(rows, key=lambda r: r.kind != RowKind.DRAFT)    # stable: the others keep their order
+            # stable: the others keep their order
+            rows = sorted(rows, key=lambda r: (r.kind != RowKind.DRAFT, r.kind == RowKind.DRAFT and len(r.tokens) > 1))
         else:
             n_draft = 0
         tokens: list[int] = []
@@ -122,11 +133,14 @@ class ModelRunner:
                 index.append(offset + n - 1)
             offset += n
         work = attention_work(plan)
-        dev, extra = self.loaded.device, {"n_draft": n_draft} if n_draft else {}
+        dev, extra = self.loaded.device, {"n_draft": n_draft, "n_vocab": n_vocab} if n_draft else {}
+        # the one-token drafts' requests' prompts' rare tokens, for all of them (a superset of each one's)
+        own = [r.req.drafting.vocab for r in rows[:n_vocab] if r.req.drafting.vocab is not None]
+        vocab_extra = None if not own else own[0] if len(own) == 1 else torch.unique(torch.cat(own))
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(tokens, device=dev), [r.start for r in rows], [len(r.tokens) for r in rows],
                             [r.cache for r in rows], logits_index=torch.tensor(index, dtype=torch.long, device=dev),
-                            **extra)   # [len(index), V]
+                            vocab_extra=vocab_extra, **extra)   # [len(index), V]
         top = logits.argmax(dim=-1).tolist()
         at, out = 0, {}
         for row in rows:
@@ -136,7 +150,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         result = StepResult([out[id(r)][0] for r in plan.rows], [out[id(r)][1] for r in plan.rows])
         by_kind = {k.value: (len(rs), sum(len(r.tokens) for r in rs)) for k in RowKind if (rs := plan.of(k))}
-        return result, StepRecord(t0, t1, plan.kinds, len(plan.rows), *work, by_kind=by_kind)
+        return result, StepRecord(t0, t1, plan.kinds, len(plan.rows), *work, by_kind=by_kind, vocab_rows=n_vocab)
 
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""

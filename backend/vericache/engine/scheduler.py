@@ -47,6 +47,7 @@ from vericache.engine.config import EngineConfig
 from vericache.engine.memory import KVMemory
 from vericache.engine.offload import Offload
 from vericache.engine.options import ResolvedOptions
+from vericache.engine.placement import drafts_in_rounds
 from vericache.engine.remote_rounds import PrefixSource, RemoteRounds, VerifierSource
 from vericache.engine.requests import DONE, MAKING_OUTPUT, Instruments, Request, RequestTable, ScoringPass, State
 from vericache.engine.shared_prefill import SharedPrefill
@@ -54,6 +55,7 @@ from vericache.kv.full import FullKVCache
 from vericache.kv.link import Link, StreamedKV
 from vericache.kv.protocol import KVCache
 from vericache.kv.tee import TeeCache
+from vericache.model.draft_weights import prompt_vocab
 from vericache.model.loader import LoadedModel
 
 log = logging.getLogger("vericache.engine")
@@ -498,6 +500,8 @@ class Scheduler:
             # cache the draft cache takes the prompt's K/V from it
             req.kv.draft.commit(n, source=context)
         self.planner.index_prompt(req)
+        if drafts_in_rounds(req.mode):   # its one-token drafts may propose the prompt's rare tokens too
+            req.drafting.vocab = prompt_vocab(seq.prompt_ids, self.loaded.model.draft_vocab)
         if req.kv.resident is not None:  # the resident layers go up once
             req.kv.resident.load(self._prefill_full(req), n)
         req.kv.prefill_buf = None

@@ -21,7 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &StepWeights::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("linears"),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("key_coding") = py::none())
-      .def("set_ends", &StepWeights::set_ends);
+      .def("set_ends", &StepWeights::set_ends)
+      .def("set_draft_head", &StepWeights::set_draft_head);
   m.def("forward_step", &forward_step, "a forward step in one call: embedding, every layer, the head",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "layouts.h"
@@ -60,20 +62,21 @@ Linear make_linear(const LinearSpec& spec) {
 namespace {
 
 constexpr int64_t GRAIN = 16;   // rows per task of the row ops (fewer: one thread, no fork)
-// y rows [0, n_draft) through the q8 op (drafts' free numerics), the rest through the linear's numerics
+// y rows [0, n_draft) through the q8 op (drafts' free numerics), the rest through the linear's numerics;
+// y's rows ldy floats apart (default: the linear's outputs)
 void run_linear(const StepWeights& W, const Linear& L, const float* x, int64_t ldx, int64_t M, float* y,
-                int64_t n_draft, int threads) {
+                int64_t n_draft, int threads, int64_t ldy = 0) {
+  if (ldy == 0) ldy = L.n_total;
   auto call = [&](bool q8, int64_t r0, int64_t m) {
     int64_t col = 0;
     for (size_t i = 0; i < L.fmt.size(); ++i) {
       const float* b = L.bias ? L.bias + col : nullptr;
       const float* xr = x + r0 * ldx;
-      float* yr = y + r0 * L.n_total + col;
-      int rc = q8 ? W.q8(L.fmt[i], L.data[i], L.panels[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total,
-                         threads)
-                  : W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
+      float* yr = y + r0 * ldy + col;
+      int rc = q8 ? W.q8(L.fmt[i], L.data[i], L.panels[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, ldy, threads)
+                  : W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, ldy, threads);
       if (rc == -2)   // a float weight has no integer codes: the fp32 op, in either numerics
-        rc = W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, L.n_total, threads);
+        rc = W.fp32(L.fmt[i], L.data[i], L.row_bytes[i], L.n[i], L.k, xr, ldx, m, b, yr, ldy, threads);
       TORCH_CHECK(rc == 0, "the linear op refused format ", L.fmt[i], " [", L.n[i], ", ", L.k, "]");
       col += L.n[i];
     }
@@ -108,12 +111,17 @@ struct SeqCache {               // one sequence's cache in the step (tensors wit
 
 }  // namespace
 
-// tokens: [N] int64; cos, sin: [N, D] fp32; logits_rows: [M] int64 indices into N, ascending;
+// tokens: [N] int64; cos, sin: [N, D] fp32; rows [0, n_draft) are draft rows, through the q8 linears when
+// ``draft_q8``; rows [0, n_vocab) (n_vocab <= n_draft) take their logits from the draft head where the
+// weights have one (``set_draft_head``), and with ``extra`` (the head's rows for the tokens ``extra_ids``,
+// int64 [E], past the draft head's) those tokens' too; logits_rows: [M] int64 indices into N, ascending;
 // per sequence: cache_ints (slot, number of parts, then PART_INTS ints per part as kv.packed.op_args) and
 // cache_tensors (k, v, queries, then PART_TENSORS per part, each with a leading layer dim; layouts.h).
 // Returns logits [M, V].
 at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
-                        const std::vector<int64_t>& seq_lens, int64_t n_draft, const at::Tensor& logits_rows,
+                        const std::vector<int64_t>& seq_lens, int64_t n_draft, bool draft_q8, int64_t n_vocab,
+                        const c10::optional<LinearSpec>& extra, const c10::optional<at::Tensor>& extra_ids,
+                        const at::Tensor& logits_rows,
                         const std::vector<int64_t>& cache_ints,
                         const std::vector<c10::optional<at::Tensor>>& cache_tensors) {
   const int64_t N = tokens.numel(), H = W.hidden, F = W.inter, D = W.d, Hq = W.hq, Hkv = W.hkv;
@@ -133,6 +141,22 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == D,
                 "cos, sin: contiguous fp32 [", N, ", ", D, "]");
   TORCH_CHECK(n_draft >= 0 && n_draft <= N, "n_draft ", n_draft, " out of [0, ", N, "]");
+  TORCH_CHECK(n_vocab >= 0 && n_vocab <= n_draft, "n_vocab ", n_vocab, " out of [0, n_draft = ", n_draft, "]");
+  TORCH_CHECK(extra.has_value() == extra_ids.has_value(), "extra head rows come with their token ids");
+  Linear extra_head;   // the draft-vocabulary rows' extra tokens: the head's rows for them
+  const int64_t* extra_at = nullptr;
+  if (extra.has_value()) {
+    extra_head = make_linear(*extra);
+    const at::Tensor& ids = *extra_ids;
+    TORCH_CHECK(!W.draft_head.fmt.empty() && extra_head.k == H && ids.dim() == 1 && ids.scalar_type() == at::kLong &&
+                ids.is_contiguous() && ids.numel() == extra_head.n_total,
+                "extra head rows: a draft head first, then [E, ", H, "] rows with int64 ids [E]");
+    extra_at = ids.data_ptr<int64_t>();
+    for (int64_t j = 0; j < ids.numel(); ++j)
+      TORCH_CHECK(extra_at[j] >= W.draft_head.n_total && extra_at[j] < W.head.n_total, "extra token ", extra_at[j],
+                  " out of [", W.draft_head.n_total, ", ", W.head.n_total, ")");
+  }
+  const int64_t n_q8 = draft_q8 ? n_draft : 0;   // rows through the q8 linears
   std::vector<int64_t> row0(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + seq_lens[s];
   TORCH_CHECK(row0[S] == N, "seq_lens sum to ", row0[S], " but x has ", N, " rows");
@@ -174,7 +198,7 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) vc_rows::rms_norm_row(xp + i * H, in_w, H, W.eps, hp + i * H);
     });
-    run_linear(W, y.qkv, hp, H, N, qkvp, n_draft, threads);
+    run_linear(W, y.qkv, hp, H, N, qkvp, n_q8, threads);
     const float* qn_w = y.q_norm.has_value() ? y.q_norm->data_ptr<float>() : nullptr;
     const float* kn_w = y.k_norm.has_value() ? y.k_norm->data_ptr<float>() : nullptr;
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
@@ -212,29 +236,47 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
     }
     const at::Tensor attn = attend_packed(q_view, Hkv, seq_lens, ints, tensors, W.score_unit,
                                          W.layers[l].key_coding);   // [N, Hq, D]
-    run_linear(W, y.o, attn.data_ptr<float>(), QD, N, op, n_draft, threads);
+    run_linear(W, y.o, attn.data_ptr<float>(), QD, N, op, n_q8, threads);
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         for (int64_t j = 0; j < H; ++j) xp[i * H + j] = xp[i * H + j] + op[i * H + j];
         vc_rows::rms_norm_row(xp + i * H, post_w, H, W.eps, hp + i * H);
       }
     });
-    run_linear(W, y.gate_up, hp, H, N, gup, n_draft, threads);
+    run_linear(W, y.gate_up, hp, H, N, gup, n_q8, threads);
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) vc_rows::silu_mul_row(gup + i * 2 * F, F, actp + i * F);
     });
-    run_linear(W, y.down, actp, F, N, op, n_draft, threads);
+    run_linear(W, y.down, actp, F, N, op, n_q8, threads);
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
         for (int64_t j = 0; j < H; ++j) xp[i * H + j] = xp[i * H + j] + op[i * H + j];
     });
   }
   // the rows whose logits are wanted: final RMSNorm, then the head in the model's numerics (for draft
-  // rows too, as the module runs it)
+  // rows too, as the module runs it); draft-vocabulary rows through the draft head where there is one (the
+  // first draft_head.n_total tokens: -inf past them, so no draft proposes one)
   const float* norm_w = W.final_norm.data_ptr<float>();
   for (int64_t i = 0; i < M; ++i) vc_rows::rms_norm_row(xp + rows_out[i] * H, norm_w, H, W.eps, hp + i * H);
-  at::Tensor logits = at::empty({M, W.head.n_total}, f32);
-  run_linear(W, W.head, hp, H, M, logits.data_ptr<float>(), 0, threads);
+  const int64_t V_out = W.head.n_total;
+  at::Tensor logits = at::empty({M, V_out}, f32);
+  float* lp = logits.data_ptr<float>();
+  int64_t m_draft = 0;   // logits rows of draft-vocabulary rows: the first ones (both ascend)
+  if (!W.draft_head.fmt.empty())
+    while (m_draft < M && rows_out[m_draft] < n_vocab) ++m_draft;
+  if (m_draft > 0) {
+    const int64_t nd = W.draft_head.n_total;
+    run_linear(W, W.draft_head, hp, H, m_draft, lp, 0, threads, V_out);
+    for (int64_t i = 0; i < m_draft; ++i) std::fill(lp + i * V_out + nd, lp + (i + 1) * V_out, -INFINITY);
+    if (extra_at != nullptr) {   // their extra tokens' logits, scattered to the tokens' columns
+      const int64_t E = extra_head.n_total;
+      std::vector<float> ex(m_draft * E);
+      run_linear(W, extra_head, hp, H, m_draft, ex.data(), 0, threads);
+      for (int64_t i = 0; i < m_draft; ++i)
+        for (int64_t j = 0; j < E; ++j) lp[i * V_out + extra_at[j]] = ex[i * E + j];
+    }
+  }
+  if (M > m_draft) run_linear(W, W.head, hp + m_draft * H, H, M - m_draft, lp + m_draft * V_out, 0, threads);
   return logits;
 }
 

@@ -58,6 +58,7 @@ struct StepWeights {
   int64_t score_unit;           // the attention's scores: 0 fp32, else integer dots on that unit (int_scores.h)
   std::vector<Layer> layers;
   Linear embed, head;          // the embedding's stored rows (one weight [V, H]) and the LM head
+  Linear draft_head;           // draft rows' head: the LM head's first rows (a draft vocabulary), or none
   at::Tensor final_norm;
 
   StepWeights(int64_t q8_fn, int64_t fp32_fn, int64_t dequant_fn, double eps_, int64_t hq_, int64_t hkv_, int64_t d_,
@@ -75,6 +76,19 @@ struct StepWeights {
                 norm.scalar_type() == at::kFloat && norm.numel() == hidden,
                 "the embedding (one stored weight [V, ", hidden, "]), final norm and head do not fit the layers");
     final_norm = norm.contiguous();
+  }
+
+  // draft-vocabulary rows' logits over the head's first rows only (``set_ends`` first); none: the whole head
+  void set_draft_head(const c10::optional<LinearSpec>& spec) {
+    if (!spec.has_value()) {
+      draft_head = Linear{};
+      return;
+    }
+    Linear h = make_linear(*spec);
+    TORCH_CHECK(!head.fmt.empty() && h.k == hidden && h.n_total > 0 && h.n_total <= head.n_total,
+                "the draft head must be the LM head's first rows [<= ", head.n_total, ", ", hidden, "], got [",
+                h.n_total, ", ", h.k, "]");
+    draft_head = std::move(h);
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears,
@@ -124,7 +138,8 @@ at::Tensor guide_trade(const at::Tensor& seen, int64_t n, const at::Tensor& pos,
 // step.cpp
 at::Tensor forward_step(const vc_step::StepWeights& W, const at::Tensor& tokens, const at::Tensor& cos,
                         const at::Tensor& sin, const std::vector<int64_t>& seq_lens, int64_t n_draft,
-                        const at::Tensor& logits_rows, const std::vector<int64_t>& cache_ints,
+                        bool draft_q8, int64_t n_vocab, const c10::optional<vc_step::LinearSpec>& extra,
+                        const c10::optional<at::Tensor>& extra_ids, const at::Tensor& logits_rows, const std::vector<int64_t>& cache_ints,
                         const std::vector<c10::optional<at::Tensor>>& cache_tensors);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);

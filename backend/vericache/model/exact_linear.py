@@ -64,6 +64,25 @@ class ExactLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(self.op.q8 if self.numerics == "q8" else self.op, x)
 
+    def rows(self, ids: torch.Tensor) -> ExactLinear:
+        """The same linear over outputs ``ids`` only (int64 [E]; one stored weight, no bias): output j's
+        bits are this linear's output ids[j]. Gathered per call (a draft step's few rare tokens), no panels."""
+        w = self.weight
+        if self.bias is not None:
+            raise ValueError("rows: a linear with a bias")
+        return ExactLinear([StoredWeight(w.fmt, w.data.index_select(0, ids.to(w.data.device)), ids.numel(), w.k)],
+                           None, self.op, self.numerics)
+
+    def first_rows(self, n: int) -> ExactLinear:
+        """The same linear over its first ``n`` outputs (one stored weight; rows of a stored weight are
+        whole blocks, so a slice is the same codes), with its own panels: output j's bits are this
+        linear's output j."""
+        w = self.weight
+        if not 1 <= n <= w.n:
+            raise ValueError(f"first_rows: n must be in [1, {w.n}], got {n}")
+        sliced = StoredWeight(w.fmt, w.data[:n], n, w.k)
+        return ExactLinear([self.op.pack(sliced)], None if self.bias is None else self.bias[:n], self.op, self.numerics)
+
     def run(self, fn, x: torch.Tensor) -> torch.Tensor:
         """``fn(x, weight, bias)`` (the op, or its ``draft``) over each stored weight, outputs side by side."""
         if len(self.weights) == 1:

@@ -29,6 +29,7 @@ from vericache.model.draft_weights import (
     QUANTIZERS,
     DraftChoice,
     DraftLinear,
+    VocabPrefixHead,
     check_draft_weights,
     mixed_linear,
     weight_matrices,
@@ -288,6 +289,8 @@ class Transformer(nn.Module):
         self.draft_sets: dict[str, tuple] = {}           # kind -> (per-layer copies, lm_head copy)
         self.draft_choice: DraftChoice | None = None     # once measured ("auto")
         self.lm_head_draft: DraftLinear | None = None
+        self.draft_vocab: int | None = None             # one-token drafts' logits: the first n tokens (``set_draft_vocab``)
+        self.vocab_head: VocabPrefixHead | None = None   # their head off the native step
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
         self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)
         self.native: NativeStep | None = None          # the whole CPU step in one native call (``native_step``)
@@ -328,6 +331,26 @@ class Transformer(nn.Module):
         self.lm_head_draft = head
         self.draft_weights = kind
 
+    def set_draft_vocab(self, n: int | None) -> None:
+        """Give the draft-vocabulary rows of a forward (``n_vocab``) logits for the first ``n`` tokens only,
+        -inf past them (``draft_weights.VocabPrefixHead``); None: the whole head, as every other row.
+        The head's first n rows in the model's own numerics (its logit j's bits are the head's)."""
+        vocab = self.config.vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= vocab):
+            raise ValueError(f"draft vocabulary must be None or in [1, {vocab}], got {n!r}")
+        exact, weight = self.head_exact, self.lm_head.weight
+        first = None if n is None or exact is None else exact.first_rows(n)
+        if n is None:
+            self.vocab_head = None
+        elif first is not None and exact is not None:
+            self.vocab_head = VocabPrefixHead(first, n, vocab, exact.rows)
+        else:
+            self.vocab_head = VocabPrefixHead(lambda x: F.linear(x, weight[:n]), n, vocab,
+                                              lambda ids: lambda x: F.linear(x, weight[ids]))
+        if self.native is not None:
+            self.native.set_draft_head(first)
+        self.draft_vocab = n
+
     def _native_plans(self, tokens: torch.Tensor, caches, seq_lens: Sequence[int], n_draft: int,
                       adt: torch.dtype) -> list | None:
         """Each cache's description for the native step, or None where the module runs the step: no
@@ -341,16 +364,23 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, starts: Sequence[int], seq_lens: Sequence[int],
                 caches: Sequence[KVCache] | None = None,
-                logits_index: torch.Tensor | None = None, n_draft: int = 0) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, n_draft: int = 0, n_vocab: int = 0,
+                vocab_extra: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [N] (packed sequences); returns logits [N, V] (or [M, V] with ``logits_index``).
 
         ``logits_index`` ([M] indices into N) restricts the LM head to the rows
         that are sampled from (the last prefill token, say), which saves a
         [N, V] matmul on long prefills. The first ``n_draft`` rows are draft rows: with
-        ``quantize_drafts`` they read the quantized copies (sequences must not straddle that boundary).
+        ``quantize_drafts`` they read the quantized copies (sequences must not straddle that boundary);
+        of them the first ``n_vocab`` take their logits from the draft vocabulary (``set_draft_vocab``) and
+        the tokens ``vocab_extra`` (int64 [E] past it: their requests' prompts' rare tokens, ``prompt_vocab``).
         """
         if sum(seq_lens) != tokens.shape[0]:
             raise ValueError(f"seq_lens sum to {sum(seq_lens)} but there are {tokens.shape[0]} tokens")
+        if not 0 <= n_vocab <= n_draft <= tokens.shape[0]:
+            raise ValueError(f"need 0 <= n_vocab <= n_draft <= rows, got {n_vocab}, {n_draft}, {tokens.shape[0]}")
+        if self.vocab_head is None:
+            n_vocab, vocab_extra = 0, None
         if caches is not None:
             for cache, s, t in zip(caches, starts, seq_lens):
                 cache.begin(s, t)
@@ -361,8 +391,10 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(adt), emb.sin().to(adt)                   # [N, D]
         plans = self._native_plans(tokens, caches, seq_lens, n_draft, adt)
         if plans is not None and self.native is not None:   # the same operations in one native call (native_step)
-            return self.native.run(tokens, cos, sin, seq_lens, plans, n_draft if self.draft_weights == "q8" else 0,
-                                   logits_index)
+            extra = None if vocab_extra is None or not n_vocab or self.head_exact is None else \
+                (self.head_exact.rows(vocab_extra), vocab_extra)
+            return self.native.run(tokens, cos, sin, seq_lens, plans, n_draft, self.draft_weights == "q8", n_vocab,
+                                   logits_index, extra)
         if self.embed_exact is not None:                                   # [N, hidden]
             x = self.embed_exact.op.dequantize(self.embed_exact.weight, tokens)
         else:
@@ -370,8 +402,11 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.blocks()):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, seq_lens, caches, n_draft)
             x = x + layer.mlp(layer.post_attention_layernorm(x), n_draft)
-        if logits_index is not None:
-            n_draft = int((logits_index < n_draft).sum()) if n_draft else 0   # indices ascend
+        if logits_index is not None:   # indices ascend: the draft rows' logits come first
+            n_draft, n_vocab = (int((logits_index < n).sum()) if n else 0 for n in (n_draft, n_vocab))
             x = x[logits_index]
-        head = self.head_exact or self.lm_head
-        return mixed_linear(self.model.norm(x), n_draft, head, self.lm_head_draft).float()
+        head, x = self.head_exact or self.lm_head, self.model.norm(x)
+        if n_vocab and self.vocab_head is not None:
+            rest = mixed_linear(x[n_vocab:], n_draft - n_vocab, head, self.lm_head_draft).float()
+            return torch.cat([self.vocab_head(x[:n_vocab], vocab_extra), rest])
+        return mixed_linear(x, n_draft, head, self.lm_head_draft).float()

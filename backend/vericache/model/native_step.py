@@ -81,10 +81,20 @@ class NativeStep:
             plans.append(lp)
         return plans
 
+    def set_draft_head(self, head: ExactLinear | None) -> None:
+        """The head draft-vocabulary rows take their logits from (the LM head's first rows:
+        ``ExactLinear.first_rows``), or None: every row the whole head."""
+        self.weights.set_draft_head(None if head is None else _linear_spec(head))
+
     def run(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int],
-            plans: list[LayeredParts], n_draft: int, logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [N] -> logits [M, V] of the rows ``logits_index`` (all when None); rows :n_draft
-        read the q8 draft path (the head runs the model's numerics for every row, as in the module)."""
+            plans: list[LayeredParts], n_draft: int, draft_q8: bool, n_vocab: int = 0,
+            logits_index: torch.Tensor | None = None,
+            vocab_extra: tuple[ExactLinear, torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens: [N] -> logits [M, V] of the rows ``logits_index`` (all when None). Rows :n_draft are
+        draft rows: through the q8 linears when ``draft_q8``; rows :n_vocab (of them) take logits from the
+        draft head (``set_draft_head``; -inf past its tokens) and, with ``vocab_extra`` (the head's rows for
+        some tokens past it, and those tokens' ids), those tokens' too; the head runs the model's numerics
+        for every row, as in the module."""
         rows = torch.arange(tokens.shape[0]) if logits_index is None else logits_index.to(torch.int64)
         ints: list[int] = []
         tensors: list[torch.Tensor | None] = []
@@ -96,7 +106,10 @@ class NativeStep:
                 ints += i
                 tensors += ts
         out = self.kernels.forward_step(self.weights, tokens.to(torch.int64).contiguous(), cos.contiguous(),
-                                        sin.contiguous(), list(seq_lens), n_draft, rows.contiguous(), ints, tensors)
+                                        sin.contiguous(), list(seq_lens), n_draft, draft_q8, n_vocab,
+                                        None if vocab_extra is None else _linear_spec(vocab_extra[0]),
+                                        None if vocab_extra is None else vocab_extra[1].contiguous(),
+                                        rows.contiguous(), ints, tensors)
         for lp, t in zip(plans, seq_lens):
             if lp.observer is not None:
                 lp.observer.observed(t)
