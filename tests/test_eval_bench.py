@@ -78,6 +78,19 @@ def test_bench_decode_command(tmp_path, capsys):
     assert all(r["predicted_tokens_per_s"] > 0 and r["measured_over_predicted"] > 0 for r in rows.values())
 
 
+def test_bench_labels_name_the_mode_the_draft_weights_the_draft_vocabulary_and_the_compressor():
+    from vericache_lab.bench.common import label_parts, mode_labels
+
+    assert label_parts("vericache") == ("vericache", "fp32", None, None)
+    assert label_parts("vericache+int8+vocab=0@snapkv:ratio=0.1+kivi:bits=2") == \
+        ("vericache", "int8", "snapkv:ratio=0.1+kivi:bits=2", 0)
+    assert label_parts("vericache+vocab=4096") == ("vericache", "fp32", None, 4096)
+    assert label_parts("vericache+vocab=auto") == ("vericache", "fp32", None, "auto")
+    assert mode_labels("full,vericache+vocab=0,vericache") == ["full", "vericache+vocab=0", "vericache"]
+    with pytest.raises(ValueError, match="vericache\\+int8\\+int4"):
+        label_parts("vericache+int8+int4")
+
+
 def test_repeated_decode_runs_give_each_mode_its_median_run_and_the_median_of_paired_ratios():
     """A mode run in several repeats: its row is its median run by tokens/s, its ratio to full the median of
     each repeat's own ratio (the host drifts between repeats, not within one), identical only if every

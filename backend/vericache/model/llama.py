@@ -291,6 +291,7 @@ class Transformer(nn.Module):
         self.lm_head_draft: DraftLinear | None = None
         self.draft_vocab: int | None = None             # one-token drafts' logits: the first n tokens (``set_draft_vocab``)
         self.vocab_head: VocabPrefixHead | None = None   # their head off the native step
+        self.first_rows: dict[int, ExactLinear] = {}     # n -> the head's first n rows (with panels)
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
         self.embed_exact: ExactLinear | None = None     # stored embedding rows (a GGUF model's)
         self.native: NativeStep | None = None          # the whole CPU step in one native call (``native_step``)
@@ -339,7 +340,9 @@ class Transformer(nn.Module):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= vocab):
             raise ValueError(f"draft vocabulary must be None or in [1, {vocab}], got {n!r}")
         exact, weight = self.head_exact, self.lm_head.weight
-        first = None if n is None or exact is None else exact.first_rows(n)
+        if n is not None and exact is not None and n not in self.first_rows:   # kept: engines may switch
+            self.first_rows[n] = exact.first_rows(n)
+        first = None if n is None or exact is None else self.first_rows[n]
         if n is None:
             self.vocab_head = None
         elif first is not None and exact is not None:

@@ -42,8 +42,9 @@ def _add_decode(bsub) -> None:
     b = bsub.add_parser("decode", help="decode tokens/s of full / lossy / vericache (and transformers generate)")
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--modes", default="full",
-                   help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
-                         "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
+                   help="comma-separated: full,lossy,vericache; a label mode[+weights][+vocab=N][@compressor] runs one "
+                         "variant, e.g. vericache+int8 (drafts on int8 weights), vericache+vocab=0 (drafts over the "
+                         "whole vocabulary) or vericache+auto@kivi:bits=2")
     b.add_argument("--compressor", default=DEFAULTS.compressor)
     b.add_argument("--draft-len", default=DEFAULTS.draft_len, type=draft_len)
     b.add_argument("--context", type=ints, default=[1024, 4096, 16384])
@@ -303,8 +304,9 @@ def _add_batch(bsub) -> None:
     bt.add_argument("--context", type=int, default=8000)
     bt.add_argument("--max-tokens", type=int, default=128)
     bt.add_argument("--modes", default="full,lossy,vericache",
-                    help="comma-separated: full,lossy,vericache; a label mode+weights@compressor runs one variant, e.g. "
-                         "vericache+int8 (drafts on int8 weights) or vericache+auto@kivi:bits=2")
+                    help="comma-separated: full,lossy,vericache; a label mode[+weights][+vocab=N][@compressor] runs one "
+                         "variant, e.g. vericache+int8 (drafts on int8 weights), vericache+vocab=0 (drafts over the "
+                         "whole vocabulary) or vericache+auto@kivi:bits=2")
     bt.add_argument("--compressor", default=DEFAULTS.compressor)
     bt.add_argument("--draft-len", default=DEFAULTS.draft_len, type=draft_len)
     bt.add_argument("--dtype", default=None, help="weights: float32 (CPU default) or bfloat16 (AMX; attention stays fp32)")

@@ -17,13 +17,19 @@ def code_prompt(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def label_parts(label: str) -> tuple[str, str, str | None]:
-    """A bench mode label ``mode[+weights][@compressor]`` -> (mode, draft weights, compressor or None):
-    "vericache+int8" drafts on int8 weights, "lossy@kivi:bits=2" decodes over KIVI-2 whatever the
-    bench's --compressor, "vericache+auto@snapkv:ratio=0.125+kivi:bits=2" both."""
+def label_parts(label: str) -> tuple[str, str, str | None, int | str | None]:
+    """A bench mode label ``mode[+weights][+vocab=N][@compressor]`` -> (mode, draft weights, compressor or
+    None, draft vocabulary or None): "vericache+int8" drafts on int8 weights, "lossy@kivi:bits=2" decodes
+    over KIVI-2 whatever the bench's --compressor, "vericache+auto@snapkv:ratio=0.125+kivi:bits=2" both,
+    "vericache+vocab=0" drafts over the whole vocabulary (``EngineConfig.draft_vocab``)."""
     head, _, compressor = label.partition("@")
-    mode, _, weights = head.partition("+")
-    return mode, weights or "fp32", compressor or None
+    mode, *rest = head.split("+")
+    vocab = [r.removeprefix("vocab=") for r in rest if r.startswith("vocab=")]
+    weights = [r for r in rest if not r.startswith("vocab=")]
+    if len(vocab) > 1 or len(weights) > 1:
+        raise ValueError(f"a bench label is mode[+weights][+vocab=N][@compressor], got {label!r}")
+    draft_vocab = None if not vocab else vocab[0] if vocab[0] == "auto" else int(vocab[0])
+    return mode, weights[0] if weights else "fp32", compressor or None, draft_vocab
 
 
 def mode_labels(text: str) -> list[str]:
@@ -45,13 +51,14 @@ def engine_for(llm, label: str, engines: dict):
     """A bench mode label's engine and mode (``label_parts``): ``llm``'s settings with the label's
     mode, draft weights and compressor, every cache in one memory (no tier, no budget: a bench
     compares decoding, not admission); the engines share ``llm``'s model and are made once per label."""
-    mode, weights, compressor = label_parts(label)
+    mode, weights, compressor, vocab = label_parts(label)
     if label not in engines:
         from vericache.engine.engine import Engine
 
         config = llm.engine.config
         engines[label] = Engine(llm.loaded, config, mode=mode, compressor=compressor or config.compressor,
-                                draft_weights=weights, tiered=False, device_budget_gb=None)
+                                draft_weights=weights, draft_vocab=config.draft_vocab if vocab is None else vocab,
+                                tiered=False, device_budget_gb=None)
     return engines[label], mode
 
 
