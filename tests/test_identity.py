@@ -162,18 +162,23 @@ def test_vericache_with_a_draft_vocabulary_equals_full(loaded_kv, identity_promp
 
 def test_a_draft_vocabulary_proposes_the_prompts_rare_tokens(loaded_kv, identity_prompts, references, monkeypatch):
     """Without its prompt's tokens past the vocabulary a draft cannot propose them, and the code model's
-    outputs copy such tokens: the same text, fewer drafts accepted (the extra tokens are live)."""
+    outputs copy such tokens: the same text, fewer drafts accepted (the extra tokens are live). An engine
+    sharing the model with another engine's vocabulary (built after it: the model holds the other's when
+    its prompts end) takes its own."""
     from vericache.engine import scheduler
 
-    def accepted() -> int:
+    def accepted(other: bool = False) -> int:
         runner = Engine(loaded_kv("float16"), mode="vericache", compressor="snapkv:ratio=0.1", draft_len=4,
                         draft_vocab=256, lookup=False)
+        if other:
+            Engine(loaded_kv("float16"), mode="vericache", draft_vocab=0)
         params = SamplingParams(max_tokens=MAX_TOKENS)
         outs = runner.generate([runner.new_sequence(i, p, params) for i, p in enumerate(identity_prompts)])
         assert [o.token_ids for o in outs] == references("float16")
         return sum(o.stats["accepted_tokens"] for o in outs)
 
     with_extra = accepted()
+    assert accepted(other=True) == with_extra
     monkeypatch.setattr(scheduler, "prompt_vocab", lambda ids, n: None)
     assert accepted() < with_extra
 

@@ -55,7 +55,7 @@ from vericache.kv.full import FullKVCache
 from vericache.kv.link import Link, StreamedKV
 from vericache.kv.protocol import KVCache
 from vericache.kv.tee import TeeCache
-from vericache.model.draft_weights import prompt_vocab
+from vericache.model.draft_weights import draft_vocab_size, prompt_vocab
 from vericache.model.loader import LoadedModel
 
 log = logging.getLogger("vericache.engine")
@@ -291,6 +291,8 @@ class Scheduler:
         schedule, prefill chunk and running limit); the rest: the loop's parts."""
         self.loaded, self.memory, self.requests, self.instruments = loaded, memory, requests, instruments
         self.prefill_chunk, self.max_running = config.prefill_chunk, config.max_running
+        # this engine's draft vocabulary (its runner's: the model's may be another engine's at the moment)
+        self.draft_vocab = draft_vocab_size(config.draft_vocab, loaded.config.vocab_size)
         self.offload = Offload(config.scheduler, loaded, memory, requests, instruments, self.make_room,
                                lambda r: self.planner.extend_waiting(r), link)
         self.planner = DraftPlanner(self.offload,   # every draft length
@@ -501,7 +503,7 @@ class Scheduler:
             req.kv.draft.commit(n, source=context)
         self.planner.index_prompt(req)
         if drafts_in_rounds(req.mode):   # its one-token drafts may propose the prompt's rare tokens too
-            req.drafting.vocab = prompt_vocab(seq.prompt_ids, self.loaded.model.draft_vocab)
+            req.drafting.vocab = prompt_vocab(seq.prompt_ids, self.draft_vocab)
         if req.kv.resident is not None:  # the resident layers go up once
             req.kv.resident.load(self._prefill_full(req), n)
         req.kv.prefill_buf = None
