@@ -1,6 +1,6 @@
-"""The draft vocabulary (``model/draft_weights.py``): one-token draft rows take logits for the first n
-tokens and their requests' prompts' rare tokens only, on the native step and the module alike; every
-other row keeps the whole head. Identity with it: tests/test_identity.py."""
+"""The draft vocabulary (``model/draft_weights.py``): draft rows take logits for the first n tokens and
+their requests' prompts' rare tokens only, on the native step and the module alike; every other row keeps
+the whole head. Identity with it: tests/test_identity.py."""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ def test_vericache_with_quantized_draft_weights_equals_full(loaded_kv, identity_
 
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_vericache_with_a_draft_vocabulary_equals_full(loaded_kv, identity_prompts, references, spec):
-    """One-token drafts over the first 256 of the test model's 4,096 tokens (and their prompts' rare ones),
+    """Drafts over the first 256 of the test model's 4,096 tokens (and their prompts' rare ones),
     verification over all: still the full output for every method, batched, with the vocabulary live
     (draft rows took it) and over a third of full decoding's tokens past its first 256."""
     loaded = loaded_kv("float16")
@@ -443,7 +443,7 @@ def test_seeded_vericache_equals_seeded_full_decoding(llm, identity_prompts, see
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.1", "kivi:bits=2", "streaming:ratio=0.1+kivi:bits=2"])
 def test_seeded_vericache_with_a_draft_vocabulary_equals_seeded_full_decoding(llm, identity_prompts,
                                                                               seeded_reference, spec):
-    """Coupled sampling with one-token drafts over the first 256 tokens: a sampled draft never proposes a
+    """Coupled sampling with drafts over the first 256 tokens: a sampled draft never proposes a
     token past them (or its prompt's), verification samples over all, and the text is seeded full
     decoding's; under the rejection rule (whose q is then the draft vocabulary's distribution) every
     request still ends with its tokens."""

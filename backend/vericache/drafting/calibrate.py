@@ -124,7 +124,7 @@ def calibrate(loaded: LoadedModel, repeats: int = 2, short: int = SHORT, long: i
 
 
 def vocab_saving(loaded: LoadedModel, repeats: int = 2) -> float:
-    """Seconds a one-token draft row's logits save on ``loaded``'s draft vocabulary (``set_draft_vocab``)
+    """Seconds a draft row's logits save on ``loaded``'s draft vocabulary (``set_draft_vocab``)
     against its whole head, measured at one row (0 without one): 3.4 ms of a 0.5B draft step at 32,768
     of 151,936 tokens (Zen 5)."""
     model, vocab = loaded.model, loaded.model.vocab_head

@@ -69,7 +69,7 @@ class StepCosts:
     t_byte: float = 0.0
     t_pair: float = 0.0
     matmuls: Callable[[int], float] | None = field(default=None, repr=False, compare=False)  # replaces rows * t_row
-    # seconds a one-token draft row's logits save on the draft vocabulary's head (``model.set_draft_vocab``;
+    # seconds a draft row's logits save on the draft vocabulary's head (``model.set_draft_vocab``;
     # measured by the calibration, kept by every refit): the terms above price whole-head steps
     t_vocab: float = 0.0
 
@@ -216,7 +216,7 @@ class DraftCost:
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
     round_s: float = 0.0          # a drafted round's update, seconds (the mean of the latest)
-    t_vocab: float = 0.0          # a one-token draft row's saving on the draft vocabulary's head (calibrated)
+    t_vocab: float = 0.0          # a draft row's saving on the draft vocabulary's head (calibrated)
     _fitted_at: int = field(default=0, repr=False)
 
     def refit(self, steps: Sequence[StepSample], n_steps: int, round_updates: Sequence[float] = ()) -> None:
@@ -289,10 +289,8 @@ class DraftCost:
         tail = self._tail_step(f, n_active, queued)
         drafts, rows = draft_yield
         kv_bytes, pairs = draft_cost
-        # one-token draft steps read the draft vocabulary's head: at least a share 2 - rows of the steps are
-        # one-token ones (rows - 1 proposal tokens a step on average, each proposal step at least one)
-        vocab = f.t_vocab * min(max(2.0 - rows, 0.0), 1.0)
-        draft_s = (share - vocab + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
+        # each of a draft step's rows takes its logits from the draft vocabulary's head (t_vocab less)
+        draft_s = (share - f.t_vocab * rows + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
 
         def verify_s(k: int) -> float:   # k = 0: a plain full step, no round to update
             if k == 0:

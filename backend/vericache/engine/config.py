@@ -41,7 +41,7 @@ class EngineConfig:
     compressor: str = "snapkv:ratio=0.125"   # a spec (or a ``Compressor``): eviction[+quantization]
     draft_len: int | str = "auto"   # tokens a round, or "auto" (the cost model decides per round)
     draft_weights: str = "auto"     # what drafts read on the CPU: auto (fp32 or q8, measured), fp32, q8, int8, int4
-    draft_vocab: int | str = "auto"  # tokens a one-token draft takes logits for: auto, 0 (all), n (the first n)
+    draft_vocab: int | str = "auto"  # tokens a draft row takes logits for: auto, 0 (all), n (the first n)
     lookup: bool = True             # prompt-lookup proposals checked by the drafter (drafting.lookup)
     acceptance: str = "coupled"     # sampled drafts: coupled (seeded text == full decoding's) | rejection
     # the step loop
@@ -203,7 +203,7 @@ def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GR
                             "int8, int4, or auto (per step, fp32 or q8, whichever measured faster here for its draft "
                             "rows; fp32 off CPU); verification is exact either way")
         p.add_argument("--draft-vocab", default=d.draft_vocab, type=draft_vocab_arg,
-                       help="tokens a one-token draft takes logits for: the first n token ids (a BPE vocabulary's "
+                       help="tokens a draft takes logits for: the first n token ids (a BPE vocabulary's "
                             "most frequent), 0 for all, or auto (32768 where the vocabulary is over twice that); "
                             "verification's head decides every token either way")
         p.add_argument("--lookup", default=d.lookup, action=argparse.BooleanOptionalAction,

@@ -66,7 +66,7 @@ class ModelRunner:
         self.policy = DraftLengthPolicy.from_arg(config.draft_len)
         self.defaults = ResolvedOptions(config.mode, self.compressor, self.policy, config.lookup, config.acceptance)
         self.draft_weights = draft_weights
-        # one-token drafts' logits over the vocabulary's first n tokens (None: all): the model holds it, so
+        # drafts' logits over the vocabulary's first n tokens (None: all): the model holds it, so
         # engines sharing one model with different settings set theirs at each step (``execute``)
         self.draft_vocab = draft_vocab_size(config.draft_vocab, self.cfg.vocab_size)
         if self.model.draft_vocab != self.draft_vocab:
@@ -105,20 +105,19 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[StepResult, StepRecord]:
         """One forward over all of the plan's rows. Only the sampled rows get logits (the LM head over a
         whole prefill chunk would be wasted). Draft rows go first when they read draft weights
-        (``draft_kind``) or the draft vocabulary (one-token draft rows, first of them, where the model has
-        one: ``Transformer.set_draft_vocab``; a row checking a lookup proposal keeps the whole head, as the
-        proposal copies the prompt's rare tokens too); every other row reads the exact weights and head."""
+        (``draft_kind``) or the draft vocabulary (where the model has one: ``Transformer.set_draft_vocab``,
+        with the draft rows' prompts' rare tokens, so a lookup proposal copying the prompt is checked over
+        them too); every other row reads the exact weights and the whole head."""
         rows, drafts = plan.rows, plan.of(RowKind.DRAFT)
         if drafts and self.model.draft_vocab != self.draft_vocab:
             self.model.set_draft_vocab(self.draft_vocab)
         n_draft = sum(len(r.tokens) for r in drafts)
         draft_weights = self.draft_kind(n_draft)
-        n_vocab = sum(len(r.tokens) == 1 for r in drafts) if self.model.draft_vocab is not None else 0
+        n_vocab = n_draft if self.model.draft_vocab is not None else 0
         if draft_weights != "fp32" or n_vocab:
             if self.model.draft_weights != draft_weights:  # engines sharing one model may draft on different copies
                 self.model.quantize_drafts(draft_weights)
-            # stable: the others keep their order
-            rows = sorted(rows, key=lambda r: (r.kind != RowKind.DRAFT, r.kind == RowKind.DRAFT and len(r.tokens) > 1))
+            rows = sorted(rows, key=lambda r: r.kind != RowKind.DRAFT)    # stable: the others keep their order
         else:
             n_draft = 0
         tokens: list[int] = []
@@ -134,8 +133,9 @@ class ModelRunner:
             offset += n
         work = attention_work(plan)
         dev, extra = self.loaded.device, {"n_draft": n_draft, "n_vocab": n_vocab} if n_draft else {}
-        # the one-token drafts' requests' prompts' rare tokens, for all of them (a superset of each one's)
-        own = [r.req.drafting.vocab for r in rows[:n_vocab] if r.req.drafting.vocab is not None]
+        # the draft rows' requests' prompts' rare tokens, for all of them (a superset of each one's)
+        own = [r.req.drafting.vocab for r in rows if r.kind == RowKind.DRAFT and r.req.drafting.vocab is not None] \
+            if n_vocab else []
         vocab_extra = None if not own else own[0] if len(own) == 1 else torch.unique(torch.cat(own))
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(tokens, device=dev), [r.start for r in rows], [len(r.tokens) for r in rows],
@@ -150,7 +150,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         result = StepResult([out[id(r)][0] for r in plan.rows], [out[id(r)][1] for r in plan.rows])
         by_kind = {k.value: (len(rs), sum(len(r.tokens) for r in rs)) for k in RowKind if (rs := plan.of(k))}
-        return result, StepRecord(t0, t1, plan.kinds, len(plan.rows), *work, by_kind=by_kind, vocab_rows=n_vocab)
+        vocab_rows = sum(i < n_vocab for i in index)   # logits rows on the draft vocabulary's head
+        return result, StepRecord(t0, t1, plan.kinds, len(plan.rows), *work, by_kind=by_kind, vocab_rows=vocab_rows)
 
     def resolve(self, options: RequestOptions | None) -> ResolvedOptions:
         """A request's options, the engine's defaults filling what it leaves out (ValueError if invalid)."""

@@ -502,7 +502,7 @@ class Scheduler:
             # cache the draft cache takes the prompt's K/V from it
             req.kv.draft.commit(n, source=context)
         self.planner.index_prompt(req)
-        if drafts_in_rounds(req.mode):   # its one-token drafts may propose the prompt's rare tokens too
+        if drafts_in_rounds(req.mode):   # its drafts may propose (and check) the prompt's rare tokens too
             req.drafting.vocab = prompt_vocab(seq.prompt_ids, self.draft_vocab)
         if req.kv.resident is not None:  # the resident layers go up once
             req.kv.resident.load(self._prefill_full(req), n)

@@ -92,7 +92,7 @@ class Q8Linear:
         return self.exact.run(self.exact.op.q8, x)
 
 
-# The draft vocabulary (FR-Spec, Zhao et al. 2025): a one-token draft row takes logits for the first
+# The draft vocabulary (FR-Spec, Zhao et al. 2025): a draft row takes logits for the first
 # DRAFT_VOCAB tokens only, where the vocabulary is over twice that. A BPE vocabulary numbers its tokens
 # in merge order, most frequent first: on the 0.5B code model's HumanEval completions at 8K, 96.7% of
 # full decoding's tokens are among its first 32,768 of 151,936 (89.6% among 8,192, 98.9% among 65,536),
@@ -102,7 +102,7 @@ DRAFT_VOCAB = 32768
 
 
 def draft_vocab_size(setting: int | str, vocab: int) -> int | None:
-    """The tokens one-token draft rows take logits for: the first n token ids, or None for the whole
+    """The tokens draft rows take logits for: the first n token ids, or None for the whole
     vocabulary. ``setting``: "auto" (``DRAFT_VOCAB`` where the vocabulary is over twice it), 0 (the
     whole vocabulary) or n >= 1 (capped at the vocabulary)."""
     if setting == "auto":

@@ -289,7 +289,7 @@ class Transformer(nn.Module):
         self.draft_sets: dict[str, tuple] = {}           # kind -> (per-layer copies, lm_head copy)
         self.draft_choice: DraftChoice | None = None     # once measured ("auto")
         self.lm_head_draft: DraftLinear | None = None
-        self.draft_vocab: int | None = None             # one-token drafts' logits: the first n tokens (``set_draft_vocab``)
+        self.draft_vocab: int | None = None             # drafts' logits: the first n tokens (``set_draft_vocab``)
         self.vocab_head: VocabPrefixHead | None = None   # their head off the native step
         self.first_rows: dict[int, ExactLinear] = {}     # n -> the head's first n rows (with panels)
         self.head_exact: ExactLinear | None = None      # the batch-invariant op (``exact_linear.install``)
