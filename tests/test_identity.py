@@ -179,7 +179,7 @@ def test_a_draft_vocabulary_proposes_the_prompts_rare_tokens(loaded_kv, identity
 
     with_extra = accepted()
     assert accepted(other=True) == with_extra
-    monkeypatch.setattr(scheduler, "prompt_vocab", lambda ids, n: None)
+    monkeypatch.setattr(scheduler, "rare_tokens", lambda ids, n, have=None: None)
     assert accepted() < with_extra
 
 

@@ -174,7 +174,8 @@ class Drafting:
     policy_state: DraftState
     round: RoundState = field(default_factory=RoundState)
     lookup: LookupIndex | None = None          # with lookup proposals: its n-gram index
-    vocab: torch.Tensor | None = None          # its prompt's tokens past the draft vocabulary (``prompt_vocab``)
+    vocab: torch.Tensor | None = None          # its prompt's and output's tokens past the draft vocabulary
+    vocab_seen: int = 0                        # output tokens ``vocab`` has taken in (``Scheduler``)
     group: int = 0                             # grouped schedule: the phase group of the current round
     transfer: Transfer | None = None           # offloaded: its full KV on the link for this round
 

@@ -112,16 +112,20 @@ def draft_vocab_size(setting: int | str, vocab: int) -> int | None:
     return None if setting == 0 or setting >= vocab else setting
 
 
-def prompt_vocab(prompt_ids: list[int], n: int | None) -> torch.Tensor | None:
-    """A request's tokens past a draft vocabulary of the first ``n`` tokens that its prompt holds (int64,
-    ascending, unique), or None (none past it, or no draft vocabulary): its drafts take logits for these
-    too, so a draft can copy the prompt's rare tokens (an identifier, a path; 187 of the 1,247 distinct
-    tokens of an 8K code prompt, and every one of the 6 of 64 tokens full decoding wrote past 32,768)."""
-    if n is None or not prompt_ids:
-        return None
-    ids = torch.tensor(prompt_ids, dtype=torch.int64)
-    past = torch.unique(ids[ids >= n])
-    return past if past.numel() else None
+def rare_tokens(ids: list[int], n: int | None, have: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``have`` (a request's tokens past a draft vocabulary of the first ``n``: int64, ascending, unique)
+    with those of ``ids`` (its prompt, or output since the last call), or None where there are none (or
+    no draft vocabulary). Its drafts take logits for these too, so a draft can copy its prompt's and its
+    output's rare tokens (an identifier, a path): 187 of the 1,247 distinct tokens of an 8K code prompt
+    were past 32,768, and every one of the 6 of 64 tokens full decoding wrote past it but one was in the
+    prompt."""
+    if n is None or not ids:
+        return have
+    t = torch.tensor(ids, dtype=torch.int64)
+    past = t[t >= n]
+    if not past.numel():
+        return have
+    return torch.unique(past if have is None else torch.cat([have, past]))
 
 
 class VocabPrefixHead:
