@@ -11,7 +11,7 @@ import torch
 
 from vericache.engine.config import DEFAULTS, EngineConfig
 from vericache.kv.full import FullKVCache
-from vericache.model.draft_weights import DRAFT_VOCAB, draft_vocab_size, rare_tokens
+from vericache.model.draft_weights import DRAFT_VOCAB, draft_vocab_size
 from vericache.model.loader import load_model
 
 N = 256   # the test model's draft vocabulary here (of 4,096)
@@ -25,11 +25,19 @@ def test_the_draft_vocabulary_size_and_a_prompts_rare_tokens():
     for bad in (-1, "all", 2.5, True):
         with pytest.raises(ValueError, match=re.escape(repr(bad))):
             draft_vocab_size(bad, 151_936)
-    prompt = rare_tokens([3, 900, 300, 900, 255, 256], N)
-    assert prompt.tolist() == [256, 300, 900]                                       # past n, once each, ascending
-    assert rare_tokens([3, 200], N) is None and rare_tokens([900], None) is None and rare_tokens([], N) is None
-    assert rare_tokens([12, 4000, 300], N, prompt).tolist() == [256, 300, 900, 4000]   # the output's joined
-    assert rare_tokens([12], N, prompt) is prompt
+    from vericache.engine.requests import Drafting
+
+    d = Drafting(policy_state=None)
+    for ids, n in (([3, 200], N), ([900], None), ([], N)):
+        d.take_rare_tokens(ids, n)
+        assert d.vocab is None
+    d.take_rare_tokens([3, 900, 300, 900, 255, 256], N)
+    assert d.vocab.tolist() == [256, 300, 900]                                       # past n, once each, ascending
+    d.take_rare_tokens([12, 4000, 300], N)
+    assert d.vocab.tolist() == [256, 300, 900, 4000]                                 # the output's joined
+    prompt = d.vocab
+    d.take_rare_tokens([12], N)
+    assert d.vocab is prompt
 
 
 @pytest.fixture(scope="module")

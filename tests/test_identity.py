@@ -165,7 +165,7 @@ def test_a_draft_vocabulary_proposes_the_prompts_rare_tokens(loaded_kv, identity
     outputs copy such tokens: the same text, fewer drafts accepted (the extra tokens are live). An engine
     sharing the model with another engine's vocabulary (built after it: the model holds the other's when
     its prompts end) takes its own."""
-    from vericache.engine import scheduler
+    from vericache.engine.requests import Drafting
 
     def accepted(other: bool = False) -> int:
         runner = Engine(loaded_kv("float16"), mode="vericache", compressor="snapkv:ratio=0.1", draft_len=4,
@@ -179,7 +179,7 @@ def test_a_draft_vocabulary_proposes_the_prompts_rare_tokens(loaded_kv, identity
 
     with_extra = accepted()
     assert accepted(other=True) == with_extra
-    monkeypatch.setattr(scheduler, "rare_tokens", lambda ids, n, have=None: None)
+    monkeypatch.setattr(Drafting, "take_rare_tokens", lambda self, ids, n: None)
     assert accepted() < with_extra
 
 

@@ -55,7 +55,7 @@ from vericache.kv.full import FullKVCache
 from vericache.kv.link import Link, StreamedKV
 from vericache.kv.protocol import KVCache
 from vericache.kv.tee import TeeCache
-from vericache.model.draft_weights import draft_vocab_size, rare_tokens
+from vericache.model.draft_weights import draft_vocab_size
 from vericache.model.loader import LoadedModel
 
 log = logging.getLogger("vericache.engine")
@@ -358,7 +358,8 @@ class Scheduler:
         rs, offloaded = r.drafting.round, r.placement.offloaded
         if not rs.started:  # a new round
             d, out = r.drafting, r.seq.output_ids   # its drafts may repeat the output's rare tokens too
-            d.vocab, d.vocab_seen = rare_tokens(out[d.vocab_seen :], self.draft_vocab, d.vocab), len(out)
+            d.take_rare_tokens(out[d.vocab_seen :], self.draft_vocab)
+            d.vocab_seen = len(out)
             rs.start(self.planner.new_round(r))
             if rs.k and r.placement.verifies_in_place:
                 catch_up(r.kv.draft_kv(), r.kv.full_kv(), r.position)   # plain full steps may have left the drafter behind
@@ -505,7 +506,7 @@ class Scheduler:
             req.kv.draft.commit(n, source=context)
         self.planner.index_prompt(req)
         if drafts_in_rounds(req.mode):   # its drafts may propose (and check) the prompt's rare tokens too
-            req.drafting.vocab = rare_tokens(seq.prompt_ids, self.draft_vocab)
+            req.drafting.take_rare_tokens(seq.prompt_ids, self.draft_vocab)
         if req.kv.resident is not None:  # the resident layers go up once
             req.kv.resident.load(self._prefill_full(req), n)
         req.kv.prefill_buf = None

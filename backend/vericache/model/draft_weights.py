@@ -112,22 +112,6 @@ def draft_vocab_size(setting: int | str, vocab: int) -> int | None:
     return None if setting == 0 or setting >= vocab else setting
 
 
-def rare_tokens(ids: list[int], n: int | None, have: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``have`` (a request's tokens past a draft vocabulary of the first ``n``: int64, ascending, unique)
-    with those of ``ids`` (its prompt, or output since the last call), or None where there are none (or
-    no draft vocabulary). Its drafts take logits for these too, so a draft can copy its prompt's and its
-    output's rare tokens (an identifier, a path): 187 of the 1,247 distinct tokens of an 8K code prompt
-    were past 32,768, and every one of the 6 of 64 tokens full decoding wrote past it but one was in the
-    prompt."""
-    if n is None or not ids:
-        return have
-    t = torch.tensor(ids, dtype=torch.int64)
-    past = t[t >= n]
-    if not past.numel():
-        return have
-    return torch.unique(past if have is None else torch.cat([have, past]))
-
-
 class VocabPrefixHead:
     """A draft head over a vocabulary's first ``n`` tokens: x [M, H] -> logits [M, vocab], ``head``'s
     ([M, n]) below n and -inf past it, so a draft never proposes a token past n (greedy or sampled:
@@ -139,7 +123,7 @@ class VocabPrefixHead:
         self.head, self.n, self.vocab, self.rows = head, n, vocab, rows
 
     def __call__(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """``extra``: tokens past n these rows take logits for too (``prompt_vocab``; int64 [E])."""
+        """``extra``: tokens past n these rows take logits for too (``Drafting.vocab``; int64 [E])."""
         out = torch.full((x.shape[0], self.vocab), float("-inf"), dtype=torch.float32, device=x.device)
         out[:, : self.n] = self.head(x).float()
         if extra is not None:

@@ -376,7 +376,7 @@ class Transformer(nn.Module):
         [N, V] matmul on long prefills. The first ``n_draft`` rows are draft rows: with
         ``quantize_drafts`` they read the quantized copies (sequences must not straddle that boundary);
         of them the first ``n_vocab`` take their logits from the draft vocabulary (``set_draft_vocab``) and
-        the tokens ``vocab_extra`` (int64 [E] past it: their requests' prompts' rare tokens, ``prompt_vocab``).
+        the tokens ``vocab_extra`` (int64 [E] past it: their requests' rare tokens, ``Drafting.vocab``).
         """
         if sum(seq_lens) != tokens.shape[0]:
             raise ValueError(f"seq_lens sum to {sum(seq_lens)} but there are {tokens.shape[0]} tokens")
