@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -239,21 +240,17 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
                    help="the full KV cache's dtype (default: float16 on the CPU, as llama.cpp; the weights' on CUDA)")
 
 
-def draft_vocab_arg(text: str) -> int | str:
-    """``--draft-vocab``: a token count (0: all), or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-vocab must be an integer or 'auto', got {text!r}") from None
+def int_or_auto(flag: str) -> Callable[[str], int | str]:
+    """An argparse type for ``flag``: an integer, or "auto"."""
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer or 'auto', got {text!r}") from None
+    return parse
 
 
-def draft_len_arg(text: str) -> int | str:
-    """``--draft-len``: an integer, or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-len must be an integer or 'auto', got {text!r}") from None
+draft_len_arg = int_or_auto("--draft-len")      # an integer, or "auto"
+draft_vocab_arg = int_or_auto("--draft-vocab")  # a token count (0: all), or "auto"
