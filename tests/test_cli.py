@@ -88,3 +88,21 @@ def test_a_long_prompt_reports_its_prefill_and_the_kv_it_holds(capsys):
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"prefill {total}/{total} tokens")
     assert main(["generate", "--model", "tiny", "--prompt", "def f(x):", "--max-tokens", "3"]) == 0
     assert "KV " in capsys.readouterr().err
+
+
+def test_generate_hands_every_engine_flag_to_the_engine(monkeypatch):
+    """The mode group's flags (draft vocabulary, lookup, acceptance among them) reach ``LLM`` as given."""
+    import vericache
+    from vericache.cli import main
+
+    seen = {}
+
+    def fake(**kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(vericache, "LLM", fake)
+    assert main(["generate", "--prompt", "x", "--model", "tiny", "--mode", "vericache", "--draft-vocab", "64",
+                 "--no-lookup", "--acceptance", "rejection", "--draft-len", "3"]) == 2
+    assert seen["draft_vocab"] == 64 and seen["lookup"] is False and seen["acceptance"] == "rejection"
+    assert seen["draft_len"] == 3 and seen["model"] == "tiny" and seen["mode"] == "vericache"

@@ -106,8 +106,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     checked_prompts(prompt)   # bad input fails before the model loads
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mode=args.mode, compressor=args.compressor,
-              draft_len=args.draft_len, draft_weights=args.draft_weights, kernels=args.kernels, numerics=args.numerics)
+    from vericache.engine.config import MODE_FIELDS, MODEL_FIELDS
+
+    llm = LLM(**{name: getattr(args, name) for name in MODEL_FIELDS + MODE_FIELDS})   # every flag it was given
     out = llm.generate(prompt, params, progress=prefill_progress_printer(time.perf_counter()))[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),

@@ -32,5 +32,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_mode_args(p: argparse.ArgumentParser) -> None:
-    """--mode, --compressor, --draft-len, --draft-weights (``engine.config``'s defaults)."""
+    """--mode, --compressor, --draft-len, --draft-weights, --draft-vocab, --lookup, --acceptance
+    (``engine.config``'s ``MODE_FIELDS``, its defaults)."""
     add_engine_args(p, ("mode",))

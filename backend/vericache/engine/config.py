@@ -176,6 +176,7 @@ EXACT_FULL = EngineConfig(mode="full", draft_weights="fp32", lookup=False, devic
 
 ARG_GROUPS = ("model", "mode", "loop")
 MODEL_FIELDS = ("model", "device", "dtype", "kv_dtype", "kernels", "numerics")   # the "model" group's
+MODE_FIELDS = ("mode", "compressor", "draft_len", "draft_weights", "draft_vocab", "lookup", "acceptance")   # "mode"'s
 
 
 def add_engine_args(p: argparse.ArgumentParser, groups: tuple[str, ...] = ARG_GROUPS) -> None:
