@@ -681,23 +681,31 @@ def test_a_short_round_takes_a_draft_step_however_many_drafts_a_step_gives():
 
 
 def test_draft_vocabulary_rows_are_fitted_at_the_whole_heads_price_and_their_saving_priced_into_drafts():
-    """A draft row on the draft vocabulary's head saves ``t_vocab`` (``StepCosts``): the fit adds
-    it back (steps that saved it fit as the same steps without it, and the result keeps it), and a draft
-    is priced that much cheaper, so rounds that do not pay on the whole head pay on the vocabulary's."""
-    true = (0.02, 0.002, 5e-11, 4e-9)
-    plain = StepCosts.fit(_steps(*true))
-    steps = _steps(*true)
+    """A draft row on the draft vocabulary's head saves ``vocab_share`` of its part of the weights
+    (``StepCosts``): the fit adds it back (steps that saved it fit as the same steps without it, and the
+    result keeps it), and a draft is priced that share cheaper: alone, rounds that do not pay on the whole
+    head pay on the vocabulary's; in a closed batch a row's part is its margin, and the saving with it."""
+    curve = lambda rows: 0.030 + 0.001 * (rows - 1)   # noqa: E731 - the weights' seconds at a row count
+    steps = _steps(0.02, 0.0, 5e-11, 4e-9)
+    for s in steps:
+        s.end += curve(s.rows)   # the weights on the curve
+    plain = StepCosts.fit(steps, curve)
     for s in steps:
         if "verify" not in s.kinds:
-            s.vocab_rows = 1
-            s.end -= 0.003   # the row's logits on the vocabulary's head: 3 ms less
-    fit = StepCosts.fit(steps, t_vocab=0.003)
-    assert fit.to_dict() == pytest.approx(plain.to_dict(), rel=1e-6) and fit.t_vocab == 0.003
-    assert StepCosts.fit(steps).to_dict() != pytest.approx(plain.to_dict(), rel=1e-3)   # the saving not added back
+            s.vocab_rows = s.rows
+            s.end -= 0.2 * curve(s.rows)   # the draft rows' logits on the vocabulary's head: a fifth less
+    fit = StepCosts.fit(steps, curve, vocab_share=0.2)
+    assert fit.to_dict() == pytest.approx(plain.to_dict(), rel=1e-6) and fit.vocab_share == 0.2
+    assert StepCosts.fit(steps, curve).to_dict() != pytest.approx(plain.to_dict(), rel=1e-3)   # not added back
     # alone, the weights (30 ms) price a draft row near a full row: no round pays ...
-    costs = StepCosts(t_byte=1e-9, matmuls=lambda rows: 0.030 + 0.001 * (rows - 1))
+    costs = StepCosts(t_byte=1e-9, matmuls=curve)
     full_kv, draft_row = lambda k: (1e7, 0), (1.25e6, 0)   # noqa: E731 - a chunk reads the full KV once
     assert DraftCost(fitted=costs, source="fitted").choose(0.8, 1, draft_row, full_kv, 16) == 0
-    # ... a draft 8 ms cheaper on the vocabulary's head does (each of a step's rows saves it)
-    cheap = DraftCost(fitted=dataclasses.replace(costs, t_vocab=0.008), source="fitted")
+    # ... a draft whose head is a quarter of its weights cheaper does
+    cheap = DraftCost(fitted=dataclasses.replace(costs, vocab_share=0.25), source="fitted")
     assert cheap.choose(0.8, 1, draft_row, full_kv, 16) >= 1
+    # in a closed batch of 8 a row's part of the weights is its margin (1 ms): the share of that changes
+    # no choice (priced as a lone row's 7.5 ms, it made every draft look free)
+    for alpha in (0.3, 0.5, 0.8):
+        assert cheap.choose(alpha, 8, draft_row, full_kv, 16, queued=False) == \
+            DraftCost(fitted=costs, source="fitted").choose(alpha, 8, draft_row, full_kv, 16, queued=False)

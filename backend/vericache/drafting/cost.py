@@ -69,9 +69,11 @@ class StepCosts:
     t_byte: float = 0.0
     t_pair: float = 0.0
     matmuls: Callable[[int], float] | None = field(default=None, repr=False, compare=False)  # replaces rows * t_row
-    # seconds a draft row's logits save on the draft vocabulary's head (``model.set_draft_vocab``;
-    # measured by the calibration, kept by every refit): the terms above price whole-head steps
-    t_vocab: float = 0.0
+    # the share of a draft row's weight matmuls the draft vocabulary's head saves (``model.set_draft_vocab``;
+    # the head's part of one row's weights, measured by the calibration, kept by every refit): the terms
+    # above price whole-head steps. A share, not seconds: in a batch the weights are read once for all
+    # rows, and a row's part of them (what its head saves too) is far less than a lone row's
+    vocab_share: float = 0.0
 
     def weights(self, rows: float) -> float:
         """Seconds of the weight matmuls at ``rows`` rows."""
@@ -90,22 +92,25 @@ class StepCosts:
 
     @classmethod
     def fit(cls, steps: Sequence[StepSample], matmuls: Callable[[int], float] | None = None,
-            t_vocab: float = 0.0) -> StepCosts | None:
+            vocab_share: float = 0.0) -> StepCosts | None:
         """Least squares over ``StepRecord``s: c0 + rows * t_row + kv_bytes * t_byte + pairs * t_pair
         (t_seq folds into t_row: a decode step has one row per sequence), or with ``matmuls`` (the
         weights' measured seconds at a row count) that curve in place of rows * t_row. A step's seconds
         are its forward's and its update's (``post``: the round's accept and commits, the compressed
         cache's moves, guided swaps) less the drafted rounds' own updates (``round_post``), which
-        ``DraftCost`` prices per round. ``t_vocab``: what each of a step's draft-vocabulary rows saved (added
-        back, so every step is priced as with the whole head, and kept on the result). None until there are
-        enough steps, with and without verification."""
+        ``DraftCost`` prices per round. ``vocab_share``: the share of its rows' part of the weights
+        (``matmuls``) a step's draft-vocabulary rows saved (added back, so every step is priced as with the
+        whole head, and kept on the result). None until there are enough steps, with and without
+        verification."""
         steps = [s for s in steps if "prefill" not in s.kinds]
         with_verify = sum("verify" in s.kinds for s in steps)
         if len(steps) < MIN_STEPS or with_verify < 3 or len(steps) - with_verify < 3:
             return None
         x = np.array([[1.0, s.rows, s.kv_bytes, s.pairs] for s in steps])
-        seconds = np.array([s.end - s.start + s.post - s.round_post + t_vocab * s.vocab_rows for s in steps])
-        return dataclasses.replace(cls.from_samples(x, seconds, matmuls), t_vocab=t_vocab)
+        saved = [vocab_share * matmuls(s.rows) * s.vocab_rows / s.rows if matmuls is not None and s.rows else 0.0
+                 for s in steps]
+        seconds = np.array([s.end - s.start + s.post - s.round_post + v for s, v in zip(steps, saved)])
+        return dataclasses.replace(cls.from_samples(x, seconds, matmuls), vocab_share=vocab_share)
 
     @classmethod
     def from_samples(cls, x: npt.NDArray[np.float64], seconds: npt.NDArray[np.float64],
@@ -216,7 +221,7 @@ class DraftCost:
     source: str = "none"          # where ``fitted`` came from: none, calibrated or fitted
     matmuls: Callable[[int], float] | None = field(default=None, repr=False)   # the weights' seconds at a row count
     round_s: float = 0.0          # a drafted round's update, seconds (the mean of the latest)
-    t_vocab: float = 0.0          # a draft row's saving on the draft vocabulary's head (calibrated)
+    vocab_share: float = 0.0      # the share of a draft row's weights the draft vocabulary saves (calibrated)
     _fitted_at: int = field(default=0, repr=False)
 
     def refit(self, steps: Sequence[StepSample], n_steps: int, round_updates: Sequence[float] = ()) -> None:
@@ -228,12 +233,12 @@ class DraftCost:
         if self.calibrate is not None:
             calibration, self.calibrate = self.calibrate(), None   # once, whatever it gives
             if calibration.costs is not None and calibration.costs.usable():
-                self.matmuls, self.t_vocab = calibration.costs.matmuls, calibration.costs.t_vocab
+                self.matmuls, self.vocab_share = calibration.costs.matmuls, calibration.costs.vocab_share
                 if self.fitted is None:
                     self.fitted, self.source = calibration.costs, "calibrated"
         if n_steps - self._fitted_at >= self.every:
             self._fitted_at = n_steps
-            fit = StepCosts.fit(list(steps)[-96:], self.matmuls, self.t_vocab)
+            fit = StepCosts.fit(list(steps)[-96:], self.matmuls, self.vocab_share)
             if fit is not None and fit.usable():
                 self.fitted, self.source = fit, "fitted"
 
@@ -289,8 +294,10 @@ class DraftCost:
         tail = self._tail_step(f, n_active, queued)
         drafts, rows = draft_yield
         kv_bytes, pairs = draft_cost
-        # each of a draft step's rows takes its logits from the draft vocabulary's head (t_vocab less)
-        draft_s = (share - f.t_vocab * rows + extra_rows(rows - 1.0) + f.seq(kv_bytes, pairs * rows)) / drafts
+        # a draft step's rows take their logits from the draft vocabulary's head: ``vocab_share`` of their
+        # part of the weights less (alone, 4.4 of ~20 ms on the 0.5B; in a closed batch, of a row's margin)
+        weights = (share + extra_rows(rows - 1.0)) * (1.0 - f.vocab_share)
+        draft_s = (weights + f.seq(kv_bytes, pairs * rows)) / drafts
 
         def verify_s(k: int) -> float:   # k = 0: a plain full step, no round to update
             if k == 0:
