@@ -175,7 +175,7 @@ class Drafting:
     round: RoundState = field(default_factory=RoundState)
     lookup: LookupIndex | None = None          # with lookup proposals: its n-gram index
     vocab: torch.Tensor | None = None          # its prompt's and output's tokens past the draft vocabulary
-    vocab_seen: int = 0                        # output tokens ``vocab`` has taken in (``take_rare_tokens``)
+    vocab_seen: int = 0                        # output tokens ``vocab`` has taken in (``take_output_rare_tokens``)
     group: int = 0                             # grouped schedule: the phase group of the current round
     transfer: Transfer | None = None           # offloaded: its full KV on the link for this round
 
@@ -191,6 +191,11 @@ class Drafting:
         past = t[t >= n]
         if past.numel():
             self.vocab = torch.unique(past if self.vocab is None else torch.cat([self.vocab, past]))
+
+    def take_output_rare_tokens(self, output_ids: list[int], n: int | None) -> None:
+        """``take_rare_tokens`` of the output tokens it has not taken in yet (at a round's start)."""
+        self.take_rare_tokens(output_ids[self.vocab_seen :], n)
+        self.vocab_seen = len(output_ids)
 
     def on_link(self) -> Transfer:
         """The transfer of this round's full KV (offloaded requests between putting it on the link and

@@ -357,9 +357,7 @@ class Scheduler:
         """A drafting request's row: its next draft token, or its verification once the draft is complete."""
         rs, offloaded = r.drafting.round, r.placement.offloaded
         if not rs.started:  # a new round
-            d, out = r.drafting, r.seq.output_ids   # its drafts may repeat the output's rare tokens too
-            d.take_rare_tokens(out[d.vocab_seen :], self.draft_vocab)
-            d.vocab_seen = len(out)
+            r.drafting.take_output_rare_tokens(r.seq.output_ids, self.draft_vocab)   # drafts may repeat them
             rs.start(self.planner.new_round(r))
             if rs.k and r.placement.verifies_in_place:
                 catch_up(r.kv.draft_kv(), r.kv.full_kv(), r.position)   # plain full steps may have left the drafter behind

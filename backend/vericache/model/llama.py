@@ -339,13 +339,13 @@ class Transformer(nn.Module):
         vocab = self.config.vocab_size
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= vocab):
             raise ValueError(f"draft vocabulary must be None or in [1, {vocab}], got {n!r}")
-        exact, weight = self.head_exact, self.lm_head.weight
-        if n is not None and exact is not None and n not in self.first_rows:   # kept: engines may switch
-            self.first_rows[n] = exact.first_rows(n)
-        first = None if n is None or exact is None else self.first_rows[n]
+        exact, weight, first = self.head_exact, self.lm_head.weight, None
         if n is None:
             self.vocab_head = None
-        elif first is not None and exact is not None:
+        elif exact is not None:
+            if n not in self.first_rows:   # kept: engines may switch
+                self.first_rows[n] = exact.first_rows(n)
+            first = self.first_rows[n]
             self.vocab_head = VocabPrefixHead(first, n, vocab, exact.rows)
         else:
             self.vocab_head = VocabPrefixHead(lambda x: F.linear(x, weight[:n]), n, vocab,
