@@ -54,22 +54,61 @@ struct QActs {
   std::vector<int8_t> a;        // [M, 32 nb]
   std::vector<float> dx, ds;    // [M, nb]
   std::vector<int32_t> sa;      // [M, nb]
+  std::vector<int32_t> sh;      // [M, nb]: the sum of a block's first 16 (VNNI's Q6_K takes its halves apart)
 };
 
-void quantize_row(const float* x, int64_t nb, int8_t* a, float* dx, float* ds, int32_t* sa) {
+// x's blocks -> a, dx, ds, sa, sh. The vector builds compute exactly the scalar loop's values: max is exact,
+// and a vector conversion rounds to nearest even like nearbyint (the default rounding mode)
+void quantize_row(const float* x, int64_t nb, int8_t* a, float* dx, float* ds, int32_t* sa, int32_t* sh) {
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + 32 * b;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+    const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i*)(a + 32 * b), _mm512_cvtepi32_epi8(v0));
+    _mm_storeu_si128((__m128i*)(a + 32 * b + 16), _mm512_cvtepi32_epi8(v1));
+    const int lo = _mm512_reduce_add_epi32(v0), sum = lo + _mm512_reduce_add_epi32(v1);
+#elif defined(__AVX2__)
+    __m256 xs[4], m = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int k = 0; k < 4; ++k) {
+      xs[k] = _mm256_loadu_ps(xb + 8 * k);
+      m = _mm256_max_ps(m, _mm256_and_ps(xs[k], abs_mask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(xs[k], _mm256_set1_ps(inv)));
+    // int32 -> int8 (every value in [-127, 127]): packs keep 128-bit lanes, the permute restores order
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i*)(a + 32 * b), _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    alignas(32) int32_t t[8];
+    _mm256_store_si256((__m256i*)t, _mm256_add_epi32(v[0], v[1]));
+    int lo = 0;
+    for (int j = 0; j < 8; ++j) lo += t[j];
+    _mm256_store_si256((__m256i*)t, _mm256_add_epi32(v[2], v[3]));
+    int sum = lo;
+    for (int j = 0; j < 8; ++j) sum += t[j];
+#else
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));   // inlined (fmax is a libm call)
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
+    int sum = 0, lo = 0;
     for (int i = 0; i < 32; ++i) {
       const int v = (int)std::nearbyint(xb[i] * inv);
       a[32 * b + i] = (int8_t)v;
       sum += v;
+      if (i == 15) lo = sum;
     }
+#endif
     dx[b] = d;
     sa[b] = sum;
+    sh[b] = lo;
     ds[b] = d * (float)sum;
   }
 }
@@ -501,6 +540,86 @@ void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(VC_HAS_AMX)
+// VNNI (the avx512vnni build): an item's 16 outputs lie in one 64-byte panel line per step of 4 codes,
+// so one zmm `dpbusd` takes codes 4t..4t+3 of all 16 against a row's 4 activations broadcast. MR rows
+// a tile keep their accumulators in registers over the whole K. `dpbusd` multiplies unsigned codes by
+// signed activations and never saturates, so signed codes (Q8_0, Q6_K) go in as c + 128 (their top bit
+// flipped) and 128 sa comes off the int32 sum (Q6_K: each half's, before its integer scale): the
+// contract's s exactly, and the combine is the same fp32 chain in 16-lane vectors.
+#define VC_HAS_VNNI_TILES 1
+constexpr int VNNI_ROWS = 8;   // rows of x a tile: 8 fp32 + 8 int32 accumulators (Q6_K 16) of 32 zmm
+
+// Q6_K: the 16 outputs' integer scale of half h of block b (the panel's int16 pairs, as int32)
+VC_INLINE __m512i q6k_scales(const Panel& P, int64_t b, int h) {
+  const int16_t* sc = P.sc + b * G * 32 + 16 * h;   // group g's pairs at + 32 g
+  const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)sc)),
+                                           _mm256_loadu_si256((const __m256i*)(sc + 32)), 1);
+  return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+}
+
+template <int F, int MR>
+void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int64_t n0, int64_t valid,
+               const float* bias) {
+  constexpr bool flip = kind_of(F) != UNSIGNED;
+  constexpr int off = flip ? 128 : offset_of(F);
+  const int64_t nb = X.nb;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = P.u + b * 256 * G;
+    const int32_t* a[MR];   // row i's block b: 4 activations a dword
+    for (int i = 0; i < MR; ++i) a[i] = (const int32_t*)(X.a.data() + ((m0 + i) * nb + b) * 32);
+    __m512i s0[MR], s1[MR];
+    for (int i = 0; i < MR; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m512i c = _mm512_loadu_si512(u + 64 * t);
+      if (flip) c = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {   // two chains a row (Q6_K: its halves; else even and odd steps)
+        if (F == Q6_K ? t >= 4 : t % 2) s1[i] = _mm512_dpbusd_epi32(s1[i], c, _mm512_set1_epi32(a[i][t]));
+        else s0[i] = _mm512_dpbusd_epi32(s0[i], c, _mm512_set1_epi32(a[i][t]));
+      }
+    }
+    const __m512 ws = _mm512_loadu_ps(P.ws + b * 16);
+    const __m512 wm = has_min(F) ? _mm512_loadu_ps(P.wm + b * 16) : _mm512_setzero_ps();
+    __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0;
+    if (F == Q6_K) { sc0 = q6k_scales(P, b, 0); sc1 = q6k_scales(P, b, 1); }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t x = (m0 + i) * nb + b;
+      __m512i s;
+      if (F == Q6_K) {
+        const int32_t lo = X.sh[x], hi = X.sa[x] - lo;
+        s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(s0[i], _mm512_set1_epi32(off * lo)), sc0),
+                             _mm512_mullo_epi32(_mm512_sub_epi32(s1[i], _mm512_set1_epi32(off * hi)), sc1));
+      } else {
+        s = _mm512_add_epi32(s0[i], s1[i]);
+        if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X.sa[x]));
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X.dx[x])), acc[i]);
+      if (has_min(F)) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(X.ds[x]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(64) float t[16];
+    _mm512_store_ps(t, acc[i]);
+    for (int64_t j = 0; j < valid; ++j) ys[m0 + i][n0 + j] = bias ? t[j] + bias[n0 + j] : t[j];
+  }
+}
+
+// All M rows of one item: tiles of 8, the rest as 4, 2, 1
+template <int F>
+void vnni_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64_t n0, int64_t valid,
+               const float* bias) {
+  int64_t m = 0;
+  for (; m + VNNI_ROWS <= M; m += VNNI_ROWS) vnni_tile<F, VNNI_ROWS>(P, X, m, ys, n0, valid, bias);
+  if (M - m >= 4) { vnni_tile<F, 4>(P, X, m, ys, n0, valid, bias); m += 4; }
+  if (M - m >= 2) { vnni_tile<F, 2>(P, X, m, ys, n0, valid, bias); m += 2; }
+  if (M - m >= 1) vnni_tile<F, 1>(P, X, m, ys, n0, valid, bias);
+}
+#endif
+
 // The bytes of a work item's panel (its NB rows) and of a matrix's packed panels (``vc_q8_pack``)
 template <int F>
 int64_t item_panel_bytes(int64_t nb) { return G * nb * PanelLayout<F>::per_block; }
@@ -526,6 +645,9 @@ void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_
   const Panel P = panel_at<F>(base, X.nb);
 #if defined(VC_HAS_AMX)
   amx_item<F>(P, X, M, ys, n0, nb, bias);
+  return;
+#elif defined(VC_HAS_VNNI_TILES)
+  vnni_item<F>(P, X, M, ys, n0, nb, bias);
   return;
 #endif
   int64_t m = 0;
@@ -668,9 +790,10 @@ int vc_linear_q8_packed(int fmt, const uint8_t* w, const uint8_t* packed, int64_
   X.dx.resize(rows * X.nb);
   X.ds.resize(rows * X.nb);
   X.sa.resize(rows * X.nb);
+  X.sh.resize(rows * X.nb);
   auto quantize = [&](int64_t m) {
     quantize_row(x + m * ldx, X.nb, X.a.data() + m * K, X.dx.data() + m * X.nb, X.ds.data() + m * X.nb,
-                 X.sa.data() + m * X.nb);
+                 X.sa.data() + m * X.nb, X.sh.data() + m * X.nb);
   };
   if (M < 16) {   // a few rows: not worth a parallel region
     for (int64_t m = 0; m < M; ++m) quantize(m);
