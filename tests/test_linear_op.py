@@ -139,8 +139,8 @@ def test_the_forward_gives_a_sequence_the_same_logits_alone_in_chunks_and_in_a_b
 
 def test_the_real_model_keeps_its_blocks_and_is_batch_invariant(smollm):
     """SmolLM2's matrices stay Q4_1/Q8_0 blocks (about the file's size, not 540 MB of fp32) plus, where
-    the build has a panel path, their panels (~1.1-1.3 bytes a code), and its logits are the same bits
-    alone and batched."""
+    the build has a panel path, their panels (~1.1-1.3 bytes a code; the VNNI build keeps 4- and 5-bit
+    codes packed, ~0.75), and its logits are the same bits alone and batched."""
     from vericache.model.exact_linear import exact_linears, resident_weight_bytes
 
     model = smollm.loaded.model
@@ -149,7 +149,7 @@ def test_the_real_model_keeps_its_blocks_and_is_batch_invariant(smollm):
     assert model.embed_exact is not None and model.embed_exact.weight.data is model.head_exact.weight.data
     codes = sum(lin.weight.n * lin.weight.k for lin in exact_linears(model))
     panels = sum(lin.weight.panels.numel() for lin in exact_linears(model) if lin.weight.panels is not None)
-    assert panels == 0 if smollm.loaded.model.head_exact.op.isa == "portable" else 1.0 < panels / codes < 1.4
+    assert panels == 0 if smollm.loaded.model.head_exact.op.isa == "portable" else 0.7 < panels / codes < 1.4
     assert resident_weight_bytes(model) - panels < 110e6
     vocab = smollm.loaded.config.vocab_size
     gen = torch.Generator().manual_seed(3)
@@ -205,7 +205,7 @@ def q8_reference(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", Q8_FORMATS)
 def test_q8_numerics_give_a_row_the_same_bits_in_every_call_thread_count_and_build(ops, fmt):
     """The q8 numerics: row i alone, inside calls of 1-512 rows (the direct few-row path and the panel
-    path, its panels decoded in the call or packed once by any build), 1 and 2 threads, every build this
+    path, its panels decoded in the call or packed once by the build), 1 and 2 threads, every build this
     CPU runs: one result, within 2% of x W^T."""
     w, ref = weight_and_reference(fmt, 52, 512, seed=4)
     x = torch.randn(512, 512, generator=torch.Generator().manual_seed(5))
@@ -216,8 +216,8 @@ def test_q8_numerics_give_a_row_the_same_bits_in_every_call_thread_count_and_bui
         y = op.q8(x, w, bias)
         first = y if first is None else first
         assert torch.equal(bits(y), bits(first)), f"{isa} differs from {next(iter(ops))}"
-        for weight in (w, *packed.values()):
-            for m in (1, 2, 3, 4, 5, 17, 64, 511):
+        for weight in (w, packed[isa]):
+            for m in (1, 2, 3, 4, 5, 8, 9, 15, 17, 64, 511):
                 for threads in (1, 2):
                     assert torch.equal(bits(op.q8(x[:m], weight, bias, threads=threads)), bits(y[:m])), (isa, m, threads)
         for i in (0, 9, 300, 511):
@@ -228,9 +228,10 @@ def test_q8_numerics_give_a_row_the_same_bits_in_every_call_thread_count_and_bui
 
 
 def test_packed_panels_are_what_many_row_calls_read(ops):
-    """A build with a panel path packs a weight's codes once (~1.1-1.3 bytes a code); calls of more than
+    """A build with a panel path packs a weight's codes once (~0.75-1.3 bytes a code); calls of more than
     three rows read those bytes, so panels that disagree with the blocks change the result (the check
-    above would catch a wrong packing), and calls of one row read the blocks themselves."""
+    above would catch a wrong packing); calls of one row read the blocks themselves, except in the VNNI
+    build, whose packed panels are the blocks' size and whose tiles read them fastest at every row count."""
     w, _ = weight_and_reference("Q5_0", 32, 256, seed=3)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2))
     for isa, op in ops.items():
@@ -238,13 +239,38 @@ def test_packed_panels_are_what_many_row_calls_read(ops):
         if isa == "portable":   # its scalar loop reads the blocks: nothing to pack
             assert p.panels is None
             continue
-        assert 1.0 < p.panels.numel() / (32 * 256) < 1.4, p.panels.numel()
+        assert 0.7 < p.panels.numel() / (32 * 256) < 1.4, p.panels.numel()
         broken = StoredWeight(w.fmt, w.data, w.n, w.k, panels=p.panels.clone())
         broken.panels[:64] ^= 0x05                            # a few codes of the first outputs' first block
         assert not torch.equal(bits(op.q8(x, broken)), bits(op.q8(x, w))), isa
-        assert torch.equal(bits(op.q8(x[:1], broken)), bits(op.q8(x[:1], w))), isa
+        one_row_reads_panels = isa == "avx512vnni"
+        assert torch.equal(bits(op.q8(x[:1], broken)), bits(op.q8(x[:1], w))) != one_row_reads_panels, isa
     with pytest.raises(ValueError, match="panels"):
         StoredWeight(w.fmt, w.data, w.n, w.k, panels=torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q4_K", "Q8_0"])
+def test_a_build_reads_only_panels_of_its_own_layout(ops, fmt):
+    """The VNNI build keeps 4- and 5-bit codes packed in its panels (~0.75 bytes a code against ~1.1), so
+    another build's panels of those formats are refused with a clear error, never read as garbage; Q8_0's
+    are the same bytes in every build; the portable build reads no panels and ignores them."""
+    w, _ = weight_and_reference(fmt, 48, 256, seed=9)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    packed = {isa: op.pack(w) for isa, op in ops.items()}
+    if "avx512vnni" not in ops:
+        pytest.skip("this CPU has no AVX-512 VNNI: every build it runs reads the same panel layout")
+    vnni = packed["avx512vnni"]
+    if fmt != "Q8_0":
+        assert vnni.panels.numel() < 0.8 * w.n * w.k
+    want = ops["avx512vnni"].q8(x, w)
+    for isa, op in ops.items():
+        if isa == "portable" or fmt == "Q8_0" or isa == "avx512vnni":
+            assert torch.equal(bits(op.q8(x, vnni)), bits(want)), isa
+            continue
+        with pytest.raises(ValueError, match="layout"):
+            op.q8(x, vnni)
+        with pytest.raises(ValueError, match="layout"):
+            ops["avx512vnni"].q8(x, packed[isa])
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])

@@ -174,15 +174,19 @@ class LinearOp:
         bits in every build, as ``__call__`` is; F32/F16/BF16 weights run ``__call__``."""
         if weight.fmt not in Q8_FORMATS:
             return self(x, weight, bias, threads)
+        if weight.panels is not None and weight.panels.numel() != self.panel_bytes(weight) > 0:
+            raise ValueError(f"{weight.fmt} [{weight.n}, {weight.k}]: its panels are not this {self.isa} build's "
+                             f"layout ({weight.panels.numel()} bytes, not {self.panel_bytes(weight)}): pack it "
+                             "with this op (LinearOp.pack)")
         return self._run(functools.partial(self.lib.vc_linear_q8_packed, FORMATS[weight.fmt], weight.data.data_ptr(),
                                            None if weight.panels is None else weight.panels.data_ptr()),
                          x, weight, bias, threads)
 
     def pack(self, weight: StoredWeight, threads: int | None = None) -> StoredWeight:
-        """``weight`` with its panels for the q8 op (uint8, ~1.1-1.3 bytes a code): rows of verification,
+        """``weight`` with its panels for the q8 op (uint8, ~0.7-1.3 bytes a code, the build's layout): rows of verification,
         prefill and batches then read them instead of decoding every block in each call, the same bits.
         Unchanged where this build reads blocks directly (portable) or the format has no integer codes."""
-        size = self.lib.vc_q8_panel_bytes(FORMATS[weight.fmt], weight.n, weight.k) if weight.fmt in Q8_FORMATS else 0
+        size = self.panel_bytes(weight)
         if size <= 0:
             return weight
         panels = torch.empty(size, dtype=torch.uint8)
@@ -191,6 +195,14 @@ class LinearOp:
         if rc:
             raise ValueError(f"cannot pack {weight.fmt} [{weight.n}, {weight.k}]")
         return replace(weight, panels=panels)
+
+    def panel_bytes(self, weight: StoredWeight) -> int:
+        """Bytes of ``weight``'s panels in this build's layout (0: the build reads none, the portable one's
+        scalar loop reads the blocks). A build reads only its own layout: the VNNI build keeps 4- and 5-bit
+        codes packed, so its panels of those formats differ from the others' (in size too)."""
+        if weight.fmt not in Q8_FORMATS:
+            return 0
+        return max(0, self.lib.vc_q8_panel_bytes(FORMATS[weight.fmt], weight.n, weight.k))
 
     def numerics(self, name: str):
         """The op of a model's numerics ``name`` (``NUMERICS``): ``q8`` for q8 and q8qk, else this one (``__call__``)."""

@@ -20,6 +20,9 @@
 //     whose 32-byte vectors hold 4 codes of each of 8 outputs; a row's 4 activations broadcast meet
 //     them in `maddubs`, summed in int16 across a block's steps while no lane can overflow (4-bit
 //     codes: the whole block), then `madd` to int32. VNNI's `dpbusd` does both in one instruction.
+//   the VNNI build, every row count: a 64-byte panel line holds 4 codes of 16 outputs, one zmm `dpbusd`
+//     meets a row's 4 activations broadcast, 8 rows a tile (``vnni_tile``); its panels keep 4- and 5-bit
+//     codes packed, the blocks' size, so even one row reads them faster than the blocks.
 // `maddubs` sums two u8 x s8 products into a saturating int16: codes are fed unsigned (|c| with the
 // sign moved onto a, or q with the offset subtracted as 8 sa or 16 sa) and at most 128, and |a| <= 127,
 // so a pair stays within 2 * 128 * 127 = 32512 and never saturates; int16 sums stop before 32767.
@@ -47,6 +50,15 @@ bool integer_format(int f) { return f >= Q4_0 && f <= Q6_K; }
 constexpr int steps16(int F) {
   return F == Q8_0 ? 1 : (F == Q4_0 || F == Q4_1 || F == Q4_K) ? 8 : 4;
 }
+
+// Bits a code of the format takes
+constexpr int code_bits(int F) {
+  return F == Q8_0 ? 8 : F == Q6_K ? 6 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 5 : 4;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(__AMX_INT8__)
+#define VC_HAS_VNNI_TILES 1   // the avx512vnni build's many-row path (vnni_tile below)
+#endif
 
 // The activations of M rows, quantized once a call
 struct QActs {
@@ -331,12 +343,23 @@ void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, int
 // item's 16 rows are G = 2 such groups side by side, so a 64-byte line holds codes 4t..4t+3 of all 16
 // (an AMX tile row). Its panel is laid out part after part in one buffer, so the same bytes
 // come either from a decode in the call or from a model's panels packed once at load (``vc_q8_pack``:
-// verification rows and batches then read 1 byte a code instead of decoding every weight each call)
+// verification rows and batches then read its lines instead of decoding every weight each call)
 constexpr int64_t G = 2;   // groups of 8 weight rows a work item (its 16 outputs)
 
+// The VNNI build keeps 4- and 5-bit codes packed in its panels: a line's 64 codes as 32 bytes of nibbles
+// (byte i: code i low, code 32 + i high) and, for 5-bit codes, their fifth bits as a 64-bit mask; a few
+// instructions a line rebuild it, shared by a tile's rows, and the panel is ~0.7 bytes a code (the blocks'
+// size) instead of ~1.1: rows of a verification or a batch are bound by reading it. Panels are therefore
+// a build's own (``vc_q8_panel_layout``).
 template <int F>
 struct PanelLayout {
-  static constexpr int64_t U = 256, WS = 32, WM = has_min(F) ? 32 : 0, SC = F == Q6_K ? 64 : 0;
+#if defined(VC_HAS_VNNI_TILES)
+  static constexpr bool compact = code_bits(F) <= 5;
+#else
+  static constexpr bool compact = false;
+#endif
+  static constexpr int64_t line = !compact ? 64 : code_bits(F) == 5 ? 40 : 32;   // bytes a line of 64 codes
+  static constexpr int64_t U = 8 * line / G, WS = 32, WM = has_min(F) ? 32 : 0, SC = F == Q6_K ? 64 : 0;
   static constexpr int64_t per_block = U + WS + WM + SC;   // bytes a group's block
 };
 
@@ -360,31 +383,47 @@ Panel panel_at(const uint8_t* base, int64_t nb) {
   return P;
 }
 
-// Rows n0 .. n0 + rows (<= 8 G) of W, the last repeated up to a multiple of 8, into a panel at ``out``
-// (a group past the rows is left as it is: its outputs are never stored)
+// A block's 8 lines of 64 codes -> the panel's bytes at ``out`` (as they are, or packed: ``PanelLayout``)
+template <int F>
+void store_lines(const uint8_t (&lines)[8][64], uint8_t* out) {
+  using L = PanelLayout<F>;
+  for (int t = 0; t < 8; ++t) {
+    uint8_t* p = out + L::line * t;
+    if (!L::compact) {
+      std::memcpy(p, lines[t], 64);
+      continue;
+    }
+    uint64_t fifth = 0;
+    for (int i = 0; i < 32; ++i) p[i] = (uint8_t)((lines[t][i] & 0x0f) | (lines[t][32 + i] & 0x0f) << 4);
+    for (int i = 0; i < 64; ++i) fifth |= (uint64_t)((lines[t][i] >> 4) & 1) << i;
+    if (code_bits(F) == 5) std::memcpy(p + 32, &fifth, 8);
+  }
+}
+
+// Rows n0 .. n0 + rows (<= 8 G) of W, the last repeated up to 8 G, into a panel at ``out``
 template <int F>
 void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t nb, uint8_t* out) {
   using L = PanelLayout<F>;
   const int64_t n = G * nb;
-  uint8_t* pu = out;
   float* pws = (float*)(out + n * L::U);
   float* pwm = (float*)(out + n * (L::U + L::WS));
   int16_t* psc = (int16_t*)(out + n * (L::U + L::WS + L::WM));
-  for (int64_t r = 0; r < (rows + 7) / 8 * 8; ++r) {
-    const int64_t g = r / 8, j = r % 8;
-    const uint8_t* row = w + (n0 + (r < rows ? r : rows - 1)) * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(64) uint8_t lines[8][64];   // line t: codes 4t..4t+3 of the item's 16 rows
+    for (int64_t r = 0; r < 8 * G; ++r) {
+      const int64_t g = r / 8, j = r % 8, gb = b * G + g;
+      const uint8_t* row = w + (n0 + std::min(r, rows - 1)) * row_bytes;
       alignas(32) uint8_t u[32];
       int32_t sc;
       float wm;
-      const int64_t gb = b * G + g;
       decode_block<F>(row, b, u, &pws[gb * 8 + j], &wm, &sc);
       if (L::WM) pwm[gb * 8 + j] = wm;
-      for (int t = 0; t < 8; ++t) std::memcpy(&pu[((b * 8 + t) * G + g) * 32 + 4 * j], u + 4 * t, 4);
+      for (int t = 0; t < 8; ++t) std::memcpy(&lines[t][4 * r], u + 4 * t, 4);
       if (L::SC)   // only its madd multipliers differ from 1
         for (int h = 0; h < 2; ++h)
           psc[gb * 32 + 16 * h + 2 * j] = psc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
     }
+    store_lines<F>(lines, out + b * G * L::U);
   }
 }
 
@@ -433,6 +472,7 @@ template <int F, int MT, int NG>
 void panel_tile(const Panel& P, int64_t g0, const QActs& X, int64_t m0, float* const* ys, int64_t n0, int64_t valid,
                 const float* bias) {
   static_assert(NG == 1, "one group a tile: more spill AVX2's 16 registers");
+  static_assert(!PanelLayout<F>::compact, "AVX2's tiles read whole lines");
   constexpr int T16 = steps16(F);
   const int64_t nb = P.nb;
   __m256 acc[MT];
@@ -453,7 +493,11 @@ void panel_tile(const Panel& P, int64_t g0, const QActs& X, int64_t m0, float* c
     if (left > 0) store_outputs(acc[i], ys[m0 + i], n0 + 8 * g0, left < 8 ? (int)left : 8, bias);
 }
 
+#if defined(VC_HAS_VNNI_TILES)
+constexpr int64_t DIRECT_ROWS = 0;
+#else
 constexpr int64_t DIRECT_ROWS = 3;   // up to this many rows read the blocks directly
+#endif
 constexpr int64_t NB = 8 * G;        // weight rows a work item
 constexpr int MT = 2;                // rows of x a panel tile
 
@@ -540,14 +584,13 @@ void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(VC_HAS_AMX)
+#if defined(VC_HAS_VNNI_TILES)
 // VNNI (the avx512vnni build): an item's 16 outputs lie in one 64-byte panel line per step of 4 codes,
 // so one zmm `dpbusd` takes codes 4t..4t+3 of all 16 against a row's 4 activations broadcast. MR rows
 // a tile keep their accumulators in registers over the whole K. `dpbusd` multiplies unsigned codes by
 // signed activations and never saturates, so signed codes (Q8_0, Q6_K) go in as c + 128 (their top bit
 // flipped) and 128 sa comes off the int32 sum (Q6_K: each half's, before its integer scale): the
 // contract's s exactly, and the combine is the same fp32 chain in 16-lane vectors.
-#define VC_HAS_VNNI_TILES 1
 constexpr int VNNI_ROWS = 8;   // rows of x a tile: 8 fp32 + 8 int32 accumulators (Q6_K 16) of 32 zmm
 
 // Q6_K: the 16 outputs' integer scale of half h of block b (the panel's int16 pairs, as int32)
@@ -556,6 +599,23 @@ VC_INLINE __m512i q6k_scales(const Panel& P, int64_t b, int h) {
   const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)sc)),
                                            _mm256_loadu_si256((const __m256i*)(sc + 32)), 1);
   return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+}
+
+// Line t of a block's panel bytes ``u`` as its 64 codes (packed lines: the nibbles' low half, then their
+// high half, and the fifth bits added as 16 where the mask has them)
+template <int F>
+VC_INLINE __m512i panel_line(const uint8_t* u, int t) {
+  using L = PanelLayout<F>;
+  const uint8_t* p = u + L::line * t;
+  if (!L::compact) return _mm512_loadu_si512(p);
+  const __m512i n = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
+  __m512i c = _mm512_and_si512(_mm512_mask_srli_epi16(n, 0xffff0000u, n, 4), _mm512_set1_epi8(0x0f));
+  if (code_bits(F) == 5) {
+    uint64_t fifth;
+    std::memcpy(&fifth, p + 32, 8);
+    c = _mm512_mask_add_epi8(c, _cvtu64_mask64(fifth), c, _mm512_set1_epi8(0x10));
+  }
+  return c;
 }
 
 template <int F, int MR>
@@ -567,14 +627,14 @@ void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* u = P.u + b * 256 * G;
+    const uint8_t* u = P.u + b * PanelLayout<F>::U * G;
     const int32_t* a[MR];   // row i's block b: 4 activations a dword
     for (int i = 0; i < MR; ++i) a[i] = (const int32_t*)(X.a.data() + ((m0 + i) * nb + b) * 32);
     __m512i s0[MR], s1[MR];
     for (int i = 0; i < MR; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      __m512i c = _mm512_loadu_si512(u + 64 * t);
+      __m512i c = panel_line<F>(u, t);
       if (flip) c = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80));
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {   // two chains a row (Q6_K: its halves; else even and odd steps)
@@ -645,16 +705,15 @@ void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_
   const Panel P = panel_at<F>(base, X.nb);
 #if defined(VC_HAS_AMX)
   amx_item<F>(P, X, M, ys, n0, nb, bias);
-  return;
 #elif defined(VC_HAS_VNNI_TILES)
   vnni_item<F>(P, X, M, ys, n0, nb, bias);
-  return;
-#endif
+#else
   int64_t m = 0;
   for (; m + MT <= M; m += MT)
     for (int64_t g = 0; g < G; ++g) panel_tile<F, MT, 1>(P, g, X, m, ys, n0, nb, bias);
   for (; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) panel_tile<F, 1, 1>(P, g, X, m, ys, n0, nb, bias);
+#endif
 }
 
 // W [N, K] -> its panels, item after item (``item_panel_bytes`` each), for ``q8_item``'s ``packed``
@@ -746,7 +805,9 @@ void q8_linear(const uint8_t* w, int64_t row_bytes, int64_t N, const QActs& X, i
 
 extern "C" {
 
-// Bytes of W [N, K]'s packed panels in this build (0: the build has no panel path; -1: not a q8 format)
+// Bytes of W [N, K]'s packed panels in this build (0: the build has no panel path; -1: not a q8 format).
+// A build reads only panels of its own layout, and the layouts of a format differ in size, so a caller
+// checks a weight's panels against this before handing them over.
 int64_t vc_q8_panel_bytes(int fmt, int64_t N, int64_t K) {
   if (!integer_format(fmt) || K % block_elems(fmt) || N <= 0) return -1;
   int64_t per_item = 0;

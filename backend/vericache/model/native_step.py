@@ -28,10 +28,14 @@ from vericache.model.exact_linear import ExactLinear
 NATIVE_DRAFT_WEIGHTS = ("fp32", "q8")   # what draft rows may read in the native step
 
 
-def _linear_spec(lin) -> tuple:
+def _linear_spec(lin, op: LinearOp) -> tuple:
     """An ``ExactLinear`` as step.cpp's LinearSpec: formats, stored tensors, row bytes, rows, K, bias,
-    whether it runs the q8 numerics, and each weight's packed panels (or None)."""
+    whether it runs the q8 numerics, and each weight's packed panels (or None), which must be in the
+    layout of ``op``'s build: the step's q8 op reads them."""
     ws = lin.weights
+    for w in ws:
+        if w.panels is not None and w.panels.numel() != op.panel_bytes(w) > 0:
+            raise ValueError(f"{w.fmt} [{w.n}, {w.k}]: its panels are not the {op.isa} build's layout")
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     return ([FORMATS[w.fmt] for w in ws], [w.data for w in ws], [w.row_bytes for w in ws], [w.n for w in ws],
             lin.in_features, bias, lin.numerics == "q8", [w.panels for w in ws])
@@ -44,7 +48,7 @@ class NativeStep:
         """Each linear runs the numerics its ``ExactLinear`` was installed in (``_linear_spec``); attention
         scores on ``score_unit`` (``linear_op.score_unit``: 0 fp32)."""
         cfg = model.config
-        self.kernels = packed_kernels(op.isa)
+        self.op, self.kernels = op, packed_kernels(op.isa)
         self.head_dim = cfg.head_dim
         fp32, q8, dequant = (ctypes.cast(f, ctypes.c_void_p).value
                              for f in (op.lib.vc_linear, op.lib.vc_linear_q8_packed, op.lib.vc_dequant_rows))
@@ -54,12 +58,12 @@ class NativeStep:
             a, mlp = layer.self_attn, layer.mlp
             norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             qk = [n.weight.detach().float().contiguous() if n is not None else None for n in (a.q_norm, a.k_norm)]
-            self.weights.add_layer(*norms, [_linear_spec(x) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
+            self.weights.add_layer(*norms, [_linear_spec(x, op) for x in (a.qkv_exact, a.o_exact, mlp.gate_up_exact,
                                                                        mlp.down_exact)], *qk, a.key_coding)
         # the embedding as stored (a GGUF model's blocks; else the fp32 table as it is) and the head
         embed = model.embed_exact or ExactLinear([StoredWeight.from_tensor(model.model.embed_tokens.weight)], None, op)
-        self.weights.set_ends(_linear_spec(embed), model.model.norm.weight.detach().float().contiguous(),
-                              _linear_spec(model.head_exact))
+        self.weights.set_ends(_linear_spec(embed, op), model.model.norm.weight.detach().float().contiguous(),
+                              _linear_spec(model.head_exact, op))
 
     @staticmethod
     def supports(model) -> bool:
@@ -84,7 +88,7 @@ class NativeStep:
     def set_draft_head(self, head: ExactLinear | None) -> None:
         """The head draft-vocabulary rows take their logits from (the LM head's first rows:
         ``ExactLinear.first_rows``), or None: every row the whole head."""
-        self.weights.set_draft_head(None if head is None else _linear_spec(head))
+        self.weights.set_draft_head(None if head is None else _linear_spec(head, self.op))
 
     def run(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int],
             plans: list[LayeredParts], n_draft: int, draft_q8: bool, n_vocab: int = 0,
@@ -107,7 +111,7 @@ class NativeStep:
                 tensors += ts
         out = self.kernels.forward_step(self.weights, tokens.to(torch.int64).contiguous(), cos.contiguous(),
                                         sin.contiguous(), list(seq_lens), n_draft, draft_q8, n_vocab,
-                                        None if vocab_extra is None else _linear_spec(vocab_extra[0]),
+                                        None if vocab_extra is None else _linear_spec(vocab_extra[0], self.op),
                                         None if vocab_extra is None else vocab_extra[1].contiguous(),
                                         rows.contiguous(), ints, tensors)
         for lp, t in zip(plans, seq_lens):
