@@ -228,7 +228,7 @@ def test_q8_numerics_give_a_row_the_same_bits_in_every_call_thread_count_and_bui
 
 
 def test_packed_panels_are_what_many_row_calls_read(ops):
-    """A build with a panel path packs a weight's codes once (~0.75-1.3 bytes a code); calls of more than
+    """A build with a panel path packs a weight's codes once (~0.7-1.3 bytes a code); calls of more than
     three rows read those bytes, so panels that disagree with the blocks change the result (the check
     above would catch a wrong packing); calls of one row read the blocks themselves, except in the VNNI
     build, whose packed panels are the blocks' size and whose tiles read them fastest at every row count."""
@@ -239,7 +239,7 @@ def test_packed_panels_are_what_many_row_calls_read(ops):
         if isa == "portable":   # its scalar loop reads the blocks: nothing to pack
             assert p.panels is None
             continue
-        assert 0.7 < p.panels.numel() / (32 * 256) < 1.4, p.panels.numel()
+        assert 0.6 < p.panels.numel() / (32 * 256) < 1.4, p.panels.numel()
         broken = StoredWeight(w.fmt, w.data, w.n, w.k, panels=p.panels.clone())
         broken.panels[:64] ^= 0x05                            # a few codes of the first outputs' first block
         assert not torch.equal(bits(op.q8(x, broken)), bits(op.q8(x, w))), isa
@@ -249,22 +249,21 @@ def test_packed_panels_are_what_many_row_calls_read(ops):
         StoredWeight(w.fmt, w.data, w.n, w.k, panels=torch.zeros(4, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("fmt", ["Q5_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q4_K", "Q6_K", "Q8_0"])
 def test_a_build_reads_only_panels_of_its_own_layout(ops, fmt):
-    """The VNNI build keeps 4- and 5-bit codes packed in its panels (~0.75 bytes a code against ~1.1), so
-    another build's panels of those formats are refused with a clear error, never read as garbage; Q8_0's
-    are the same bytes in every build; the portable build reads no panels and ignores them."""
+    """The VNNI build keeps its panels near the blocks' size (codes of up to 6 bits packed, the blocks'
+    fp16 scales), so another build's panels are refused with a clear error, never read as garbage, and
+    it refuses theirs; the portable build reads no panels and ignores them."""
     w, _ = weight_and_reference(fmt, 48, 256, seed=9)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
     packed = {isa: op.pack(w) for isa, op in ops.items()}
     if "avx512vnni" not in ops:
         pytest.skip("this CPU has no AVX-512 VNNI: every build it runs reads the same panel layout")
     vnni = packed["avx512vnni"]
-    if fmt != "Q8_0":
-        assert vnni.panels.numel() < 0.8 * w.n * w.k
+    assert vnni.panels.numel() < (1.07 if fmt == "Q8_0" else 0.95) * w.n * w.k
     want = ops["avx512vnni"].q8(x, w)
     for isa, op in ops.items():
-        if isa == "portable" or fmt == "Q8_0" or isa == "avx512vnni":
+        if isa in ("portable", "avx512vnni"):
             assert torch.equal(bits(op.q8(x, vnni)), bits(want)), isa
             continue
         with pytest.raises(ValueError, match="layout"):

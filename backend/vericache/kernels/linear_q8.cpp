@@ -346,20 +346,25 @@ void direct_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int valid, int
 // verification rows and batches then read its lines instead of decoding every weight each call)
 constexpr int64_t G = 2;   // groups of 8 weight rows a work item (its 16 outputs)
 
-// The VNNI build keeps 4- and 5-bit codes packed in its panels: a line's 64 codes as 32 bytes of nibbles
-// (byte i: code i low, code 32 + i high) and, for 5-bit codes, their fifth bits as a 64-bit mask; a few
-// instructions a line rebuild it, shared by a tile's rows, and the panel is ~0.7 bytes a code (the blocks'
-// size) instead of ~1.1: rows of a verification or a batch are bound by reading it. Panels are therefore
-// a build's own (``vc_q8_panel_layout``).
+// The VNNI build keeps its panels near the blocks' size, since rows of a verification or a batch are
+// bound by reading them: codes of up to 6 bits packed, a line's 64 codes as 32 bytes of nibbles (byte
+// i: code i low, code 32 + i high) and a 64-bit mask a higher bit (Q6_K's codes as q = c + 32,
+// unsigned); the blocks' own fp16 scales (and mins) where a block has them first; Q6_K's integer scales
+// as int8. A few instructions a line rebuild it, shared by a tile's rows: ~0.7-0.95 bytes a code against
+// ~1.1-1.4. Panels are therefore a build's own (``vc_q8_panel_bytes`` differs).
+#if defined(VC_HAS_VNNI_TILES)
+constexpr bool VNNI_PANELS = true;
+#else
+constexpr bool VNNI_PANELS = false;
+#endif
+
 template <int F>
 struct PanelLayout {
-#if defined(VC_HAS_VNNI_TILES)
-  static constexpr bool compact = code_bits(F) <= 5;
-#else
-  static constexpr bool compact = false;
-#endif
-  static constexpr int64_t line = !compact ? 64 : code_bits(F) == 5 ? 40 : 32;   // bytes a line of 64 codes
-  static constexpr int64_t U = 8 * line / G, WS = 32, WM = has_min(F) ? 32 : 0, SC = F == Q6_K ? 64 : 0;
+  static constexpr bool compact = VNNI_PANELS && code_bits(F) <= 6;       // codes packed
+  static constexpr bool half_scales = VNNI_PANELS && scales_first(F);     // ws, wm as fp16
+  static constexpr int64_t line = !compact ? 64 : 32 + 8 * (code_bits(F) - 4);   // bytes a line of 64 codes
+  static constexpr int64_t WS = half_scales ? 16 : 32, WM = has_min(F) ? WS : 0;
+  static constexpr int64_t U = 8 * line / G, SC = F != Q6_K ? 0 : VNNI_PANELS ? 16 : 64;
   static constexpr int64_t per_block = U + WS + WM + SC;   // bytes a group's block
 };
 
@@ -368,6 +373,9 @@ struct Panel {                  // a view: u [nb, 8 steps t, G, 8 rows, 4 codes]
   const uint8_t* u = nullptr;
   const float *ws = nullptr, *wm = nullptr;   // wm: formats with a min only
   const int16_t* sc = nullptr;                // Q6_K only
+  // the VNNI layout: ws/wm [nb, G, 8 rows] as fp16 (``half_scales``), Q6_K's sc [nb, 2 halves, 16 outputs] int8
+  const uint16_t *ws16 = nullptr, *wm16 = nullptr;
+  const int8_t* sc8 = nullptr;
 };
 
 template <int F>
@@ -377,9 +385,16 @@ Panel panel_at(const uint8_t* base, int64_t nb) {
   Panel P;
   P.nb = nb;
   P.u = base;
-  P.ws = (const float*)(base + n * L::U);
-  P.wm = L::WM ? (const float*)(base + n * (L::U + L::WS)) : nullptr;
-  P.sc = L::SC ? (const int16_t*)(base + n * (L::U + L::WS + L::WM)) : nullptr;
+  const uint8_t *ws = base + n * L::U, *wm = ws + n * L::WS, *sc = wm + n * L::WM;
+  if (L::half_scales) {
+    P.ws16 = (const uint16_t*)ws;
+    P.wm16 = L::WM ? (const uint16_t*)wm : nullptr;
+  } else {
+    P.ws = (const float*)ws;
+    P.wm = L::WM ? (const float*)wm : nullptr;
+  }
+  if (VNNI_PANELS) P.sc8 = L::SC ? (const int8_t*)sc : nullptr;
+  else P.sc = L::SC ? (const int16_t*)sc : nullptr;
   return P;
 }
 
@@ -393,10 +408,14 @@ void store_lines(const uint8_t (&lines)[8][64], uint8_t* out) {
       std::memcpy(p, lines[t], 64);
       continue;
     }
-    uint64_t fifth = 0;
-    for (int i = 0; i < 32; ++i) p[i] = (uint8_t)((lines[t][i] & 0x0f) | (lines[t][32 + i] & 0x0f) << 4);
-    for (int i = 0; i < 64; ++i) fifth |= (uint64_t)((lines[t][i] >> 4) & 1) << i;
-    if (code_bits(F) == 5) std::memcpy(p + 32, &fifth, 8);
+    uint8_t q[64];   // the codes unsigned (Q6_K's c + 32)
+    for (int i = 0; i < 64; ++i) q[i] = F == Q6_K ? (uint8_t)(lines[t][i] + 32) : lines[t][i];
+    for (int i = 0; i < 32; ++i) p[i] = (uint8_t)((q[i] & 0x0f) | (q[32 + i] & 0x0f) << 4);
+    for (int bit = 4; bit < code_bits(F); ++bit) {
+      uint64_t mask = 0;
+      for (int i = 0; i < 64; ++i) mask |= (uint64_t)((q[i] >> bit) & 1) << i;
+      std::memcpy(p + 32 + 8 * (bit - 4), &mask, 8);
+    }
   }
 }
 
@@ -405,9 +424,7 @@ template <int F>
 void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t nb, uint8_t* out) {
   using L = PanelLayout<F>;
   const int64_t n = G * nb;
-  float* pws = (float*)(out + n * L::U);
-  float* pwm = (float*)(out + n * (L::U + L::WS));
-  int16_t* psc = (int16_t*)(out + n * (L::U + L::WS + L::WM));
+  uint8_t *pws = out + n * L::U, *pwm = pws + n * L::WS, *psc = pwm + n * L::WM;
   for (int64_t b = 0; b < nb; ++b) {
     alignas(64) uint8_t lines[8][64];   // line t: codes 4t..4t+3 of the item's 16 rows
     for (int64_t r = 0; r < 8 * G; ++r) {
@@ -415,13 +432,26 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows,
       const uint8_t* row = w + (n0 + std::min(r, rows - 1)) * row_bytes;
       alignas(32) uint8_t u[32];
       int32_t sc;
-      float wm;
-      decode_block<F>(row, b, u, &pws[gb * 8 + j], &wm, &sc);
-      if (L::WM) pwm[gb * 8 + j] = wm;
+      float ws, wm;
+      decode_block<F>(row, b, u, &ws, &wm, &sc);
+      if (L::half_scales) {   // the block's own fp16s (ws, then a min format's wm)
+        const uint8_t* blk = row + b * block_bytes(F);
+        std::memcpy(pws + 2 * (gb * 8 + j), blk, 2);
+        if (L::WM) std::memcpy(pwm + 2 * (gb * 8 + j), blk + 2, 2);
+      } else {
+        std::memcpy(pws + 4 * (gb * 8 + j), &ws, 4);
+        if (L::WM) std::memcpy(pwm + 4 * (gb * 8 + j), &wm, 4);
+      }
       for (int t = 0; t < 8; ++t) std::memcpy(&lines[t][4 * r], u + 4 * t, 4);
-      if (L::SC)   // only its madd multipliers differ from 1
-        for (int h = 0; h < 2; ++h)
-          psc[gb * 32 + 16 * h + 2 * j] = psc[gb * 32 + 16 * h + 2 * j + 1] = (int16_t)(h ? sc >> 16 : sc & 0xffff);
+      for (int h = 0; L::SC && h < 2; ++h) {   // Q6_K: each half's integer scale
+        const int16_t v = (int16_t)(h ? sc >> 16 : sc & 0xffff);
+        if (VNNI_PANELS) {
+          psc[b * 32 + 16 * h + r] = (uint8_t)(int8_t)v;   // [nb, 2 halves, 16 outputs]
+        } else {   // int16 pairs: only its madd multipliers differ from 1
+          int16_t* p16 = (int16_t*)psc;
+          p16[gb * 32 + 16 * h + 2 * j] = p16[gb * 32 + 16 * h + 2 * j + 1] = v;
+        }
+      }
     }
     store_lines<F>(lines, out + b * G * L::U);
   }
@@ -588,17 +618,22 @@ void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64
 // VNNI (the avx512vnni build): an item's 16 outputs lie in one 64-byte panel line per step of 4 codes,
 // so one zmm `dpbusd` takes codes 4t..4t+3 of all 16 against a row's 4 activations broadcast. MR rows
 // a tile keep their accumulators in registers over the whole K. `dpbusd` multiplies unsigned codes by
-// signed activations and never saturates, so signed codes (Q8_0, Q6_K) go in as c + 128 (their top bit
-// flipped) and 128 sa comes off the int32 sum (Q6_K: each half's, before its integer scale): the
-// contract's s exactly, and the combine is the same fp32 chain in 16-lane vectors.
-constexpr int VNNI_ROWS = 8;   // rows of x a tile: 8 fp32 + 8 int32 accumulators (Q6_K 16) of 32 zmm
+// signed activations and never saturates, so Q8_0's signed codes go in as c + 128 (their top bit
+// flipped) and 128 sa comes off the int32 sum; Q6_K's are packed as c + 32, and 32 times each half's sum
+// of activations comes off that half's before its integer scale: the contract's s exactly, and the
+// combine is the same fp32 chain in 16-lane vectors.
+constexpr int VNNI_ROWS = 8;   // rows of x a tile: 8 fp32 + 16 int32 accumulators (two chains a row) of 32 zmm
 
-// Q6_K: the 16 outputs' integer scale of half h of block b (the panel's int16 pairs, as int32)
+// Q6_K: the 16 outputs' integer scale of half h of block b, as int32
 VC_INLINE __m512i q6k_scales(const Panel& P, int64_t b, int h) {
-  const int16_t* sc = P.sc + b * G * 32 + 16 * h;   // group g's pairs at + 32 g
-  const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)sc)),
-                                           _mm256_loadu_si256((const __m256i*)(sc + 32)), 1);
-  return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(P.sc8 + b * 32 + 16 * h)));
+}
+
+// The 16 outputs' ws (or wm) of block b: fp32, or the blocks' fp16 widened (exact)
+template <int F>
+VC_INLINE __m512 panel_scales(const float* f32, const uint16_t* f16, int64_t b) {
+  if (PanelLayout<F>::half_scales) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(f16 + b * 16)));
+  return _mm512_loadu_ps(f32 + b * 16);
 }
 
 // Line t of a block's panel bytes ``u`` as its 64 codes (packed lines: the nibbles' low half, then their
@@ -610,10 +645,10 @@ VC_INLINE __m512i panel_line(const uint8_t* u, int t) {
   if (!L::compact) return _mm512_loadu_si512(p);
   const __m512i n = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
   __m512i c = _mm512_and_si512(_mm512_mask_srli_epi16(n, 0xffff0000u, n, 4), _mm512_set1_epi8(0x0f));
-  if (code_bits(F) == 5) {
-    uint64_t fifth;
-    std::memcpy(&fifth, p + 32, 8);
-    c = _mm512_mask_add_epi8(c, _cvtu64_mask64(fifth), c, _mm512_set1_epi8(0x10));
+  for (int bit = 4; bit < code_bits(F); ++bit) {
+    uint64_t mask;
+    std::memcpy(&mask, p + 32 + 8 * (bit - 4), 8);
+    c = _mm512_mask_add_epi8(c, _cvtu64_mask64(mask), c, _mm512_set1_epi8((char)(1 << bit)));
   }
   return c;
 }
@@ -621,8 +656,9 @@ VC_INLINE __m512i panel_line(const uint8_t* u, int t) {
 template <int F, int MR>
 void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int64_t n0, int64_t valid,
                const float* bias) {
-  constexpr bool flip = kind_of(F) != UNSIGNED;
-  constexpr int off = flip ? 128 : offset_of(F);
+  // packed Q6_K codes are q = c + 32, unsigned; Q8_0's are signed bytes
+  constexpr bool flip = kind_of(F) != UNSIGNED && !PanelLayout<F>::compact;
+  constexpr int off = flip ? 128 : F == Q6_K ? 32 : offset_of(F);
   const int64_t nb = X.nb;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -642,8 +678,8 @@ void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int
         else s0[i] = _mm512_dpbusd_epi32(s0[i], c, _mm512_set1_epi32(a[i][t]));
       }
     }
-    const __m512 ws = _mm512_loadu_ps(P.ws + b * 16);
-    const __m512 wm = has_min(F) ? _mm512_loadu_ps(P.wm + b * 16) : _mm512_setzero_ps();
+    const __m512 ws = panel_scales<F>(P.ws, P.ws16, b);
+    const __m512 wm = has_min(F) ? panel_scales<F>(P.wm, P.wm16, b) : _mm512_setzero_ps();
     __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0;
     if (F == Q6_K) { sc0 = q6k_scales(P, b, 0); sc1 = q6k_scales(P, b, 1); }
     for (int i = 0; i < MR; ++i) {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -30,15 +31,21 @@ NATIVE_DRAFT_WEIGHTS = ("fp32", "q8")   # what draft rows may read in the native
 
 def _linear_spec(lin, op: LinearOp) -> tuple:
     """An ``ExactLinear`` as step.cpp's LinearSpec: formats, stored tensors, row bytes, rows, K, bias,
-    whether it runs the q8 numerics, and each weight's packed panels (or None), which must be in the
-    layout of ``op``'s build: the step's q8 op reads them."""
-    ws = lin.weights
-    for w in ws:
-        if w.panels is not None and w.panels.numel() != op.panel_bytes(w) > 0:
-            raise ValueError(f"{w.fmt} [{w.n}, {w.k}]: its panels are not the {op.isa} build's layout")
+    whether it runs the q8 numerics, and each weight's packed panels (or None) in the layout of ``op``'s
+    build, which reads them (panels another build packed are packed again for it)."""
+    ws = [_own_panels(w, op) for w in lin.weights]
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     return ([FORMATS[w.fmt] for w in ws], [w.data for w in ws], [w.row_bytes for w in ws], [w.n for w in ws],
             lin.in_features, bias, lin.numerics == "q8", [w.panels for w in ws])
+
+
+def _own_panels(w: StoredWeight, op: LinearOp) -> StoredWeight:
+    """``w`` with panels in ``op``'s layout: its own where they are (a model's linears are packed by the op
+    the step runs), else packed again (a test stepping one model through every build), none where the
+    build reads the blocks."""
+    if w.panels is None or w.panels.numel() == op.panel_bytes(w):
+        return w
+    return op.pack(replace(w, panels=None))
 
 
 class NativeStep:
