@@ -523,11 +523,8 @@ void panel_tile(const Panel& P, int64_t g0, const QActs& X, int64_t m0, float* c
     if (left > 0) store_outputs(acc[i], ys[m0 + i], n0 + 8 * g0, left < 8 ? (int)left : 8, bias);
 }
 
-#if defined(VC_HAS_VNNI_TILES)
-constexpr int64_t DIRECT_ROWS = 0;
-#else
-constexpr int64_t DIRECT_ROWS = 3;   // up to this many rows read the blocks directly
-#endif
+constexpr int64_t DIRECT_ROWS = 3;   // up to this many rows read the blocks directly,
+constexpr bool PANELS_FROM_ONE_ROW = VNNI_PANELS;   // but not where the VNNI build has its panels
 constexpr int64_t NB = 8 * G;        // weight rows a work item
 constexpr int MT = 2;                // rows of x a panel tile
 
@@ -725,7 +722,7 @@ int64_t item_panel_bytes(int64_t nb) { return G * nb * PanelLayout<F>::per_block
 template <int F>
 void q8_item(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, int64_t n_total, const QActs& X, int64_t M,
              float* const* ys, const float* bias, const uint8_t* packed, uint8_t* scratch) {
-  if (M <= DIRECT_ROWS) {
+  if (M <= DIRECT_ROWS && !(packed && PANELS_FROM_ONE_ROW)) {
     for (int64_t n = n0; n < n0 + nb; n += 8) {
       const int valid = (int)std::min<int64_t>(8, n0 + nb - n);
       switch (M) {

@@ -28,6 +28,11 @@ from vericache_lab.sim.roofline import read_bandwidth
 COLUMNS = ["rows", "contender", "ms", "x_mkl", "fp32_over_this", "x_bytes_floor"]
 
 
+def unpacked_weights(linears) -> list:
+    """Each linear's stored weight without panels (the blocks alone)."""
+    return [replace(lin.weight, panels=None) for lin in linears]
+
+
 def _forward_matmuls(linears, xs, fn=None):
     """One forward's matmuls: each stored weight through ``fn`` (an op's numerics), or (fn None) MKL on
     the fp32 copies."""
@@ -42,9 +47,12 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
     lins = [w for lin in exact_linears(loaded.model) for w in ([lin] if len(lin.weights) == 1 else [])]
     stored = [lin.weight for lin in lins]
     dense = [lin.dense() for lin in lins]
-    unpacked = [ExactLinear([replace(lin.weight, panels=None)], lin.bias, lin.op, lin.numerics) for lin in lins]
+    unpacked = [ExactLinear([w], lin.bias, lin.op, lin.numerics) for lin, w in zip(lins, unpacked_weights(lins))]
     isas = isas or [i for i in supported_isas() if i != "portable"]
     ops = {isa: LinearOp(isa) for isa in isas}
+    # each build reads panels of its own layout (the VNNI build's are packed tighter): packed per build
+    own = {isa: [ExactLinear([op.pack(w)], lin.bias, op, lin.numerics) for lin, w in zip(lins, unpacked_weights(lins))]
+           for isa, op in ops.items()}
     stored_bytes = sum(w.nbytes for w in stored)
     bandwidth = read_bandwidth()
     floor_s = stored_bytes / bandwidth
@@ -57,11 +65,11 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
         xs = {k: torch.randn(m, k, generator=g) for k in {w.k for w in stored}}
         for numerics in NUMERICS:
             first = None
-            for op in ops.values():   # every build: the same bits
-                ys = _forward_matmuls(lins, xs, op.numerics(numerics))
+            for isa, op in ops.items():   # every build: the same bits
+                ys = _forward_matmuls(own[isa], xs, op.numerics(numerics))
                 first = first or ys
                 identical &= all(torch.equal(a, b) for a, b in zip(ys, first))
-        contenders = {f"{numerics}-{isa}": (lambda fn=op.numerics(numerics): _forward_matmuls(lins, xs, fn))
+        contenders = {f"{numerics}-{isa}": (lambda fn=op.numerics(numerics), isa=isa: _forward_matmuls(own[isa], xs, fn))
                       for isa, op in ops.items() for numerics in NUMERICS}
         # the q8 op without the panels packed at load: every many-row call decodes the blocks again
         isa0 = next(iter(ops))
