@@ -408,14 +408,18 @@ void store_lines(const uint8_t (&lines)[8][64], uint8_t* out) {
       std::memcpy(p, lines[t], 64);
       continue;
     }
-    uint8_t q[64];   // the codes unsigned (Q6_K's c + 32)
-    for (int i = 0; i < 64; ++i) q[i] = F == Q6_K ? (uint8_t)(lines[t][i] + 32) : lines[t][i];
-    for (int i = 0; i < 32; ++i) p[i] = (uint8_t)((q[i] & 0x0f) | (q[32 + i] & 0x0f) << 4);
+#if defined(VC_HAS_VNNI_TILES)   // (compact only in this build) the codes unsigned: Q6_K's c + 32
+    __m512i q = _mm512_loadu_si512(lines[t]);
+    if (F == Q6_K) q = _mm512_add_epi8(q, _mm512_set1_epi8(32));
+    const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi8(0x0f));
+    const __m256i nib = _mm256_or_si256(_mm512_castsi512_si256(lo),
+                                        _mm256_slli_epi16(_mm512_extracti64x4_epi64(lo, 1), 4));
+    _mm256_storeu_si256((__m256i*)p, nib);
     for (int bit = 4; bit < code_bits(F); ++bit) {
-      uint64_t mask = 0;
-      for (int i = 0; i < 64; ++i) mask |= (uint64_t)((q[i] >> bit) & 1) << i;
+      const uint64_t mask = _cvtmask64_u64(_mm512_test_epi8_mask(q, _mm512_set1_epi8((char)(1 << bit))));
       std::memcpy(p + 32 + 8 * (bit - 4), &mask, 8);
     }
+#endif
   }
 }
 
