@@ -342,3 +342,15 @@ def test_the_amx_build_is_offered_only_where_linux_grants_the_tiles(monkeypatch)
         assert cpu.amx_permitted() is False        # no tiles on this CPU: nothing asked of the kernel
     finally:
         cpu.amx_permitted.cache_clear()
+
+
+def test_bench_linear_gives_each_build_its_own_panels():
+    """`vericache bench linear` on a GGUF model compares every build on one forward's matmuls: each reads
+    panels packed in its own layout (a panel of another build's layout is refused, so one model's
+    panels handed to every build would stop the bench), and every build gives the same bits."""
+    from vericache_lab.bench.linear import run_linear
+
+    isas = [i for i in supported_isas() if i != "portable"]
+    res = run_linear("smollm2-135m", [1, 5], isas=isas, repeats=1, log=lambda *_: None)
+    assert res["identical_across_builds"]
+    assert {r["contender"] for r in res["rows"]} >= {f"q8-{isa}" for isa in isas}

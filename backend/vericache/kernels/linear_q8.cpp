@@ -532,6 +532,22 @@ constexpr bool PANELS_FROM_ONE_ROW = VNNI_PANELS;   // but not where the VNNI bu
 constexpr int64_t NB = 8 * G;        // weight rows a work item
 constexpr int MT = 2;                // rows of x a panel tile
 
+#if defined(__AVX512F__)
+// 16 outputs (the AMX and VNNI tiles): acc += one block of a row, its exact s in the contract's fp32 chain
+template <int F>
+VC_INLINE __m512 combine16(__m512 acc, __m512i s, __m512 ws, __m512 wm, const QActs& X, int64_t x) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X.dx[x])), acc);
+  return has_min(F) ? _mm512_fmadd_ps(wm, _mm512_set1_ps(X.ds[x]), acc) : acc;
+}
+
+// A row's 16 outputs (``valid`` of them) from n0, with the bias
+VC_INLINE void store16(__m512 acc, float* y, int64_t n0, int64_t valid, const float* bias) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, acc);
+  for (int64_t j = 0; j < valid; ++j) y[n0 + j] = bias ? t[j] + bias[n0 + j] : t[j];
+}
+#endif
+
 #if defined(__AMX_INT8__) && defined(__AVX512F__)
 // AMX (the amx build): 16 rows of x and an item's 16 outputs a tile, one block of 32 codes a tile
 // multiply: C[16 x 16] int32 = A[16 rows x 32 activations] . B[8 steps x 16 outputs x 4 codes], B being
@@ -602,15 +618,10 @@ void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64
                                 _mm512_mullo_epi32(_mm512_load_si512(c1[i]), _mm512_load_si512(sc[1])));
         const int64_t x = (m0 + i) * nb + b;
         if (offset_of(F)) si = _mm512_sub_epi32(si, _mm512_set1_epi32(offset_of(F) * X.sa[x]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(ws, _mm512_set1_ps(X.dx[x])), acc[i]);
-        if (has_min(F)) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(X.ds[x]), acc[i]);
+        acc[i] = combine16<F>(acc[i], si, ws, wm, X, x);
       }
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      alignas(64) float t[16];
-      _mm512_store_ps(t, acc[i]);
-      for (int64_t j = 0; j < valid; ++j) ys[m0 + i][n0 + j] = bias ? t[j] + bias[n0 + j] : t[j];
-    }
+    for (int64_t i = 0; i < rows; ++i) store16(acc[i], ys[m0 + i], n0, valid, bias);
   }
 }
 #endif
@@ -694,15 +705,10 @@ void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int
         s = _mm512_add_epi32(s0[i], s1[i]);
         if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X.sa[x]));
       }
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X.dx[x])), acc[i]);
-      if (has_min(F)) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(X.ds[x]), acc[i]);
+      acc[i] = combine16<F>(acc[i], s, ws, wm, X, x);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    alignas(64) float t[16];
-    _mm512_store_ps(t, acc[i]);
-    for (int64_t j = 0; j < valid; ++j) ys[m0 + i][n0 + j] = bias ? t[j] + bias[n0 + j] : t[j];
-  }
+  for (int i = 0; i < MR; ++i) store16(acc[i], ys[m0 + i], n0, valid, bias);
 }
 
 // All M rows of one item: tiles of 8, the rest as 4, 2, 1
