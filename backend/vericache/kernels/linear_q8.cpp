@@ -20,9 +20,10 @@
 //     whose 32-byte vectors hold 4 codes of each of 8 outputs; a row's 4 activations broadcast meet
 //     them in `maddubs`, summed in int16 across a block's steps while no lane can overflow (4-bit
 //     codes: the whole block), then `madd` to int32. VNNI's `dpbusd` does both in one instruction.
-//   the VNNI build, every row count: a 64-byte panel line holds 4 codes of 16 outputs, one zmm `dpbusd`
-//     meets a row's 4 activations broadcast, 8 rows a tile (``vnni_tile``); its panels keep 4- and 5-bit
-//     codes packed, the blocks' size, so even one row reads them faster than the blocks.
+//   the VNNI build, any row count on packed panels: a 64-byte panel line holds 4 codes of 16 outputs,
+//     one zmm `dpbusd` meets a row's 4 activations broadcast, 8 rows a tile (``vnni_tile``); its panels
+//     keep codes of up to 6 bits packed and the blocks' fp16 scales, about the blocks' size, so even one
+//     row reads them faster than the blocks.
 // `maddubs` sums two u8 x s8 products into a saturating int16: codes are fed unsigned (|c| with the
 // sign moved onto a, or q with the offset subtracted as 8 sa or 16 sa) and at most 128, and |a| <= 127,
 // so a pair stays within 2 * 128 * 127 = 32512 and never saturates; int16 sums stop before 32767.
@@ -57,7 +58,7 @@ constexpr int code_bits(int F) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(__AMX_INT8__)
-#define VC_HAS_VNNI_TILES 1   // the avx512vnni build's many-row path (vnni_tile below)
+#define VC_HAS_VNNI_TILES 1   // the avx512vnni build's own tiles and panel layout (vnni_tile below)
 #endif
 
 // The activations of M rows, quantized once a call
@@ -649,7 +650,7 @@ VC_INLINE __m512 panel_scales(const float* f32, const uint16_t* f16, int64_t b) 
 }
 
 // Line t of a block's panel bytes ``u`` as its 64 codes (packed lines: the nibbles' low half, then their
-// high half, and the fifth bits added as 16 where the mask has them)
+// high half, and each higher bit added where its mask has it)
 template <int F>
 VC_INLINE __m512i panel_line(const uint8_t* u, int t) {
   using L = PanelLayout<F>;
