@@ -198,8 +198,9 @@ class LinearOp:
 
     def panel_bytes(self, weight: StoredWeight) -> int:
         """Bytes of ``weight``'s panels in this build's layout (0: the build reads none, the portable one's
-        scalar loop reads the blocks). A build reads only its own layout: the VNNI build keeps 4- and 5-bit
-        codes packed, so its panels of those formats differ from the others' (in size too)."""
+        scalar loop reads the blocks). A build reads only its own layout: the VNNI build packs codes of up
+        to 6 bits and keeps the blocks' fp16 scales, so its panels differ from the others' for every format,
+        in size too (which is how a mismatch is caught)."""
         if weight.fmt not in Q8_FORMATS:
             return 0
         return max(0, self.lib.vc_q8_panel_bytes(FORMATS[weight.fmt], weight.n, weight.k))
