@@ -139,8 +139,8 @@ def test_the_forward_gives_a_sequence_the_same_logits_alone_in_chunks_and_in_a_b
 
 def test_the_real_model_keeps_its_blocks_and_is_batch_invariant(smollm):
     """SmolLM2's matrices stay Q4_1/Q8_0 blocks (about the file's size, not 540 MB of fp32) plus, where
-    the build has a panel path, their panels (~1.1-1.3 bytes a code; the VNNI build keeps 4- and 5-bit
-    codes packed, ~0.75), and its logits are the same bits alone and batched."""
+    the build has a panel path, their panels (~1.1-1.3 bytes a code; the VNNI build packs them to
+    ~0.75-1.06), and its logits are the same bits alone and batched."""
     from vericache.model.exact_linear import exact_linears, resident_weight_bytes
 
     model = smollm.loaded.model
