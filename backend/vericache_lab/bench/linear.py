@@ -47,11 +47,12 @@ def run_linear(model: str, rows: list[int], isas: list[str] | None = None, repea
     lins = [w for lin in exact_linears(loaded.model) for w in ([lin] if len(lin.weights) == 1 else [])]
     stored = [lin.weight for lin in lins]
     dense = [lin.dense() for lin in lins]
-    unpacked = [ExactLinear([w], lin.bias, lin.op, lin.numerics) for lin, w in zip(lins, unpacked_weights(lins))]
+    blocks = unpacked_weights(lins)
+    unpacked = [ExactLinear([w], lin.bias, lin.op, lin.numerics) for lin, w in zip(lins, blocks)]
     isas = isas or [i for i in supported_isas() if i != "portable"]
     ops = {isa: LinearOp(isa) for isa in isas}
     # each build reads panels of its own layout (the VNNI build's are packed tighter): packed per build
-    own = {isa: [ExactLinear([op.pack(w)], lin.bias, op, lin.numerics) for lin, w in zip(lins, unpacked_weights(lins))]
+    own = {isa: [ExactLinear([op.pack(w)], lin.bias, op, lin.numerics) for lin, w in zip(lins, blocks)]
            for isa, op in ops.items()}
     stored_bytes = sum(w.nbytes for w in stored)
     bandwidth = read_bandwidth()
