@@ -70,4 +70,20 @@ inline __m256 exp_neg_256(__m256 x) {
 }
 #endif
 
+// x[i] = exp_neg(x[i]) for i < n, 16 or 8 lanes at a time where the build has them (the same bits)
+inline void exp_neg_all(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp_neg_512(_mm512_loadu_ps(x + i)));
+  if (i < n) {   // the last n - i lanes (the others read as 0 and are not stored)
+    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, k, exp_neg_512(_mm512_maskz_loadu_ps(k, x + i)));
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp_neg_256(_mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) x[i] = exp_neg(x[i]);
+}
+
 }  // namespace vc_exp

@@ -760,6 +760,14 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
     ValueView values;
     if (p.codes) {   // the cache's codes, coding the block's keys it lacks (this item's own keys)
       const int64_t from = std::clamp<int64_t>(p.coded - t0, 0, bt);
+      if (t0 + BLK < hi) {   // the next block's codes (4 KB of keys and of values at D = 64) on their way
+        const int8_t* nk = p.codes + h * p.codes_h + (t0 + BLK) * D;
+        const int8_t* nv = p.vcodes + h * p.codes_h + (t0 + BLK) * D;
+        for (int64_t at = 0; at < BLK * D; at += 64) {
+          __builtin_prefetch(nk + at);
+          __builtin_prefetch(nv + at);
+        }
+      }
       keys = KeyView{p.codes + h * p.codes_h + t0 * D, p.dk + h * p.dk_h + t0, p.csum + h * p.dk_h + t0};
       values = ValueView{p.vcodes + h * p.codes_h + t0 * D, p.dv + h * p.dk_h + t0};
       widened(kb, p.k_t, from, bt, f32);
@@ -788,7 +796,7 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
         alpha[c] = m[r] - m_new[c];
         m[r] = m_new[c];
       }
-      for (int c = 0; c < nc; ++c) alpha[c] = exp_neg(alpha[c]);
+      exp_neg_all(alpha, nc);
       for (int c = 0; c < nc; ++c) {
         const int64_t r = rows[c0 + c];
         l[r] = std::fma(l[r], alpha[c], exp_block(s[c], vis[c], m_new[c]));

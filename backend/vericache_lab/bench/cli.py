@@ -235,11 +235,12 @@ def _cmd_attention_op(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = run_attention_op(args.context, [c for c in args.caches.split(",") if c], args.rows, repeats=args.repeats,
-                           log=progress(args))
+    res = run_attention_op(args.context, [c for c in args.caches.split(",") if c], args.rows, shape=args.shape,
+                           numerics=args.numerics, repeats=args.repeats, log=progress(args))
     print(json.dumps(res, indent=None if args.json else 2))
     record(args.record, "The packed attention op on synthetic caches",
-           f"{res['cpu']}, {res['threads']} threads, read bandwidth {res['read_bandwidth_GBps']} GB/s\n\n"
+           f"{res['cpu']}, {res['threads']} threads, read bandwidth {res['read_bandwidth_GBps']} GB/s, "
+           f"{res['shape']}'s heads, {res['numerics']} on the {res['isa']} build\n\n"
            + markdown_table(res["rows"], ["cache", "rows", "MB", "ms", "GBps", "x_read_bandwidth"]), args.argv)
     return 0
 
@@ -250,6 +251,9 @@ def _add_attention_op(bsub) -> None:
     ao.add_argument("--context", type=int, default=8192)
     ao.add_argument("--caches", default="full,fp8,kivi2,int8", help="full (fp16), kivi2, kivi4, int4, int8, fp8")
     ao.add_argument("--rows", type=ints, default=[1, 3, 17], help="query rows a KV head's group sees (T)")
+    ao.add_argument("--shape", default="smollm2", help="layers and heads: smollm2's or qwen2.5-coder-0.5b's")
+    ao.add_argument("--numerics", default="fp32",
+                    help="fp32 scores, or q8qk: the integer scores over kept key codes (--caches full)")
     ao.add_argument("--repeats", type=int, default=10)
     ao.add_argument("--threads", type=int, default=0)
     ao.add_argument("--json", action="store_true")
