@@ -31,7 +31,9 @@ inline float exp_neg(float x) {
 }
 
 #if defined(__AVX512F__)
-// exp_neg on 16 lanes: the same IEEE operations in the same order, so the same bits.
+// exp_neg on 16 lanes: the same IEEE operations in the same order, so the same bits; y * 2^n as one
+// `vscalefps` (n is an integer >= -126: 2^n is the normal float the scalar code builds from bits, and both
+// round the one product; checked for every float x <= 0, -inf included).
 inline __m512 exp_neg_512(__m512 x) {
   const auto c = [](float f) { return _mm512_set1_ps(f); };
   x = _mm512_max_ps(x, c(-87.0f));
@@ -46,8 +48,7 @@ inline __m512 exp_neg_512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, c(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, c(5.0000001201e-1f));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), c(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  return _mm512_scalef_ps(y, n);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // exp_neg on 8 lanes (AVX2): the same IEEE operations in the same order, so the same bits.
