@@ -61,6 +61,20 @@ constexpr int code_bits(int F) {
 #define VC_HAS_VNNI_TILES 1   // the avx512vnni build's own tiles and panel layout (vnni_tile below)
 #endif
 
+#if defined(VC_HAS_VNNI_TILES)
+constexpr int VNNI_ROWS = 8;   // rows of x a tile: 8 fp32 + 16 int32 accumulators (two chains a row) of 32 zmm
+
+// The activations again in the VNNI tiles' order: rows in groups of VNNI_ROWS and, within a group, each
+// block's rows side by side ([groups][nb][VNNI_ROWS] blocks of 32 codes, and so each number), so a tile
+// reads block b of all its rows from one pointer at fixed offsets. (With a pointer a row GCC ran out of
+// registers and reloaded them from the stack: three loads a row and block in the combine.)
+struct TileActs {
+  std::vector<int8_t> a;         // [groups, nb, VNNI_ROWS, 32]
+  std::vector<float> dx, ds;     // [groups, nb, VNNI_ROWS]
+  std::vector<int32_t> sa, sh;   // [groups, nb, VNNI_ROWS]
+};
+#endif
+
 // The activations of M rows, quantized once a call
 struct QActs {
   int64_t nb = 0;               // blocks a row
@@ -68,6 +82,9 @@ struct QActs {
   std::vector<float> dx, ds;    // [M, nb]
   std::vector<int32_t> sa;      // [M, nb]
   std::vector<int32_t> sh;      // [M, nb]: the sum of a block's first 16 (VNNI's Q6_K takes its halves apart)
+#if defined(VC_HAS_VNNI_TILES)
+  TileActs tiles;               // the same values in the VNNI tiles' order
+#endif
 };
 
 // x's blocks -> a, dx, ds, sa, sh. The vector builds compute exactly the scalar loop's values: max is exact,
@@ -534,11 +551,12 @@ constexpr int64_t NB = 8 * G;        // weight rows a work item
 constexpr int MT = 2;                // rows of x a panel tile
 
 #if defined(__AVX512F__)
-// 16 outputs (the AMX and VNNI tiles): acc += one block of a row, its exact s in the contract's fp32 chain
+// 16 outputs (the AMX and VNNI tiles): acc += one block of a row (its scales dx, ds), its exact s in the
+// contract's fp32 chain
 template <int F>
-VC_INLINE __m512 combine16(__m512 acc, __m512i s, __m512 ws, __m512 wm, const QActs& X, int64_t x) {
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X.dx[x])), acc);
-  return has_min(F) ? _mm512_fmadd_ps(wm, _mm512_set1_ps(X.ds[x]), acc) : acc;
+VC_INLINE __m512 combine16(__m512 acc, __m512i s, __m512 ws, __m512 wm, float dx, float ds) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(dx)), acc);
+  return has_min(F) ? _mm512_fmadd_ps(wm, _mm512_set1_ps(ds), acc) : acc;
 }
 
 // A row's 16 outputs (``valid`` of them) from n0, with the bias
@@ -619,7 +637,7 @@ void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64
                                 _mm512_mullo_epi32(_mm512_load_si512(c1[i]), _mm512_load_si512(sc[1])));
         const int64_t x = (m0 + i) * nb + b;
         if (offset_of(F)) si = _mm512_sub_epi32(si, _mm512_set1_epi32(offset_of(F) * X.sa[x]));
-        acc[i] = combine16<F>(acc[i], si, ws, wm, X, x);
+        acc[i] = combine16<F>(acc[i], si, ws, wm, X.dx[x], X.ds[x]);
       }
     }
     for (int64_t i = 0; i < rows; ++i) store16(acc[i], ys[m0 + i], n0, valid, bias);
@@ -635,8 +653,6 @@ void amx_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64
 // flipped) and 128 sa comes off the int32 sum; Q6_K's are packed as c + 32, and 32 times each half's sum
 // of activations comes off that half's before its integer scale: the contract's s exactly, and the
 // combine is the same fp32 chain in 16-lane vectors.
-constexpr int VNNI_ROWS = 8;   // rows of x a tile: 8 fp32 + 16 int32 accumulators (two chains a row) of 32 zmm
-
 // Q6_K: the 16 outputs' integer scale of half h of block b, as int32
 VC_INLINE __m512i q6k_scales(const Panel& P, int64_t b, int h) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(P.sc8 + b * 32 + 16 * h)));
@@ -666,19 +682,30 @@ VC_INLINE __m512i panel_line(const uint8_t* u, int t) {
   return c;
 }
 
+// acc + u8(c) . s8(the 4 bytes at a, broadcast) per int32 lane: one `vpdpbusd` with its broadcast operand
+// (GCC 12 loads the intrinsic's set1 apart, and may shuffle an accumulator between registers around it)
+VC_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i c, const int32_t* a) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(c), "m"(*a));
+  return acc;
+}
+
+// Rows m0 .. m0 + MR - 1 against an item's 16 outputs; they lie in one group of VNNI_ROWS (``TileActs``):
+// ``vnni_item`` starts its tiles of 8 and 4 at multiples of 8 and the smaller ones within the last group
 template <int F, int MR>
 void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int64_t n0, int64_t valid,
                const float* bias) {
   // packed Q6_K codes are q = c + 32, unsigned; Q8_0's are signed bytes
   constexpr bool flip = kind_of(F) != UNSIGNED && !PanelLayout<F>::compact;
   constexpr int off = flip ? 128 : F == Q6_K ? 32 : offset_of(F);
-  const int64_t nb = X.nb;
+  const int64_t nb = X.nb, at = m0 / VNNI_ROWS * nb * VNNI_ROWS + m0 % VNNI_ROWS;   // block 0's row 0
+  const int8_t* a = X.tiles.a.data() + at * 32;   // block b's row i at a + (b * VNNI_ROWS + i) * 32
+  const float *dx = X.tiles.dx.data() + at, *ds = X.tiles.ds.data() + at;   // [b * VNNI_ROWS + i]
+  const int32_t *sa = X.tiles.sa.data() + at, *sh = X.tiles.sh.data() + at;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* u = P.u + b * PanelLayout<F>::U * G;
-    const int32_t* a[MR];   // row i's block b: 4 activations a dword
-    for (int i = 0; i < MR; ++i) a[i] = (const int32_t*)(X.a.data() + ((m0 + i) * nb + b) * 32);
+    const int32_t* ab = (const int32_t*)(a + b * VNNI_ROWS * 32);   // row i's dword t: ab[8 i + t] (32 bytes a row)
     __m512i s0[MR], s1[MR];
     for (int i = 0; i < MR; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -687,8 +714,8 @@ void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int
       if (flip) c = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80));
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {   // two chains a row (Q6_K: its halves; else even and odd steps)
-        if (F == Q6_K ? t >= 4 : t % 2) s1[i] = _mm512_dpbusd_epi32(s1[i], c, _mm512_set1_epi32(a[i][t]));
-        else s0[i] = _mm512_dpbusd_epi32(s0[i], c, _mm512_set1_epi32(a[i][t]));
+        if (F == Q6_K ? t >= 4 : t % 2) s1[i] = dpbusd_bcast(s1[i], c, ab + 8 * i + t);
+        else s0[i] = dpbusd_bcast(s0[i], c, ab + 8 * i + t);
       }
     }
     const __m512 ws = panel_scales<F>(P.ws, P.ws16, b);
@@ -696,17 +723,17 @@ void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int
     __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0;
     if (F == Q6_K) { sc0 = q6k_scales(P, b, 0); sc1 = q6k_scales(P, b, 1); }
     for (int i = 0; i < MR; ++i) {
-      const int64_t x = (m0 + i) * nb + b;
+      const int64_t x = b * VNNI_ROWS + i;
       __m512i s;
       if (F == Q6_K) {
-        const int32_t lo = X.sh[x], hi = X.sa[x] - lo;
+        const int32_t lo = sh[x], hi = sa[x] - lo;
         s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(s0[i], _mm512_set1_epi32(off * lo)), sc0),
                              _mm512_mullo_epi32(_mm512_sub_epi32(s1[i], _mm512_set1_epi32(off * hi)), sc1));
       } else {
         s = _mm512_add_epi32(s0[i], s1[i]);
-        if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X.sa[x]));
+        if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * sa[x]));
       }
-      acc[i] = combine16<F>(acc[i], s, ws, wm, X, x);
+      acc[i] = combine16<F>(acc[i], s, ws, wm, dx[x], ds[x]);
     }
   }
   for (int i = 0; i < MR; ++i) store16(acc[i], ys[m0 + i], n0, valid, bias);
@@ -896,9 +923,25 @@ int vc_linear_q8_packed(int fmt, const uint8_t* w, const uint8_t* packed, int64_
   X.ds.resize(rows * X.nb);
   X.sa.resize(rows * X.nb);
   X.sh.resize(rows * X.nb);
+#if defined(VC_HAS_VNNI_TILES)
+  const int64_t tile_rows = (M + VNNI_ROWS - 1) / VNNI_ROWS * VNNI_ROWS;
+  X.tiles.a.resize(tile_rows * K);
+  for (auto* v : {&X.tiles.dx, &X.tiles.ds}) v->resize(tile_rows * X.nb);
+  for (auto* v : {&X.tiles.sa, &X.tiles.sh}) v->resize(tile_rows * X.nb);
+#endif
   auto quantize = [&](int64_t m) {
     quantize_row(x + m * ldx, X.nb, X.a.data() + m * K, X.dx.data() + m * X.nb, X.ds.data() + m * X.nb,
                  X.sa.data() + m * X.nb, X.sh.data() + m * X.nb);
+#if defined(VC_HAS_VNNI_TILES)
+    for (int64_t b = 0; b < X.nb; ++b) {   // row m's blocks in the tiles' order
+      const int64_t from = m * X.nb + b, to = (m / VNNI_ROWS * X.nb + b) * VNNI_ROWS + m % VNNI_ROWS;
+      std::memcpy(X.tiles.a.data() + to * 32, X.a.data() + from * 32, 32);
+      X.tiles.dx[to] = X.dx[from];
+      X.tiles.ds[to] = X.ds[from];
+      X.tiles.sa[to] = X.sa[from];
+      X.tiles.sh[to] = X.sh[from];
+    }
+#endif
   };
   if (M < 16) {   // a few rows: not worth a parallel region
     for (int64_t m = 0; m < M; ++m) quantize(m);
