@@ -724,8 +724,9 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
       }
     }
   };
-  std::vector<int64_t> rows;
+  std::vector<int64_t> rows, row_i;   // the rows (g T + i) that see the block, and each one's i
   rows.reserve(R);
+  row_i.reserve(R);
   // the rows' query codes gathered chunk by chunk ([chunks][ROWS][D], past the last row zeros), with their
   // scales and offset shares: gathered again only when the block's first seeing row changes (a part's
   // own keys, under the causal limit), not every block
@@ -739,8 +740,12 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
     if (i_first >= T) break;
     if (i_first != gathered_from) {
       rows.clear();
+      row_i.clear();
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = i_first; i < T; ++i) rows.push_back(g * T + i);
+        for (int64_t i = i_first; i < T; ++i) {
+          rows.push_back(g * T + i);
+          row_i.push_back(i);
+        }
       const size_t padded = (rows.size() + ROWS - 1) / ROWS * ROWS;
       qcodes.assign(padded * D, 0);
       dq.assign(padded, 0.f);
@@ -783,8 +788,8 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
     for (size_t c0 = 0; c0 < rows.size(); c0 += ROWS) {
       const int nc = (int)std::min<size_t>(ROWS, rows.size() - c0);
       int64_t vis[ROWS];
-      for (int c = 0; c < nc; ++c)   // (a row's i, rows[] % T, only under a causal limit: a division a row)
-        vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, rows[c0 + c] % T + p.diag + 1 - t0) : bt;
+      for (int c = 0; c < nc; ++c)   // (row_i: rows[] % T was a division a row and block)
+        vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, row_i[c0 + c] + p.diag + 1 - t0) : bt;
       block_scores(unit, qcodes.data() + c0 * D, dq.data() + c0, qm.data() + c0, nc, keys, D, dots, s);
       if (p.seen) record_seen(p, rows.data() + c0, nc, h, G, T, t0, vis, s);
       // online softmax (the block's max, exp, rescale), then the weights coded: in passes over the chunk's
@@ -802,7 +807,8 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
         l[r] = std::fma(l[r], alpha[c], exp_block(s[c], vis[c], m_new[c]));
       }
       code_weights(nc, s, values.dv, dw, wcodes);
-      std::memset(wcodes + nc * BLK, 0, (ROWS - nc) * BLK);
+      // rows past nc up to the units' last tile (16 rows: AMX's, 4: VNNI's) read as zeros
+      std::memset(wcodes + nc * BLK, 0, (std::min(ROWS, (nc + 15) / 16 * 16) - nc) * BLK);
       block_values(unit, wcodes, nc, values, D, pv);
       for (int c = 0; c < nc; ++c) {
         float* a = acc + rows[c0 + c] * D;
