@@ -518,8 +518,12 @@ inline void record_seen(const Part& p, const int64_t* rows, int nr, int64_t h, i
     float* out = p.seen + (h * G + rows[x] / T) * p.seen_h + t0;
     const float* sx = s[x];
     int64_t t = 0;
+#if defined(__AVX512F__)
+    for (; t + 16 <= vis[x]; t += 16)   // a max is exact: every build gives the same bits
+      _mm512_storeu_ps(out + t, _mm512_max_ps(_mm512_load_ps(sx + t), _mm512_loadu_ps(out + t)));
+#endif
 #if defined(__AVX2__)
-    for (; t + 8 <= vis[x]; t += 8)     // a max is exact: every build gives the same bits
+    for (; t + 8 <= vis[x]; t += 8)
       _mm256_storeu_ps(out + t, _mm256_max_ps(_mm256_load_ps(sx + t), _mm256_loadu_ps(out + t)));
 #endif
     for (; t < vis[x]; ++t) out[t] = std::max(out[t], sx[t]);
@@ -530,11 +534,30 @@ inline void record_seen(const Part& p, const int64_t* rows, int nr, int64_t h, i
 // over the keys of each key's max score over the head's rows (vectorised exp: n keys a layer).
 inline void normalize_seen(float* x, int64_t n) {
   float mx = NEG;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
+  int64_t j = 0;
+#if defined(__AVX512F__)   // (a max is exact in any order)
+  __m512 m16 = _mm512_set1_ps(NEG);
+  for (; j + 16 <= n; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(x + j));
+  mx = _mm512_reduce_max_ps(m16);
+#endif
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
   // 8 lane sums (key j in lane j % 8), then the lanes and the tail in order: the same in every build
   alignas(32) float lanes[8] = {};
-  int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)   // (exp_neg_256 is the AVX2 build's)
+  j = 0;
+#if defined(__AVX512F__)   // 16 keys an exp, each half added to the 8 lanes in turn: the same adds in order
+  __m256 acc16 = _mm256_setzero_ps();
+  const __m512 m512 = _mm512_set1_ps(mx);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp_neg_512(_mm512_sub_ps(_mm512_loadu_ps(x + j), m512));
+    acc16 = _mm256_add_ps(_mm256_add_ps(acc16, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+  }
+  if (j + 8 <= n) {   // 8 more (the upper lanes' exps unused)
+    const __m512 e = exp_neg_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(0xff, x + j), m512));
+    acc16 = _mm256_add_ps(acc16, _mm512_castps512_ps256(e));
+    j += 8;
+  }
+  _mm256_store_ps(lanes, acc16);
+#elif defined(__AVX2__) && defined(__FMA__)   // (exp_neg_256 is the AVX2 build's)
   __m256 acc = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8)
     acc = _mm256_add_ps(acc, exp_neg_256(_mm256_sub_ps(_mm256_loadu_ps(x + j), _mm256_set1_ps(mx))));
