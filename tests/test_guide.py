@@ -194,6 +194,39 @@ def test_guided_drafting_keeps_the_output_and_counts_its_swaps(llm, code_prompts
     assert stats["true"]["compressor"].endswith("guided=True,swaps=64,kernel=7")
 
 
+def test_a_guided_request_keeps_one_seen_record_for_all_its_verifications(llm, code_prompts, monkeypatch):
+    """Each verification of a guided request records into the same [L, Hq, capacity] buffer (a fresh one
+    a verification cost 8-15 ms of page faults at 32K), counted in what the request needs and holds and
+    dropped with its caches; an unguided request has none."""
+    import vericache.engine.scheduler as scheduler
+
+    prompt = llm.tokenizer.encode(code_prompts["long"])
+    cfg = llm.loaded.config
+    eng = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.1,guided=true", draft_len=4)
+    records = []
+    real = scheduler.guide_store
+    monkeypatch.setattr(scheduler, "guide_store",
+                        lambda draft, full, seen, *a: records.append(seen) or real(draft, full, seen, *a))
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=24))
+    req = eng.loop.requests[rid]
+    memory = eng.loop.scheduler.memory
+    eng.step()   # admitted and allocated
+    seen = req.kv.seen
+    assert seen is not None and seen.shape == (cfg.num_hidden_layers, cfg.num_attention_heads, req.seq.capacity)
+    assert memory.seen_bytes(req) == seen.nbytes > 0
+    assert memory.device_bytes(req) >= seen.nbytes and req.kv.resident_bytes() >= seen.nbytes
+    while eng.has_unfinished():
+        eng.step()
+    assert len(records) >= 2
+    assert all(r.untyped_storage().data_ptr() == seen.untyped_storage().data_ptr() for r in records)
+    assert req.kv.seen is None   # freed with its caches
+
+    plain = Engine(llm.loaded, mode="vericache", compressor="snapkv:ratio=0.1,guided=false", draft_len=4)
+    rid = plain.add_request(prompt, SamplingParams(max_tokens=4))
+    plain.step()
+    assert plain.loop.requests[rid].kv.seen is None and plain.loop.scheduler.memory.seen_bytes(plain.loop.requests[rid]) == 0
+
+
 def test_swaps_are_a_metric():
     from vericache.serving.metrics import Metrics, metrics_sink
 

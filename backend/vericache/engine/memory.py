@@ -127,7 +127,16 @@ class KVMemory:
         full = self.full_bytes(self.capacity(req))
         draft = planned_bytes(req.opts.compressor, self.cfg, self.dtype, self.capacity(req), self.key_codes) \
             if req.placement.draft_here else 0
-        return req.placement.device_bytes_needed(full, draft, resident=full - self.streamed(full))
+        return req.placement.device_bytes_needed(full, draft, resident=full - self.streamed(full)) + self.seen_bytes(req)
+
+    def seen_bytes(self, req: Request) -> int:
+        """Device bytes of its verifications' record of what they attend to (``RequestKV.seen``): a guided
+        drafter verifying its own rounds (in place or over the link) keeps one, fp32 a layer, query head and
+        position; 0 otherwise."""
+        where, cfg = req.placement, self.cfg
+        if not (where.drafts and where.full_here and req.opts.compressor.guided):
+            return 0
+        return cfg.num_hidden_layers * cfg.num_attention_heads * self.capacity(req) * 4
 
     def transient(self, req: Request) -> int:
         """Device bytes held only for a while: the uncompressed prompt in a lossy draft cache's
@@ -179,6 +188,8 @@ class KVMemory:
         if where.offloaded and self.resident_layers:
             req.kv.resident = FullKVCache(self.cfg, self.dev, self.dtype, capacity=cap, layers=self.resident_layers,
                                           key_codes=self.key_codes)
+        if self.seen_bytes(req):   # not touched until its first verification writes it
+            req.kv.seen = torch.empty(self.cfg.num_hidden_layers, self.cfg.num_attention_heads, cap, device=self.dev)
 
     def device_bytes(self, req: Request) -> int:
         """Device bytes the request's caches hold now (what it is charged)."""
@@ -190,7 +201,7 @@ class KVMemory:
         for cache in (req.kv.resident, req.kv.prefill_buf):
             if cache is not None:
                 total += cache.held_bytes()
-        return total
+        return total + (req.kv.seen.nbytes if req.kv.seen is not None else 0)
 
     def charge(self, req: Request, device_bytes: int | None = None) -> None:
         """Charge both tiers for what the request holds now (OutOfBlocks where it does not fit: ask
@@ -203,5 +214,5 @@ class KVMemory:
         for pool, key in ((self.device, ("kv", req.id)), (self.device, ("verify", req.id)),
                           (self.host, ("full", req.id))):
             pool.free(key)
-        req.kv.full = req.kv.draft = req.kv.resident = req.kv.prefill_buf = None
+        req.kv.full = req.kv.draft = req.kv.resident = req.kv.prefill_buf = req.kv.seen = None
 

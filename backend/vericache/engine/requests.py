@@ -115,6 +115,10 @@ class RequestKV:
     draft: CompressedKVCache | None = None     # device tier
     resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
     prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
+    # device tier: a guided drafter's record of what its verifications attend to, [L, Hq, capacity] fp32
+    # (``drafting.guide``), made with the caches and reused by each: a fresh one a verification cost 8-15 ms
+    # of page faults at 32K (43 MB for the 0.5B code model), a quarter of a verified round's overhead
+    seen: torch.Tensor | None = None
 
     def full_kv(self) -> FullKVCache:
         """The full KV, which a placement with one (``Placement.full_here`` or offloaded) allocates; a
@@ -132,7 +136,8 @@ class RequestKV:
     def resident_bytes(self) -> int:
         """Bytes of every storage the caches hold (allocated capacity, not only valid positions), each
         storage counted once (no two of a request's caches share one)."""
-        return sum(c.resident_bytes() for c in (self.full, self.draft, self.resident, self.prefill_buf) if c is not None)
+        caches = sum(c.resident_bytes() for c in (self.full, self.draft, self.resident, self.prefill_buf) if c is not None)
+        return caches + (self.seen.nbytes if self.seen is not None else 0)
 
 
 @dataclass

@@ -372,12 +372,10 @@ class Scheduler:
 
     def _verify_cache(self, r: Request, cache: KVCache, t: int) -> KVCache:
         """A local verification's cache; for a guided drafter (``drafting.guide``) one that records what
-        the t verified rows attend to (a scratch [L, Hq, position + t] fp32, dropped after the round)."""
-        if not r.opts.compressor.guided or t == 1:   # t == 1: a plain full step, no drafts
+        the t verified rows attend to (into its ``RequestKV.seen``, [L, Hq, position + t] of it)."""
+        if r.kv.seen is None or t == 1:   # t == 1: a plain full step, no drafts
             return cache
-        cfg = self.loaded.config
-        seen = torch.empty(cfg.num_hidden_layers, cfg.num_attention_heads, r.position + t, device=self.loaded.device)
-        return SeenRecorder(cache, seen)
+        return SeenRecorder(cache, r.kv.seen[:, :, : r.position + t])
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Add the request's next prefill chunk (or its scoring pass's); returns the tokens planned."""
