@@ -187,3 +187,25 @@ def test_loaded_prefix_tokens_outrank_decoded_ones(llm):
     after = cache.kept().pos[:, :, : cache.count].flatten(0, 1)
     assert cache.count > before.shape[1]
     assert all(torch.isin(b, a).all() for b, a in zip(before, after))
+
+
+@pytest.mark.parametrize("s", [1, 37, 1000])
+def test_observed_attention_is_the_whole_softmax_a_head_at_a_time(s):
+    """SnapKV's, H2O's and KVzip's observation-window attention, computed a KV head at a time (its
+    temporaries a head's, not every layer's), has the bits of the whole [H, G, W, S] form; a row is a
+    probability over the S candidates times S, summed over the group's query heads."""
+    import math
+
+    from vericache.compress.base import observed_attention
+    from vericache.kv.compressed import ScoreInputs
+
+    g = torch.Generator().manual_seed(s)
+    h, group, w, d = 6, 3, 8, 64
+    queries, keys = torch.randn(h * group, w, d, generator=g), torch.randn(h, s, d, generator=g) * 2
+    got = observed_attention(ScoreInputs(keys, torch.arange(s).expand(h, s), queries, {}, None))
+    logits = torch.einsum("hgwd,hsd->hgws", queries.view(h, group, w, d), keys) / math.sqrt(d)
+    probs = torch.softmax(logits, dim=-1)
+    assert torch.equal(got, probs.sum(dim=1) * s)
+    torch.testing.assert_close(got.sum(dim=-1), torch.full((h, w), float(group * s)))
+    if s > 1:   # the same probabilities summed in another order differ in bits: the check can fail
+        assert not torch.equal(got, (probs[:, 2] + probs[:, 1] + probs[:, 0]) * s)
