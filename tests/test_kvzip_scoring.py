@@ -81,3 +81,19 @@ def test_chunks_out_of_order_or_past_the_pass_are_refused():
     with pytest.raises(ValueError, match=f"positions {P}..{P + 4} exceed the 4 this pass holds"):
         scorer.begin(P, 5)
     scorer.begin(P, 4)   # the refusals changed nothing
+
+
+@pytest.mark.parametrize("rows, keys", [(7, 5), (600, 2500), (256, 1024)])
+def test_the_score_pass_in_blocks_has_the_bits_of_whole_rows(rows, keys):
+    """The score pass runs in [Hkv, 256, 1024] blocks (a whole row of keys a block faulted in tens of MB
+    a layer and chunk): each logit is one dot product and a max is exact, so its bits are those of every
+    row against every key at once, blocks' edges falling anywhere; the same logits with their dot products
+    rounded once from float64 differ in bits, so the check can fail."""
+    g = torch.Generator().manual_seed(rows)
+    q, lse = torch.randn(HKV, rows, 64, generator=g), torch.randn(HKV, rows, generator=g) + 8
+    k = (2 * torch.randn(HKV, keys, 64, generator=g)).half()
+    logp = torch.baddbmm(-lse[..., None], q, k.float().transpose(1, 2), alpha=1 / 8)   # [Hkv, rows, keys]
+    got = kvzip_scoring.largest_probabilities(q, lse, k)
+    assert torch.equal(got, logp.amax(dim=1).exp())
+    dots64 = torch.baddbmm(-lse[..., None].double(), q.double(), k.double().transpose(1, 2), alpha=1 / 8).float()
+    assert not torch.equal(got, dots64.amax(dim=1).exp())
