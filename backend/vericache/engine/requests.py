@@ -116,8 +116,8 @@ class RequestKV:
     resident: FullKVCache | None = None        # device tier: the resident layers of the full KV
     prefill_buf: FullKVCache | None = None     # device tier: a host-tier full KV being prefilled on the device
     # device tier: a guided drafter's record of what its verifications attend to, [L, Hq, capacity] fp32
-    # (``drafting.guide``), made with the caches and reused by each: a fresh one a verification cost 8-15 ms
-    # of page faults at 32K (43 MB for the 0.5B code model), a quarter of a verified round's overhead
+    # (``drafting.guide``), made with the caches and reused by each: a fresh one a verification cost ~10,500
+    # page faults at 32K (43 MB for the 0.5B code model), 8-12 ms
     seen: torch.Tensor | None = None
 
     def full_kv(self) -> FullKVCache:
