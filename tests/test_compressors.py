@@ -209,3 +209,6 @@ def test_observed_attention_is_the_whole_softmax_a_head_at_a_time(s):
     torch.testing.assert_close(got.sum(dim=-1), torch.full((h, w), float(group * s)))
     if s > 1:   # the same probabilities summed in another order differ in bits: the check can fail
         assert not torch.equal(got, (probs[:, 2] + probs[:, 1] + probs[:, 0]) * s)
+    half = keys.half()   # keys as an fp16 cache holds them: widened a head at a time, the same bits
+    assert torch.equal(observed_attention(ScoreInputs(half, torch.arange(s).expand(h, s), queries, {}, None)),
+                       observed_attention(ScoreInputs(half.float(), torch.arange(s).expand(h, s), queries, {}, None)))

@@ -66,7 +66,8 @@ class Compressor(Protocol):
 class ScoreInputs:
     """What an eviction scorer sees: every layer at once, layers folded into heads (H = L * Hkv).
 
-    keys: [H, S, D] candidate keys (dequantised, fp32), positions: [H, S];
+    keys: [H, S, D] candidate keys (fp32 where dequantised, else as the cache holds them: a scorer widens
+    what it reads), positions: [H, S];
     queries: [L * Hq, W, D] the most recent observed queries (rotated);
     state: a dict the scorer may keep across compression events (KVzip's prompt scores);
     carried: [H, c] the scores the first c candidates (kept tokens) carry, for methods that
@@ -435,7 +436,9 @@ class CompressedKVCache(KVCache):
                                             self.state, self.prompt_len, carried))
             carried.copy_(scores[:, :c])
             return scores
-        new = comp.score(ScoreInputs(k.float().flatten(0, 1), positions.flatten(0, 1).long(), queries,
+        # the entering keys as the cache holds them: the scorer widens a head at a time (fp32 copies of a
+        # 32K prompt's keys at once were 0.4 GB for the 0.5B code model)
+        new = comp.score(ScoreInputs(k.flatten(0, 1), positions.flatten(0, 1).long(), queries,
                                      self.state, self.prompt_len))
         return torch.cat([carried, new], dim=1)
 
