@@ -739,15 +739,24 @@ void vnni_tile(const Panel& P, const QActs& X, int64_t m0, float* const* ys, int
   for (int i = 0; i < MR; ++i) store16(acc[i], ys[m0 + i], n0, valid, bias);
 }
 
-// All M rows of one item: tiles of 8, the rest as 4, 2, 1
+// All M rows of one item: tiles of 8, the rest in one tile of as many rows (each tile reads the item's
+// whole panel: 3 rows as 2 + 1 read it twice, 7 as 4 + 2 + 1 three times; a row's sums are its own, so
+// how rows are tiled changes no bit)
 template <int F>
 void vnni_item(const Panel& P, const QActs& X, int64_t M, float* const* ys, int64_t n0, int64_t valid,
                const float* bias) {
   int64_t m = 0;
   for (; m + VNNI_ROWS <= M; m += VNNI_ROWS) vnni_tile<F, VNNI_ROWS>(P, X, m, ys, n0, valid, bias);
-  if (M - m >= 4) { vnni_tile<F, 4>(P, X, m, ys, n0, valid, bias); m += 4; }
-  if (M - m >= 2) { vnni_tile<F, 2>(P, X, m, ys, n0, valid, bias); m += 2; }
-  if (M - m >= 1) vnni_tile<F, 1>(P, X, m, ys, n0, valid, bias);
+  switch (M - m) {
+    case 1: vnni_tile<F, 1>(P, X, m, ys, n0, valid, bias); break;
+    case 2: vnni_tile<F, 2>(P, X, m, ys, n0, valid, bias); break;
+    case 3: vnni_tile<F, 3>(P, X, m, ys, n0, valid, bias); break;
+    case 4: vnni_tile<F, 4>(P, X, m, ys, n0, valid, bias); break;
+    case 5: vnni_tile<F, 5>(P, X, m, ys, n0, valid, bias); break;
+    case 6: vnni_tile<F, 6>(P, X, m, ys, n0, valid, bias); break;
+    case 7: vnni_tile<F, 7>(P, X, m, ys, n0, valid, bias); break;
+    default: break;
+  }
 }
 #endif
 
