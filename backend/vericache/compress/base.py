@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from vericache.kv.full import FullKVCache
 
 
+SCORE_CHUNK = 1 << 23   # logits an ``observed_attention`` call forms at once (32 MB fp32)
+
+
 def observed_attention(inp: ScoreInputs) -> torch.Tensor:
     """Attention of the observed queries over the candidates relative to uniform (probability x S, so
     1.0 = an average candidate, whatever S), summed over each KV head's query heads: [Hkv, W, S]."""
@@ -39,12 +42,14 @@ def observed_attention(inp: ScoreInputs) -> torch.Tensor:
     hkv, s, _ = inp.keys.shape
     q = inp.queries.view(hkv, hq // hkv, w, d).float()              # [Hkv, G, W, D]
     out = q.new_empty(hkv, w, s)
-    # a (layer, KV head) at a time, scaled in place: every one's [G, W, S] logits and probabilities at once
-    # (the 0.5B code model at 32K: 1.4 GB each, fresh pages) faulted in ~4 GB over a 32K prompt, 1.9 s;
-    # one's are 29 MB, reused (0.8 s; the same bits: each head's matmul, softmax and sum are as before)
-    for h in range(hkv):
-        logits = torch.einsum("gwd,sd->gws", q[h], inp.keys[h].float()).div_(math.sqrt(d))   # [G, W, S]
-        torch.sum(torch.softmax(logits, dim=-1), dim=0, out=out[h])
+    # (layer, KV head)s in chunks of <= SCORE_CHUNK logits, scaled in place: every one's [G, W, S] logits and
+    # probabilities at once (the 0.5B code model at 32K: 1.4 GB each, fresh pages) faulted in ~4 GB over a 32K
+    # prompt, 1.9 s; a head's 29 MB are reused (0.8 s), and a decode move's few candidates stay one call
+    # (the same bits either way: each head's matmul, softmax and sum are its own)
+    per = max(1, SCORE_CHUNK // (hq // hkv * w * s))
+    for h in range(0, hkv, per):
+        logits = torch.einsum("hgwd,hsd->hgws", q[h : h + per], inp.keys[h : h + per].float()).div_(math.sqrt(d))
+        torch.sum(torch.softmax(logits, dim=-1), dim=1, out=out[h : h + per])
     return out.mul_(s)                                               # [Hkv, W, S]
 
 
