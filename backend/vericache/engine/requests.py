@@ -190,12 +190,12 @@ class Drafting:
         logits for these too (``ModelRunner.execute``), so a draft can copy its prompt's and output's rare
         tokens (an identifier, a path): 187 of the 1,247 distinct tokens of an 8K code prompt were past
         32,768, and of the 6 of 64 tokens full decoding wrote past it all but one were in the prompt."""
-        if n is None or not ids:
+        if n is None:
             return
-        t = torch.tensor(ids, dtype=torch.int64)
-        past = t[t >= n]
-        if past.numel():
-            self.vocab = torch.unique(past if self.vocab is None else torch.cat([self.vocab, past]))
+        past = [i for i in ids if i >= n]   # a plain list: most calls take one output token (no tensor per step)
+        if past:
+            t = torch.tensor(past, dtype=torch.int64)
+            self.vocab = torch.unique(t if self.vocab is None else torch.cat([self.vocab, t]))
 
     def take_output_rare_tokens(self, output_ids: list[int], n: int | None) -> None:
         """``take_rare_tokens`` of the output tokens it has not taken in yet (at a round's start)."""
