@@ -195,6 +195,8 @@ class FullKVCache(KVCache):
         """Drop positions >= length (rollback past rejected draft tokens)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: cache holds {self.length} positions")
+        if length == self.length:   # nothing rejected (a plain full step): codes hold only positions < length
+            return
         self.length = length
         self._uncode_from(length)
 
