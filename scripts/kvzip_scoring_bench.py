@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,10 @@ def base_module(commit: str, folder: Path):
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    cls = module.ReconstructionScoringCache
+    if len(inspect.signature(cls.attend).parameters) == 5:   # a base from before the model passed its op in
+        own = cls.attend
+        cls.attend = lambda self, layer, q, k, v, attention=None: own(self, layer, q, k, v)
     return module
 
 

@@ -32,9 +32,9 @@ def _units() -> list[tuple[str, int]]:
     return pairs
 
 
-def _call(isa: str, unit: int, q: torch.Tensor, part: KeyPart, seq_lens=None) -> torch.Tensor:
+def _call(isa: str, unit: int, q: torch.Tensor, part: KeyPart, seq_lens=None, lse=None) -> torch.Tensor:
     ints, tensors = op_args(0, part, q.shape[2])
-    return packed_kernels(isa).attend_packed(q, HKV, seq_lens or [q.shape[1]], ints, tensors, unit)
+    return packed_kernels(isa).attend_packed(q, HKV, seq_lens or [q.shape[1]], ints, tensors, unit, None, lse)
 
 
 def _code(x: torch.Tensor, top: float = 127.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,17 +87,19 @@ def _twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, row_sca
 def test_every_build_and_unit_gives_the_same_bits(dtype):
     """AVX-512 and AVX2 `maddubs`, VNNI `dpbusd`, AMX tiles and the portable build's scalars sum the same
     integers: for head sizes 64, 80 and 128, a decode row and a 17-row chunk, every (build, unit) this CPU
-    runs gives the portable build's bits; fp32 scores (unit 0) differ, so equal bits are the integer
-    path's own."""
+    runs gives the portable build's bits, its rows' log-sum-exp output too; fp32 scores (unit 0) differ, so
+    equal bits are the integer path's own."""
     gen, n = torch.Generator().manual_seed(3), 300
     for d in (64, 80, 128):
         k, v = (torch.randn(HKV, n, d, generator=gen).to(dtype) for _ in range(2))
         for t in (1, 17):
             q = torch.randn(HQ, t, d, generator=gen)
             part = KeyPart(k, v, n=n, diag=n - t)
-            ref = _call("portable", 1, q, part)
+            ref_lse = torch.empty(HQ, t)
+            ref = _call("portable", 1, q, part, lse=ref_lse)
             for isa, unit in _units():
-                assert torch.equal(_call(isa, unit, q, part), ref), (isa, unit, d, t)
+                lse = torch.empty(HQ, t)   # the rows' log-sum-exp (KVzip's scoring pass reads it) too
+                assert torch.equal(_call(isa, unit, q, part, lse=lse), ref) and torch.equal(lse, ref_lse), (isa, unit, d, t)
             assert not torch.equal(_call("portable", 0, q, part), ref)
 
 
@@ -153,6 +155,37 @@ def test_the_key_coding_takes_off_offsets_and_balances_channels():
                        attend_packed(q, [t], [[part]], HKV, score_unit=1))
     with pytest.raises(RuntimeError, match="positive"):
         attend_packed(q, [t], [[part]], HKV, score_unit=1, key_coding=torch.stack([coding[0], torch.zeros(HKV, D)]))
+
+
+def test_the_lse_output_is_each_rows_log_sum_exp_and_bad_ones_are_refused():
+    """``lse`` [Hq, N]: each row's log-sum-exp of its scaled scores over all its parts (what KVzip's scoring
+    pass normalises with): fp32 scores give the explicit one, PyTorch's kernels too; integer scores are
+    within int8's reach of it; a row's value is the same alone and beside another sequence; a wrong
+    output is refused before anything runs."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(HKV, 120, D, generator=gen) for _ in range(2))
+    q = torch.randn(HQ, 9, D, generator=gen) * 3
+    parts = [[KeyPart(k, v, n=107, diag=100)], [KeyPart(k, v, n=50)]]        # a causal chunk of 7, a 2-row sequence
+    logits = torch.einsum("htd,hsd->hts", q, k.repeat_interleave(HQ // HKV, 0)) / math.sqrt(D)   # [Hq, 9, 120]
+    seen = torch.cat([torch.arange(120)[None] <= torch.arange(7)[:, None] + 100,
+                      (torch.arange(120) < 50)[None].expand(2, 120)])                     # [9, 120]
+    explicit = torch.logsumexp(logits.masked_fill(~seen, -math.inf), dim=-1)               # [Hq, 9]
+    outs = {}
+    for unit, kernels, tol in ((0, "auto", 1e-5), (0, "torch", 1e-5), (1, "auto", 0.05)):
+        lse = torch.full((HQ, 9), 7.0)
+        outs[unit, kernels] = attend_packed(q, [7, 2], parts, HKV, kernels, score_unit=unit, lse=lse)
+        torch.testing.assert_close(lse, explicit, atol=tol, rtol=tol)
+        if (unit, kernels) == (1, "auto"):
+            alone = torch.empty(HQ, 7)
+            attend_packed(q[:, :7].contiguous(), [7], parts[:1], HKV, score_unit=1, lse=alone)
+            assert torch.equal(alone, lse[:, :7])
+    out = outs[1, "auto"].clone()
+    for bad in (torch.empty(HQ, 8), torch.empty(HQ, 9, dtype=torch.float64), torch.empty(9, HQ).t()):
+        with pytest.raises(ValueError, match="lse must be a contiguous fp32"):
+            attend_packed(q, [7, 2], parts, HKV, score_unit=1, lse=bad)
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        attend_packed(q, [7, 2], parts, HKV, "triton", lse=torch.empty(HQ, 9))
+    assert torch.equal(attend_packed(q, [7, 2], parts, HKV, score_unit=1), out)   # refusals left nothing behind
 
 
 def test_an_inexact_part_takes_fp32_scores_whatever_the_numerics():

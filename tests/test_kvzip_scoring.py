@@ -1,4 +1,5 @@
-"""KVzip's reconstruction pass: fused attention plus a score pass equal the explicit probabilities."""
+"""KVzip's reconstruction pass: the packed attention (with its rows' log-sum-exp) plus a score pass equal
+the explicit probabilities."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from vericache.compress import kvzip_scoring
 from vericache.compress.kvzip_scoring import ReconstructionScoringCache
 from vericache.config import ModelConfig
 from vericache.kv.full import FullKVCache
+from vericache.kv.packed import attend_packed
 
 HQ, HKV, D, P = 6, 2, 16, 40
 CFG = ModelConfig(vocab_size=32, hidden_size=HQ * D, intermediate_size=64, num_hidden_layers=1,
@@ -34,7 +36,12 @@ def explicit_pass(ctx_k, ctx_v, chunks):
     return outs, best
 
 
-def scored(chunks, seed=0):
+def fp32_op(q, parts, lse=None):
+    """A layer's op with fp32 scores (``PartsAttention``; the model binds its own numerics)."""
+    return attend_packed(q, [q.shape[1]], [parts], HKV, lse=lse)
+
+
+def scored(chunks, seed=0, op=fp32_op):
     g = torch.Generator().manual_seed(seed)
     ctx = FullKVCache(CFG, "cpu", torch.float32, capacity=P)
     ctx.append(torch.randn(1, HKV, P, D, generator=g), torch.randn(1, HKV, P, D, generator=g))
@@ -43,7 +50,7 @@ def scored(chunks, seed=0):
     for q, k, v in chunks:
         scorer.begin(start, q.shape[1])
         start += q.shape[1]
-        outs.append(scorer.attend(0, q, k, v))
+        outs.append(scorer.attend(0, q, k, v, op))
     reference = explicit_pass(*ctx.layer_views(0, P), chunks)
     return outs, scorer.scores[0], reference
 
@@ -62,6 +69,24 @@ def test_the_fused_pass_equals_the_explicit_probabilities(sizes):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-7)
     assert scores.shape == (HKV, P) and float(scores.max()) > 0.1   # peaked rows: a real maximum to match
+
+
+def q8qk_op(q, parts, lse=None):
+    """The op in the q8qk numerics (integer scores on this build's own vector code), as a q8qk model binds it."""
+    return attend_packed(q, [q.shape[1]], [parts], HKV, score_unit=1, lse=lse)
+
+
+def test_the_pass_on_integer_scores_is_within_int8s_reach_of_the_explicit_one():
+    """Under q8qk the pass attends on the integer op and the scores take its rows' log-sum-exp: int8
+    queries and keys move a logit by ~1% of its size, so outputs and probabilities stay near the explicit
+    fp32 ones (peaked rows: some near 1; a score's fp32 logit over the integer normaliser may pass 1 by
+    that error)."""
+    chunks = random_chunks([8, 5, 1])
+    outs, scores, (ref_outs, ref_scores) = scored(chunks, op=q8qk_op)
+    for out, ref in zip(outs, ref_outs):
+        torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(scores, ref_scores, atol=0.1, rtol=0.1)
+    assert float(ref_scores.max()) > 0.5 and float(scores.max()) < 1.05
 
 
 def test_a_score_pass_without_the_row_normaliser_fails_the_comparison(monkeypatch):

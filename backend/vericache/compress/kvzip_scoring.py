@@ -2,9 +2,11 @@
 while the model re-reads the context after a repeat prompt.
 
 A context key's score is the largest probability any query of its KV group gives it. The pass
-never forms the [Hq, T, S] probabilities: attention runs fused (torch's CPU flash attention, which
-also returns each row's log-sum-exp), and then p(row, key) = exp(q . k / sqrt(D) - lse(row)) is
-computed for the P context keys only, in row blocks, keeping the running maximum."""
+never forms the [Hq, T, S] probabilities: attention runs on the layer's own op (the packed attention,
+in the model's numerics: under q8qk integer scores, 3.5x torch's fp32 flash attention over an 8K
+context), which also returns each row's log-sum-exp, and then p(row, key) = exp(q . k / sqrt(D) - lse(row))
+is computed for the P context keys only, in row blocks, keeping the running maximum (fp32 dots over the
+op's normaliser: under q8qk a score may pass 1 by int8's error, ~1% of a logit; only their order counts)."""
 
 from __future__ import annotations
 
@@ -14,29 +16,13 @@ from typing import ClassVar
 import torch
 
 from vericache.kv.full import FullKVCache
+from vericache.kv.packed import KeyPart, PartsAttention
 from vericache.kv.protocol import KVCache
 
 # the score pass's blocks: [Hkv, 256 rows, 1024 keys] fp32 logits at a time (2 MB for two KV heads). Whole
 # rows of keys ([Hkv, 512, P]: 34 MB at 8K, each a fresh mapping) took 134 ms a layer and chunk at 8K and
 # 270 at 16K; these blocks 44 and 87, the same bits (a max is exact, and each logit is one dot product)
 SCORE_ROWS, SCORE_KEYS = 256, 1024
-
-
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [H, R, D] over k, v [H, S, D]: output [H, R, D] and each row's log-sum-exp
-    [H, R] (fp32). ``causal`` masks top-left aligned (row i sees keys 0..i)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q[None], k[None], v[None], is_causal=causal)
-    return out[0], lse[0].float()
-
-
-def merged(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over two disjoint key sets from each one's output [..., R, D] and lse [..., R]."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a.float() * (lse_a - lse).exp()[..., None] + out_b.float() * (lse_b - lse).exp()[..., None]
-    return out.to(out_a.dtype), lse
 
 
 def largest_probabilities(q: torch.Tensor, lse: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -59,8 +45,8 @@ class ReconstructionScoringCache(KVCache):
     of its own, in order, recording the context's largest probabilities: scores[layer]: [Hkv, P]."""
 
     computes_attention = True
-    # the pass's tokens a forward, fixed: how its rows are split moves the scores' last bits (the merged
-    # attentions' rounding), so they never depend on an engine's prefill chunk
+    # the pass's tokens a forward, fixed: the engine's steps (``RowKind.PREFILL_SCORE``) and the prefix
+    # store's ingest run the same chunks whatever an engine's prefill chunk
     chunk: ClassVar[int] = 512
 
     def __init__(self, context: FullKVCache, n_layers: int, own: int) -> None:
@@ -93,23 +79,22 @@ class ReconstructionScoringCache(KVCache):
             self.keys[layer], self.values[layer] = keys, values
         return keys, values
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention: PartsAttention) -> torch.Tensor:
         # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1 (all >= P)
         hq, t, d = q.shape
         hkv = k.shape[0]
-        group = hq // hkv
         keys, values = self._layer_buffers(layer, q.dtype)
         keys[:, self._start : self._end], values[:, self._start : self._end] = k, v
-        # every earlier key is seen by every row: a group's rows attend together, [Hkv, G*T, D]
-        rows = q.reshape(hkv, group * t, d)
-        out_a, lse_a = fused_attention(rows, keys[:, : self._start], values[:, : self._start])
-        # the chunk's own keys: causal, per query head ([Hq, T, D], k and v repeated over the group)
-        out_b, lse_b = fused_attention(q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), causal=True)
-        out, lse = merged(out_a.reshape(hq, t, d), lse_a.reshape(hq, t), out_b, lse_b)
-        ctx_max = largest_probabilities(rows, lse.reshape(hkv, group * t), keys[:, : self.p])   # [Hkv, P]
+        # one causal part: row i sees the context and the pass's keys up to its own (0 .. start + i)
+        lse = torch.empty(hq, t, dtype=torch.float32, device=q.device)
+        out = attention(q, [KeyPart(keys, values, n=self._end, diag=self._start)], lse)    # [T, Hq, D]
+        # every context key is seen by every row: a group's rows scored together, [Hkv, G*T, D]
+        rows = q.reshape(hkv, (hq // hkv) * t, d)
+        ctx_max = largest_probabilities(rows, lse.reshape(hkv, -1), keys[:, : self.p])   # [Hkv, P]
         prev = self.scores.get(layer)
         self.scores[layer] = ctx_max if prev is None else torch.maximum(prev, ctx_max)
-        return out
+        return out.transpose(0, 1)
 
 
 @torch.inference_mode()

@@ -914,10 +914,13 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 // an optional output [Hq, >= n] fp32: per query head, log softmax over keys j < n of the max over the
 // head's rows that see j of their scaled score: an estimate of how much the verified rows attended to
 // j, in logs; about -1e30 where no row sees j).
+// lse (optional, an output) [Hq, N] fp32: each row's log-sum-exp of its scaled scores over all its parts'
+// keys (what a caller normalising scores of its own needs: KVzip's scoring pass); -1e30 for a row that
+// sees no key.
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
                          const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit,
-                         const c10::optional<at::Tensor>& key_coding) {
+                         const c10::optional<at::Tensor>& key_coding, const c10::optional<at::Tensor>& lse) {
   TORCH_CHECK(score_unit >= vc_int_scores::FP32 && score_unit <= vc_int_scores::AMX,
               "score_unit must be 0 (fp32), 1 (this build's integer dots), 2 (VNNI) or 3 (AMX), got ", score_unit);
   const auto unit = vc_int_scores::runnable((vc_int_scores::Unit)score_unit, q.size(2));
@@ -951,6 +954,12 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   std::vector<int64_t> row0(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) row0[s + 1] = row0[s] + seq_lens[s];
   TORCH_CHECK(row0[S] == N, "seq_lens sum to ", row0[S], " but q has ", N, " rows");
+  float* lse_out = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == Hq && lse->size(1) == N &&
+                lse->is_contiguous(), "lse: contiguous fp32 [", Hq, ", ", N, "], got ", lse->sizes());
+    lse_out = lse->data_ptr<float>();
+  }
 
   std::vector<Part> parts;
   for (int64_t i = 0; i < P; ++i) {
@@ -1036,6 +1045,7 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
 #pragma omp simd
           for (int64_t j = 0; j < D; ++j) o[j] = o[j] * inv;
         }
+        if (lse_out) lse_out[(h * G + g) * N + row0[s] + i] = l > 0.f ? m + std::log(l) : NEG;
       }
       for (const Part& p : parts)
         if (p.seen && p.seq == s) {

@@ -67,3 +67,9 @@ def merge(parts: list[Part]) -> torch.Tensor:
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)                   # [Hq, T]
     out = cast(torch.Tensor, sum(o.float() * torch.exp(l - lse)[..., None] for o, l in parts))
     return out.to(parts[0][0].dtype)
+
+
+def merged_lse(parts: list[Part]) -> torch.Tensor:
+    """The log-sum-exp [Hq, T] over the union of the parts' key sets (-1e30 for a row that sees no key,
+    as the CPU op writes it)."""
+    return torch.logsumexp(torch.stack([p[1].float() for p in parts]), dim=0).clamp_(min=-1e30)

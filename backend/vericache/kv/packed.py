@@ -21,7 +21,7 @@ import torch
 
 from vericache.kernels import packed_kernels
 from vericache.kernels.layouts import CHANNEL_GROUPS, DENSE, PART_INTS, PART_TENSORS
-from vericache.kv.attention import Part, attend_all, attend_causal, merge
+from vericache.kv.attention import Part, attend_all, attend_causal, merge, merged_lse
 from vericache.kv.quantized import Layout, StoredFields
 
 
@@ -143,6 +143,14 @@ class LayeredParts:
     observer: QueryObserver | None = None
 
 
+class PartsAttention(Protocol):
+    """A layer's ``attend_packed`` with its model's settings bound (kernels, score unit, key coding), for one
+    sequence: q [Hq, T, D] over ``parts`` -> out [T, Hq, D]; ``lse`` an optional output [Hq, T] fp32 (what
+    a cache computing its own attention calls: ``KVCache.attend``)."""
+
+    def __call__(self, q: torch.Tensor, parts: Sequence[KeyPart], lse: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
     """One part's ints and tensors for the native op, named and put in the op's order (``layouts``'
     PART_INTS and PART_TENSORS; unnamed tensors are None)."""
@@ -167,9 +175,11 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
                   n_kv_heads: int, kernels: str = "auto", score_unit: int = 0,
-                  key_coding: torch.Tensor | None = None) -> torch.Tensor:
+                  key_coding: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
-    Returns out [N, Hq, D]. ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
+    Returns out [N, Hq, D]; ``lse`` (optional, an output) [Hq, N] fp32 takes each row's log-sum-exp of its
+    scaled scores over all its parts' keys (-1e30 for a row that sees none; native op and PyTorch's
+    kernels). ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
     (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
     op for fp32 queries on the CPU, PyTorch's kernels elsewhere. ``score_unit`` (the native op only):
     0 fp32 scores, else the q8qk numerics' integer scores on that unit (``linear_op.score_unit``), keys
@@ -182,7 +192,11 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
     if score_unit and not native:
         raise ValueError(f"integer scores (score_unit={score_unit}) run on the native CPU op with fp32 queries, "
                          f"not kernels={kernels!r} on {q.device} {q.dtype}")
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (hq, n) or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous fp32 [{hq}, {n}] output, got {lse.dtype} {tuple(lse.shape)}")
     if kernels == "triton":
+        if lse is not None:
+            raise ValueError("an lse output runs on the native CPU op or PyTorch's kernels, not kernels='triton'")
         from vericache.kernels.triton_attention import attend_packed as attend_triton
 
         record_seen_torch(q, seq_lens, parts)
@@ -196,13 +210,16 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                 ints += i
                 tensors += t
         out: torch.Tensor = packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors, score_unit,
-                                                           key_coding)
+                                                           key_coding, lse)
         return out
     record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0
     for rows, seq_parts in zip(seq_lens, parts):
         qs = q[:, start : start + rows]
-        outs.append(merge([r for p in seq_parts for r in torch_part(qs, p)]))
+        each = [r for p in seq_parts for r in torch_part(qs, p)]
+        outs.append(merge(each))
+        if lse is not None:
+            lse[:, start : start + rows] = merged_lse(each)
         start += rows
     return torch.cat(outs, dim=1).transpose(0, 1)
 

@@ -4,7 +4,7 @@ against (kvpress's way: one base, a small class per kind), so no caller asks a c
 A step gives each sequence one cache. The forward calls ``begin`` once, then per layer either ``parts``
 (store the chunk's K/V, say which key parts its queries attend: ``attend_packed`` computes every
 sequence's attention in one call) or, for a cache that computes its own attention (KVzip's scoring
-pass, which records attention probabilities), ``attend``. The native step asks ``layered_parts``
+pass, which records attention probabilities), ``attend``, handed the layer's op to run its parts on. The native step asks ``layered_parts``
 (every layer at once) and runs the module's path where a cache answers None; the roofline and the cost
 model ask ``attention_cost``.
 
@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from vericache.kv.packed import KeyPart, LayeredParts
+from vericache.kv.packed import KeyPart, LayeredParts, PartsAttention
 
 
 class KVCache(ABC):
@@ -34,8 +34,10 @@ class KVCache(ABC):
         """Store k, v for the positions given to ``begin``; return the key parts the queries attend."""
         raise NotImplementedError(f"{type(self).__name__} computes its own attention (attend)")
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v and return the attention output [Hq, T, D] (``computes_attention`` caches only)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention: PartsAttention) -> torch.Tensor:
+        """Store k, v and return the attention output [Hq, T, D] (``computes_attention`` caches only), on
+        the layer's own op (``attention``: the model's kernels and numerics)."""
         raise NotImplementedError(f"{type(self).__name__} hands its key parts to the packed attention (parts)")
 
     def layered_parts(self, t: int) -> LayeredParts | None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vericache.config import ModelConfig
-from vericache.kv.packed import attend_packed
+from vericache.kv.packed import KeyPart, attend_packed
 from vericache.kv.protocol import KVCache
 from vericache.model.draft_weights import (
     QUANTIZERS,
@@ -176,8 +176,13 @@ class Attention(nn.Module):
                 outs.append(attend_packed(qs, [t], [c.parts(layer, qs, ks, vs)], self.n_kv, self.kernels,
                                             self.score_unit, self.key_coding))
             else:
-                outs.append(c.attend(layer, qs, ks, vs).transpose(0, 1))
+                outs.append(c.attend(layer, qs, ks, vs, self.attend_parts).transpose(0, 1))
         return torch.cat(outs)
+
+    def attend_parts(self, q: torch.Tensor, parts: Sequence[KeyPart], lse: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence's q [Hq, T, D] over ``parts`` on this layer's op and numerics -> [T, Hq, D]
+        (``kv.packed.PartsAttention``: what a cache computing its own attention runs its parts on)."""
+        return attend_packed(q, [q.shape[1]], [parts], self.n_kv, self.kernels, self.score_unit, self.key_coding, lse)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          seq_lens: Sequence[int]) -> torch.Tensor:
