@@ -178,7 +178,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                   key_coding: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
     Returns out [N, Hq, D]; ``lse`` (optional, an output) [Hq, N] fp32 takes each row's log-sum-exp of its
-    scaled scores over all its parts' keys (-1e30 for a row that sees none; native op and PyTorch's
+    scaled scores over all its parts' keys (-1e30 for a row that sees none; with it "triton" runs PyTorch's
     kernels). ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
     (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
     op for fp32 queries on the CPU, PyTorch's kernels elsewhere. ``score_unit`` (the native op only):
@@ -194,9 +194,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                          f"not kernels={kernels!r} on {q.device} {q.dtype}")
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (hq, n) or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous fp32 [{hq}, {n}] output, got {lse.dtype} {tuple(lse.shape)}")
-    if kernels == "triton":
-        if lse is not None:
-            raise ValueError("an lse output runs on the native CPU op or PyTorch's kernels, not kernels='triton'")
+    if kernels == "triton" and lse is None:   # (the Triton twin has no lse output: PyTorch's kernels give it)
         from vericache.kernels.triton_attention import attend_packed as attend_triton
 
         record_seen_torch(q, seq_lens, parts)

@@ -4,9 +4,9 @@ against (kvpress's way: one base, a small class per kind), so no caller asks a c
 A step gives each sequence one cache. The forward calls ``begin`` once, then per layer either ``parts``
 (store the chunk's K/V, say which key parts its queries attend: ``attend_packed`` computes every
 sequence's attention in one call) or, for a cache that computes its own attention (KVzip's scoring
-pass, which records attention probabilities), ``attend``, handed the layer's op to run its parts on. The native step asks ``layered_parts``
-(every layer at once) and runs the module's path where a cache answers None; the roofline and the cost
-model ask ``attention_cost``.
+pass, which records attention probabilities), ``attend``, handed the layer's op to run its parts on. The
+native step asks ``layered_parts`` (every layer at once) and runs the module's path where a cache answers
+None; the roofline and the cost model ask ``attention_cost``.
 
 Shapes: q [Hq, T, D]; k, v [Hkv, T, D] (rotated) for the positions given to ``begin``.
 """
