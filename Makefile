@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python -m vericache.kernels  # compile the native kernels (attention, linear op) for this CPU
 	touch $@
 
-.PHONY: install demo test test-slow test-images wheel docker models system-deps-install system-deps-test
+.PHONY: install demo test test-slow test-images test-kernels wheel docker models system-deps-install system-deps-test
 system-deps-install system-deps-test: system-deps-%:
 	bash scripts/system-deps $*
 
@@ -29,13 +29,18 @@ demo: system-deps-install $(VENV)/.installed
 # process with two threads kept 1.1 of 2 cores busy (679 s on AMX); two of one thread keep both (496-531 s).
 # Two processes of two threads each oversubscribe the cores and ran slower than one (860 s).
 TEST_WORKERS ?= 2
-test: system-deps-test $(VENV)/.installed models test-images
+test: system-deps-test $(VENV)/.installed models test-images test-kernels
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The tests marked slow (pyproject's addopts leaves them out of `make test`): the real code model read by
 # transformers beside us, ~1 minute on 2 cores
 test-slow: $(VENV)/.installed models
 	$(VENV)/bin/python -m pytest -q -m slow
+
+# Every kernel variant this CPU runs (the tests compare their bits), compiled before the suite (~75 s on a
+# fresh machine; kept in the kernel cache after)
+test-kernels: $(VENV)/.installed
+	$(VENV)/bin/python -m vericache.kernels --all
 
 # The images the Docker tests run, built before the suite (its time is its tests'); skipped, with the
 # reason, where Docker cannot build here
