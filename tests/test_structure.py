@@ -532,3 +532,24 @@ def test_one_intake_one_owner_loop_one_output_type():
         text = path.read_text()
         assert "EngineOwner(" in text and "threading.Thread(" not in text, path   # no thread, no loop of its own
     assert not any(re.search(r"^class Delta\b", t, re.M) for t in sources.values())
+
+
+def test_the_package_loads_its_public_names_on_first_use():
+    """`import vericache.remote.relay` (a slow link's delay relay, started once per service) does not import
+    PyTorch; `vericache.LLM` and the other public names still resolve, and an unknown one is refused."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vericache.remote.relay; light = 'torch' not in sys.modules; import vericache; "
+            "names = [getattr(vericache, n).__name__ for n in vericache.__all__]; print(light, names)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    light, names = done.stdout.split(" ", 1)
+    assert light == "True" and "LLM" in names and "resolve_model" in names, done.stdout
+    import vericache
+    try:
+        vericache.NoSuchName   # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchName" in str(exc)
+    else:
+        raise AssertionError("an unknown name resolved")
