@@ -189,6 +189,63 @@ def test_the_lse_output_is_each_rows_log_sum_exp_and_bad_ones_are_refused():
     assert torch.equal(attend_packed(q, [7, 2], parts, HKV, score_unit=1), out)   # refusals left nothing behind
 
 
+def test_a_scores_only_call_gives_each_keys_largest_log_probability():
+    """``row_lse`` (the rows' lse from a first call) makes a second call scores-only: each part's ``seen``
+    takes, per query head and key, the max over the head's rows that see it of score - lse (KVzip's
+    scores), the group's max in its first head. fp32 scores give the explicit values, PyTorch's kernels too;
+    integer scores are near them, never above 0 (the normaliser summed the same scores), with the same
+    bits in every build and unit; the output is zeros; bad calls are refused and write nothing."""
+    gen = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(HKV, 120, D, generator=gen) for _ in range(2))
+    q = torch.randn(HQ, 9, D, generator=gen) * 3
+    shapes = [(107, 100), (50, None)]                                  # a causal chunk of 7, a 2-row sequence
+
+    def parts(seen=None):
+        return [[KeyPart(k, v, n=n, diag=d, seen=None if seen is None else seen[i])] for i, (n, d) in enumerate(shapes)]
+
+    logits = torch.einsum("htd,hsd->hts", q, k.repeat_interleave(HQ // HKV, 0)) / math.sqrt(D)   # [Hq, 9, 120]
+    sees = torch.cat([torch.arange(120)[None] <= torch.arange(7)[:, None] + 100,
+                      (torch.arange(120) < 50)[None].expand(2, 120)])                     # [9, 120]
+    logp = logits - torch.logsumexp(logits.masked_fill(~sees, -math.inf), dim=-1, keepdim=True)
+    logp = logp.masked_fill(~sees, -1e30)
+    explicit = []
+    for rows, (n, _) in zip((slice(0, 7), slice(7, 9)), shapes):
+        top = logp[:, rows, :n].amax(dim=1)                                               # [Hq, n]
+        top[:: HQ // HKV] = top.view(HKV, HQ // HKV, n).amax(dim=1)                        # each group's max first
+        explicit.append(top)
+    got = {}
+    for unit, kernels, tol in ((0, "auto", 1e-5), (0, "torch", 1e-5), (1, "auto", 0.05)):
+        lse = torch.empty(HQ, 9)
+        attend_packed(q, [7, 2], parts(), HKV, kernels, score_unit=unit, lse=lse)
+        seen = [torch.full((HQ, 120), 7.0), torch.full((HQ, 50), 7.0)]
+        out = attend_packed(q, [7, 2], parts(seen), HKV, kernels, score_unit=unit, row_lse=lse)
+        assert not out.any()
+        for s, ref in zip(seen, explicit):
+            torch.testing.assert_close(s[:, : ref.shape[1]], ref, atol=tol, rtol=tol)
+            assert float(s[:, : ref.shape[1]].max()) <= (0.0 if kernels == "auto" else 1e-6)
+        got[unit, kernels] = seen, lse
+    seen1, lse1 = got[1, "auto"]
+    for isa, unit in _units():   # the integer path's bits in every build and on every unit
+        seen = [torch.full_like(x, 7.0) for x in seen1]
+        ints, tensors = [], []
+        for i, ps in enumerate(parts(seen)):
+            a, b = op_args(i, ps[0], D)
+            ints, tensors = ints + a, tensors + b
+        packed_kernels(isa).attend_packed(q, HKV, [7, 2], ints, tensors, unit, None, None, lse1)
+        assert all(torch.equal(a, b) for a, b in zip(seen, seen1)), (isa, unit)
+    seen = [torch.full((HQ, 120), 7.0), torch.full((HQ, 50), 7.0)]
+    for call, match in ((dict(row_lse=torch.empty(HQ, 8)), "row_lse must be a contiguous fp32"),
+                        (dict(row_lse=lse1, lse=torch.empty(HQ, 9)), "takes no lse output"),
+                        (dict(row_lse=lse1, parts=parts()), "needs a part with a seen")):
+        with pytest.raises(ValueError, match=match):
+            attend_packed(q, [7, 2], call.pop("parts", parts(seen)), HKV, score_unit=1, **call)
+    ints, tensors = op_args(0, KeyPart(k, v, n=107, diag=100, seen=seen[0]), D)
+    with pytest.raises(RuntimeError, match="a call gives the rows' lse"):   # the op's own check, beneath
+        packed_kernels().attend_packed(q[:, :7].contiguous(), HKV, [7], ints, tensors, 1, None, torch.empty(HQ, 7),
+                                       lse1[:, :7].contiguous())
+    assert all(bool((x == 7.0).all()) for x in seen)   # the refusals wrote nothing
+
+
 def test_an_inexact_part_takes_fp32_scores_whatever_the_numerics():
     """A part marked inexact (a compressed cache's that keeps no codes: drafts need not be exact) is scored
     in fp32 under the q8qk numerics too, the fp32 path's bits, while the exact part beside it in the same

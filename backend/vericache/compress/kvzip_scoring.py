@@ -4,13 +4,13 @@ while the model re-reads the context after a repeat prompt.
 A context key's score is the largest probability any query of its KV group gives it. The pass
 never forms the [Hq, T, S] probabilities: attention runs on the layer's own op (the packed attention,
 in the model's numerics: under q8qk integer scores, 3.5x torch's fp32 flash attention over an 8K
-context), which also returns each row's log-sum-exp, and then p(row, key) = exp(q . k / sqrt(D) - lse(row))
-is computed for the P context keys only, in row blocks, keeping the running maximum (fp32 dots over the
-op's normaliser: under q8qk a score may pass 1 by int8's error, ~1% of a logit; only their order counts)."""
+context), which also returns each row's log-sum-exp; a second, scores-only call of the op then takes,
+for each key, the max over the rows of score - lse (``attend_packed``'s ``row_lse``): the same scores
+the attention normalised, so no probability passes 1, and each row's share is its own, so the scores do
+not depend on how the pass is chunked."""
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
@@ -18,26 +18,6 @@ import torch
 from vericache.kv.full import FullKVCache
 from vericache.kv.packed import KeyPart, PartsAttention
 from vericache.kv.protocol import KVCache
-
-# the score pass's blocks: [Hkv, 256 rows, 1024 keys] fp32 logits at a time (2 MB for two KV heads). Whole
-# rows of keys ([Hkv, 512, P]: 34 MB at 8K, each a fresh mapping) took 134 ms a layer and chunk at 8K and
-# 270 at 16K; these blocks 44 and 87, the same bits (a max is exact, and each logit is one dot product)
-SCORE_ROWS, SCORE_KEYS = 256, 1024
-
-
-def largest_probabilities(q: torch.Tensor, lse: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """max over rows of softmax probability for each key: q [Hkv, R, D] (a group's rows together),
-    lse [Hkv, R] over all the keys the rows attend, keys [Hkv, P, D] (all seen by every row) -> [Hkv, P]."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    kt = keys.float().transpose(1, 2)                                                 # [Hkv, D, P]
-    best = q.new_full((q.shape[0], kt.shape[2]), -math.inf, dtype=torch.float32)      # [Hkv, P]
-    for p0 in range(0, kt.shape[2], SCORE_KEYS):
-        kb, top = kt[:, :, p0 : p0 + SCORE_KEYS], best[:, p0 : p0 + SCORE_KEYS]
-        for r in range(0, q.shape[1], SCORE_ROWS):
-            # log p = q.k * scale - lse, maximised over this block's rows; exp is monotone, so taken last
-            logp = torch.baddbmm(-lse[:, r : r + SCORE_ROWS, None], q[:, r : r + SCORE_ROWS].float(), kb, alpha=scale)
-            torch.maximum(top, logp.amax(dim=1), out=top)
-    return best.exp()
 
 
 class ReconstructionScoringCache(KVCache):
@@ -82,16 +62,18 @@ class ReconstructionScoringCache(KVCache):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attention: PartsAttention) -> torch.Tensor:
         # q: [Hq, T, D]; k, v: [Hkv, T, D] at positions start..start+T-1 (all >= P)
-        hq, t, d = q.shape
+        hq, t, _ = q.shape
         hkv = k.shape[0]
         keys, values = self._layer_buffers(layer, q.dtype)
         keys[:, self._start : self._end], values[:, self._start : self._end] = k, v
         # one causal part: row i sees the context and the pass's keys up to its own (0 .. start + i)
         lse = torch.empty(hq, t, dtype=torch.float32, device=q.device)
         out = attention(q, [KeyPart(keys, values, n=self._end, diag=self._start)], lse)    # [T, Hq, D]
-        # every context key is seen by every row: a group's rows scored together, [Hkv, G*T, D]
-        rows = q.reshape(hkv, (hq // hkv) * t, d)
-        ctx_max = largest_probabilities(rows, lse.reshape(hkv, -1), keys[:, : self.p])   # [Hkv, P]
+        # then each context key's largest log-probability over the rows (every row sees the whole context:
+        # one part over it alone, not the pass's own keys), each group's max in its first head
+        seen = torch.empty(hq, self.p, dtype=torch.float32, device=q.device)              # [Hq, P]
+        attention(q, [KeyPart(keys, values, n=self.p, seen=seen)], row_lse=lse)
+        ctx_max = seen[:: hq // hkv].exp()                                                 # [Hkv, P]
         prev = self.scores.get(layer)
         self.scores[layer] = ctx_max if prev is None else torch.maximum(prev, ctx_max)
         return out.transpose(0, 1)

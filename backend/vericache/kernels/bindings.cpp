@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_packed", &attend_packed, "attention for every sequence of a step over all its parts",
         py::arg("q"), py::arg("hkv"), py::arg("seq_lens"), py::arg("part_ints"), py::arg("part_tensors"),
         py::arg("score_unit") = 0, py::arg("key_coding") = py::none(), py::arg("lse") = py::none(),
+        py::arg("row_lse") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (row_ops.h)");
   m.def("guide_select", &guide_select, "a guided store's trades from a verification's attention (guide_select.cpp)");

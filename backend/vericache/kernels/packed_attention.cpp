@@ -139,6 +139,9 @@ struct Part {
   const char* k; const char* v; int64_t k_h, k_t, v_h, v_t;    // dense rows (byte strides)
   Format kf, vf;                                                 // quantized
   float* seen; int64_t seen_h;   // optional [Hq, >= n] fp32 output: each key's log-attention estimate
+  // a scores-only call's rows' log-sum-exp (``row_lse``, at this part's sequence's first row; row i of
+  // query head hq at [hq * lse_n + i]): seen then takes each key's largest log-probability, nothing else runs
+  const float* seen_lse; int64_t lse_n;
   // optional q8qk codes of a dense part's keys and values (int_scores.h's layouts, kept by its cache):
   // keys < coded hold them, the op codes the rest of its keys there as it reads them
   int8_t *codes, *vcodes; float *dk, *dv; int32_t* csum; int64_t codes_h, dk_h, coded;
@@ -511,22 +514,28 @@ inline void tile_values(Elt el, int nr, const float (*e)[BLK], const int64_t* vi
 
 // What the verifier attended to (a guided drafter's selection, ``drafting.guide``): for each key of
 // the block, the max over each query head's visible rows of its scaled score (the merge then makes
-// them log-attention estimates: ``normalize_seen``).
+// them log-attention estimates: ``normalize_seen``). In a scores-only call (``p.seen_lse``) each row's
+// log-sum-exp is taken off its scores first: the max is then of log-probabilities (KVzip's scores).
 inline void record_seen(const Part& p, const int64_t* rows, int nr, int64_t h, int64_t G, int64_t T,
                         int64_t t0, const int64_t* vis, const float (*s)[BLK]) {
   for (int x = 0; x < nr; ++x) {
-    float* out = p.seen + (h * G + rows[x] / T) * p.seen_h + t0;
+    const int64_t hq = h * G + rows[x] / T;
+    float* out = p.seen + hq * p.seen_h + t0;
     const float* sx = s[x];
+    // a score less the row's lse: one rounding, the same in every build (a max is exact)
+    const float b = p.seen_lse ? p.seen_lse[hq * p.lse_n + rows[x] % T] : 0.0f;
     int64_t t = 0;
 #if defined(__AVX512F__)
-    for (; t + 16 <= vis[x]; t += 16)   // a max is exact: every build gives the same bits
-      _mm512_storeu_ps(out + t, _mm512_max_ps(_mm512_load_ps(sx + t), _mm512_loadu_ps(out + t)));
+    const __m512 b16 = _mm512_set1_ps(b);
+    for (; t + 16 <= vis[x]; t += 16)
+      _mm512_storeu_ps(out + t, _mm512_max_ps(_mm512_sub_ps(_mm512_load_ps(sx + t), b16), _mm512_loadu_ps(out + t)));
 #endif
 #if defined(__AVX2__)
+    const __m256 b8 = _mm256_set1_ps(b);
     for (; t + 8 <= vis[x]; t += 8)
-      _mm256_storeu_ps(out + t, _mm256_max_ps(_mm256_load_ps(sx + t), _mm256_loadu_ps(out + t)));
+      _mm256_storeu_ps(out + t, _mm256_max_ps(_mm256_sub_ps(_mm256_load_ps(sx + t), b8), _mm256_loadu_ps(out + t)));
 #endif
-    for (; t < vis[x]; ++t) out[t] = std::max(out[t], sx[t]);
+    for (; t < vis[x]; ++t) out[t] = std::max(out[t], sx[t] - b);
   }
 }
 
@@ -628,10 +637,10 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
       for (int64_t t = 0; t < bt; ++t) {
         if (p.dense) {
           widen_row(p.elt, kb + t * p.k_t, D, kbuf[t]);
-          widen_row(p.elt, vb + t * p.v_t, D, vbuf[t]);
+          if (!p.seen_lse) widen_row(p.elt, vb + t * p.v_t, D, vbuf[t]);   // (a scores-only call reads no value)
         } else {
           dequant_row(p.kf, fp8_lut, h, t0 + t, (int)D, ka, kbuf[t]);
-          dequant_row(p.vf, fp8_lut, h, t0 + t, (int)D, va, vbuf[t]);
+          if (!p.seen_lse) dequant_row(p.vf, fp8_lut, h, t0 + t, (int)D, va, vbuf[t]);
         }
         krow[t] = (const char*)kbuf[t];
         vrow[t] = (const char*)vbuf[t];
@@ -655,6 +664,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
       }
       tile_scores<DFIX>(elt, nr, qp, krow, bt, D, s);
       if (p.seen) record_seen(p, rows.data() + x0, nr, h, G, T, t0, vis, s);
+      if (p.seen_lse) continue;                      // a scores-only call: no softmax, no values
       for (int x = 0; x < nr; ++x) {                 // online softmax: the block's max, exp, rescale
         const int64_t r = rows[x0 + x], vx = vis[x];
         float* sx = s[x];
@@ -805,8 +815,10 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
     } else {
       widened(kb, p.k_t, 0, bt, f32);
       keys = quantize_keys(f32, bt, D, mu, sc, kc);
-      widened(vb, p.v_t, 0, bt, f32);
-      values = quantize_values(f32, bt, D, vc);
+      if (!p.seen_lse) {   // (a scores-only call reads no value; the cache's codes above stay whole)
+        widened(vb, p.v_t, 0, bt, f32);
+        values = quantize_values(f32, bt, D, vc);
+      }
     }
     for (size_t c0 = 0; c0 < rows.size(); c0 += ROWS) {
       const int nc = (int)std::min<size_t>(ROWS, rows.size() - c0);
@@ -815,6 +827,7 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
         vis[c] = p.diag >= 0 ? std::min<int64_t>(bt, row_i[c0 + c] + p.diag + 1 - t0) : bt;
       block_scores(unit, qcodes.data() + c0 * D, dq.data() + c0, qm.data() + c0, nc, keys, D, dots, s);
       if (p.seen) record_seen(p, rows.data() + c0, nc, h, G, T, t0, vis, s);
+      if (p.seen_lse) continue;                      // a scores-only call: no softmax, no values
       // online softmax (the block's max, exp, rescale), then the weights coded: in passes over the chunk's
       // rows, not row by row, so one row's chain of reductions and exps does not stall the next (the same
       // operations a row: the same bits)
@@ -917,10 +930,15 @@ Part make_part(const std::vector<int64_t>& ints, size_t at, const std::vector<c1
 // lse (optional, an output) [Hq, N] fp32: each row's log-sum-exp of its scaled scores over all its parts'
 // keys (what a caller normalising scores of its own needs: KVzip's scoring pass); -1e30 for a row that
 // sees no key.
+// row_lse (optional, an input) [Hq, N] fp32: the rows' lse from a call over the same parts; the call is
+// then scores-only: each part's seen takes, per query head and key j, the largest log-probability any of
+// the head's rows that see j gives it (scaled score less the row's lse, <= 0), the group's max in its
+// first head, no normalising; nothing else runs (no softmax, no values: the output is zeros).
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
                          const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit,
-                         const c10::optional<at::Tensor>& key_coding, const c10::optional<at::Tensor>& lse) {
+                         const c10::optional<at::Tensor>& key_coding, const c10::optional<at::Tensor>& lse,
+                         const c10::optional<at::Tensor>& row_lse) {
   TORCH_CHECK(score_unit >= vc_int_scores::FP32 && score_unit <= vc_int_scores::AMX,
               "score_unit must be 0 (fp32), 1 (this build's integer dots), 2 (VNNI) or 3 (AMX), got ", score_unit);
   const auto unit = vc_int_scores::runnable((vc_int_scores::Unit)score_unit, q.size(2));
@@ -960,12 +978,29 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
                 lse->is_contiguous(), "lse: contiguous fp32 [", Hq, ", ", N, "], got ", lse->sizes());
     lse_out = lse->data_ptr<float>();
   }
+  const float* lse_in = nullptr;
+  if (row_lse.has_value()) {
+    TORCH_CHECK(row_lse->scalar_type() == at::kFloat && row_lse->dim() == 2 && row_lse->size(0) == Hq &&
+                row_lse->size(1) == N && row_lse->is_contiguous(), "row_lse: contiguous fp32 [", Hq, ", ", N,
+                "], got ", row_lse->sizes());
+    TORCH_CHECK(!lse_out, "lse and row_lse: a call gives the rows' lse, a scores-only call after it takes them");
+    lse_in = row_lse->data_ptr<float>();
+  }
 
   std::vector<Part> parts;
   for (int64_t i = 0; i < P; ++i) {
     parts.push_back(make_part(part_ints, PART_INTS * i, part_tensors, PART_TENSORS * i, hkv, G, D));
     TORCH_CHECK(parts.back().seq >= 0 && parts.back().seq < S, "part ", i, ": sequence ", parts.back().seq,
                 " out of range");
+    if (lse_in && parts.back().seen) {
+      parts.back().seen_lse = lse_in + row0[parts.back().seq];
+      parts.back().lse_n = N;
+    }
+  }
+  if (lse_in) {
+    bool any_seen = false;
+    for (const Part& p : parts) any_seen = any_seen || p.seen;
+    TORCH_CHECK(any_seen, "row_lse: a scores-only call writes its parts' seen, and no part has one");
   }
   // work items in a fixed order (part, head, split), each with its slot in the partial buffers
   std::vector<Work> work;
@@ -996,6 +1031,7 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       const Part& p = parts[w.part];
       const int64_t o = slot[wi];
       const int64_t r0 = row0[p.seq], T = seq_lens[p.seq];
+      if (lse_in && !p.seen) continue;                          // a scores-only call: this part has none
       if (unit != vc_int_scores::FP32 && p.dense && p.exact) {   // the q8qk numerics
         if (D == 64)
           run_work_int<64>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
@@ -1050,7 +1086,8 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       for (const Part& p : parts)
         if (p.seen && p.seq == s) {
           float* first = p.seen + h * G * p.seen_h;   // the group's first query head
-          for (int64_t g = 0; g < G; ++g) normalize_seen(first + g * p.seen_h, p.n);
+          if (!p.seen_lse)   // (a scores-only call's are log-probabilities already)
+            for (int64_t g = 0; g < G; ++g) normalize_seen(first + g * p.seen_h, p.n);
           // the group's max into its first row while the rows are hot: guided selection reads one row a
           // KV head (``drafting.guide``), a G-th of the bytes (a max is exact: every build the same bits)
           for (int64_t g = 1; g < G; ++g) {

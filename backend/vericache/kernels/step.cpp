@@ -235,7 +235,7 @@ at::Tensor forward_step(const StepWeights& W, const at::Tensor& tokens, const at
       }
     }
     const at::Tensor attn = attend_packed(q_view, Hkv, seq_lens, ints, tensors, W.score_unit,
-                                         W.layers[l].key_coding, c10::nullopt);   // [N, Hq, D]
+                                         W.layers[l].key_coding, c10::nullopt, c10::nullopt);   // [N, Hq, D]
     run_linear(W, y.o, attn.data_ptr<float>(), QD, N, op, n_q8, threads);
     at::parallel_for(0, N, GRAIN, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {

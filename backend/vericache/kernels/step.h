@@ -127,7 +127,8 @@ struct StepWeights {
 at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int64_t>& seq_lens,
                          const std::vector<int64_t>& part_ints,
                          const std::vector<c10::optional<at::Tensor>>& part_tensors, int64_t score_unit,
-                         const c10::optional<at::Tensor>& key_coding, const c10::optional<at::Tensor>& lse);
+                         const c10::optional<at::Tensor>& key_coding, const c10::optional<at::Tensor>& lse,
+                         const c10::optional<at::Tensor>& row_lse);
 // guide_select.cpp
 at::Tensor guide_select(const at::Tensor& seen, int64_t n, const at::Tensor& pos, const at::Tensor& scores,
                         const at::Tensor& memory, int64_t count, int64_t limit, int64_t swaps, double decay);

@@ -88,7 +88,9 @@ class KeyPart:
     j < n of the max over the head's rows that see j of the scaled score q.k / sqrt(D) (about -1e30 where
     no row sees j): in logs, how much the verified rows attended to j, for a guided drafter
     (``drafting.guide``); then the first query head of each KV head's group holds the max over the
-    group's heads (what the drafter reads: one row a KV head).
+    group's heads (what the drafter reads: one row a KV head). In a scores-only call (``attend_packed``'s
+    ``row_lse``) it takes each key's largest log-probability instead (KVzip's scores): the max over the
+    head's rows that see j of the scaled score less the row's log-sum-exp, not normalised over keys.
     ``codes`` (optional, dense parts): its keys' integer-score codes, kept by the cache (``KeyCodes``);
     without them the q8qk numerics code each block's keys in the call (the same bits).
     ``exact`` False: a part scored in fp32 whatever the numerics (a compressed cache's that keeps no codes:
@@ -145,10 +147,12 @@ class LayeredParts:
 
 class PartsAttention(Protocol):
     """A layer's ``attend_packed`` with its model's settings bound (kernels, score unit, key coding), for one
-    sequence: q [Hq, T, D] over ``parts`` -> out [T, Hq, D]; ``lse`` an optional output [Hq, T] fp32 (what
-    a cache computing its own attention calls: ``KVCache.attend``)."""
+    sequence: q [Hq, T, D] over ``parts`` -> out [T, Hq, D]; ``lse`` an optional output [Hq, T] fp32,
+    ``row_lse`` an input making the call scores-only (what a cache computing its own attention calls:
+    ``KVCache.attend``)."""
 
-    def __call__(self, q: torch.Tensor, parts: Sequence[KeyPart], lse: torch.Tensor | None = None) -> torch.Tensor: ...
+    def __call__(self, q: torch.Tensor, parts: Sequence[KeyPart], lse: torch.Tensor | None = None,
+                 row_lse: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -175,11 +179,14 @@ def op_args(seq: int, p: KeyPart, d: int) -> tuple[list[int], list[torch.Tensor 
 
 def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
                   n_kv_heads: int, kernels: str = "auto", score_unit: int = 0,
-                  key_coding: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+                  key_coding: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  row_lse: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, N, D] (sequence i owns the next seq_lens[i] rows); parts[i]: sequence i's parts.
     Returns out [N, Hq, D]; ``lse`` (optional, an output) [Hq, N] fp32 takes each row's log-sum-exp of its
     scaled scores over all its parts' keys (-1e30 for a row that sees none; with it "triton" runs PyTorch's
-    kernels). ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
+    kernels). ``row_lse`` (optional, an input) [Hq, N] fp32, the rows' ``lse`` from a call over the same
+    parts, makes the call scores-only: the parts' ``seen`` take each key's largest log-probability
+    (``KeyPart``), nothing else is computed, and out is zeros. ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
     (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
     op for fp32 queries on the CPU, PyTorch's kernels elsewhere. ``score_unit`` (the native op only):
     0 fp32 scores, else the q8qk numerics' integer scores on that unit (``linear_op.score_unit``), keys
@@ -192,8 +199,17 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
     if score_unit and not native:
         raise ValueError(f"integer scores (score_unit={score_unit}) run on the native CPU op with fp32 queries, "
                          f"not kernels={kernels!r} on {q.device} {q.dtype}")
-    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (hq, n) or not lse.is_contiguous()):
-        raise ValueError(f"lse must be a contiguous fp32 [{hq}, {n}] output, got {lse.dtype} {tuple(lse.shape)}")
+    for name, given in (("lse", lse), ("row_lse", row_lse)):
+        if given is not None and (given.dtype != torch.float32 or tuple(given.shape) != (hq, n)
+                                  or not given.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous fp32 [{hq}, {n}] tensor, got {given.dtype} "
+                             f"{tuple(given.shape)}")
+    if row_lse is not None and (lse is not None or not any(p.seen is not None for ps in parts for p in ps)):
+        raise ValueError("a scores-only call (row_lse) writes its parts' seen: it takes no lse output and needs "
+                         "a part with a seen tensor")
+    if row_lse is not None and not native:
+        record_seen_torch(q, seq_lens, parts, row_lse)
+        return q.new_zeros(n, hq, d)
     if kernels == "triton" and lse is None:   # (the Triton twin has no lse output: PyTorch's kernels give it)
         from vericache.kernels.triton_attention import attend_packed as attend_triton
 
@@ -208,7 +224,7 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
                 ints += i
                 tensors += t
         out: torch.Tensor = packed_kernels().attend_packed(q, n_kv_heads, list(seq_lens), ints, tensors, score_unit,
-                                                           key_coding, lse)
+                                                           key_coding, lse, row_lse)
         return out
     record_seen_torch(q, seq_lens, parts)
     outs, start = [], 0
@@ -222,20 +238,23 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def record_seen_torch(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]]) -> None:
+def record_seen_torch(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequence[KeyPart]],
+                      row_lse: torch.Tensor | None = None) -> None:
     """The op's ``seen`` output for the paths without it (PyTorch's kernels, Triton): dense parts only."""
     start = 0
     for t, seq_parts in zip(seq_lens, parts):
         for p in seq_parts:
             if p.seen is not None:
-                p.seen[:, : p.n] = seen_scores(q[:, start : start + t], p)
+                rows = None if row_lse is None else row_lse[:, start : start + t]
+                p.seen[:, : p.n] = seen_scores(q[:, start : start + t], p, rows)
         start += t
 
 
-def seen_scores(q: torch.Tensor, p: KeyPart) -> torch.Tensor:
+def seen_scores(q: torch.Tensor, p: KeyPart, row_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of the op's ``seen`` for one dense part: q [Hq, T, D] -> [Hq, n]: per query head, a log
-    softmax over keys of each key's max scaled score over the rows that see it; each KV head's first
-    query head then holds its group's max."""
+    softmax over keys of each key's max scaled score over the rows that see it (with ``row_lse`` [Hq, T]:
+    each key's max over those rows of its log-probability, score less the row's lse, not normalised);
+    each KV head's first query head then holds its group's max."""
     if p.layouts is not None:
         raise ValueError("seen scores are recorded over dense parts (a full cache) only")
     hq, t, d = q.shape
@@ -245,8 +264,10 @@ def seen_scores(q: torch.Tensor, p: KeyPart) -> torch.Tensor:
     if p.diag is not None:
         visible = torch.arange(p.n, device=q.device)[None] <= torch.arange(t, device=q.device)[:, None] + p.diag
         scores = scores.masked_fill(~visible, -1e30)
+    if row_lse is not None:
+        scores = (scores - row_lse[:, :, None]).masked_fill(scores <= -1e30, -1e30)
     top = scores.amax(dim=1)                                                        # [Hq, n]
-    seen = top - torch.logsumexp(top, dim=-1, keepdim=True)
+    seen = top if row_lse is not None else top - torch.logsumexp(top, dim=-1, keepdim=True)
     group = hq // k.shape[0]
     seen[::group] = seen.view(k.shape[0], group, -1).amax(dim=1)                    # each group's max, first row
     return seen

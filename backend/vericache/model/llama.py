@@ -179,10 +179,12 @@ class Attention(nn.Module):
                 outs.append(c.attend(layer, qs, ks, vs, self.attend_parts).transpose(0, 1))
         return torch.cat(outs)
 
-    def attend_parts(self, q: torch.Tensor, parts: Sequence[KeyPart], lse: torch.Tensor | None = None) -> torch.Tensor:
+    def attend_parts(self, q: torch.Tensor, parts: Sequence[KeyPart], lse: torch.Tensor | None = None,
+                     row_lse: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence's q [Hq, T, D] over ``parts`` on this layer's op and numerics -> [T, Hq, D]
         (``kv.packed.PartsAttention``: what a cache computing its own attention runs its parts on)."""
-        return attend_packed(q, [q.shape[1]], [parts], self.n_kv, self.kernels, self.score_unit, self.key_coding, lse)
+        return attend_packed(q, [q.shape[1]], [parts], self.n_kv, self.kernels, self.score_unit, self.key_coding, lse,
+                             row_lse)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          seq_lens: Sequence[int]) -> torch.Tensor:
