@@ -607,7 +607,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
   constexpr bool in_registers = false;
 #endif
   for (int64_t r = 0; r < R; ++r) { m[r] = NEG; l[r] = 0.f; }
-  std::fill(acc, acc + R * D, 0.f);
+  if (!p.seen_lse) std::fill(acc, acc + R * D, 0.f);   // (a scores-only call has none)
   if (p.seen)   // this item owns keys lo..hi of its KV head's G query heads (no other item writes them)
     for (int64_t g = 0; g < G; ++g) std::fill(p.seen + (h * G + g) * p.seen_h + lo, p.seen + (h * G + g) * p.seen_h + hi, NEG);
   std::vector<int64_t> rows;
@@ -659,7 +659,7 @@ void run_work(const Work& w, const Part& p, const float* q, int64_t q_h, int64_t
 #pragma omp simd
         for (int64_t j = 0; j < D; ++j) qs[x][j] = qr[j] * sm;
         qp[x] = qs[x];
-        ap[x] = acc + r * D;
+        ap[x] = p.seen_lse ? nullptr : acc + r * D;   // (a scores-only call has no acc)
         vis[x] = p.diag >= 0 ? std::min<int64_t>(bt, i + p.diag + 1 - t0) : bt;
       }
       tile_scores<DFIX>(elt, nr, qp, krow, bt, D, s);
@@ -742,7 +742,7 @@ void run_work_int(const Work& w, const Part& p, const QueryCodes& qc, int64_t ro
     m[r] = NEG;
     l[r] = 0.f;
   }
-  std::fill(acc, acc + R * D, 0.f);
+  if (!p.seen_lse) std::fill(acc, acc + R * D, 0.f);   // (a scores-only call has none)
   if (p.seen)   // this item owns keys lo..hi of its KV head's G query heads (no other item writes them)
     for (int64_t g = 0; g < G; ++g) std::fill(p.seen + (h * G + g) * p.seen_h + lo, p.seen + (h * G + g) * p.seen_h + hi, NEG);
   // fp32 rows t0 + from .. t0 + bt - 1 of K or V (stored rows, widened exactly)
@@ -1015,10 +1015,20 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
         rows += G * seq_lens[parts[i].seq];
       }
   }
-  std::vector<float> pm(rows), pl(rows), pacc(rows * D);
+  // the work items' partials: m, l [rows] and acc [rows, D], each item writing its own whole. A prefill
+  // chunk's acc is large (the 0.5B code model's 512-row chunk at 16K keys: 32 items of 3,584 rows, 58 MB),
+  // so it lives in the calling thread's workspace, kept between calls: fresh pages each call (faulted in
+  // and zeroed by the kernel) made the 16K prefill 1.24x slower (38.0 against 30.7 s, VNNI Zen 5). It grows
+  // to the largest call the thread makes and is freed when the thread ends. A scores-only call keeps no
+  // acc (the merge reads an item's acc only where it saw keys: l > 0).
+  std::vector<float> pm(rows), pl(rows);
+  thread_local std::vector<float> workspace;
+  if (!lse_in && workspace.size() < (size_t)(rows * D)) workspace.resize(rows * D);
+  float* pacc = lse_in ? nullptr : workspace.data();
   float fp8_lut[256];
   fp8_table(fp8_lut);
   const float* qp = q.data_ptr<float>();
+  auto acc_at = [&](int64_t o) { return pacc ? pacc + o * D : nullptr; };
   bool any_int = false;   // a dense exact part under the integer scores (run_work_int's)
   for (const Part& p : parts) any_int = any_int || (p.dense && p.exact);
   const QueryCodes qcodes = unit != vc_int_scores::FP32 && any_int ? code_queries(q, G, offsets, scales) : QueryCodes{};
@@ -1034,13 +1044,13 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
       if (lse_in && !p.seen) continue;                          // a scores-only call: this part has none
       if (unit != vc_int_scores::FP32 && p.dense && p.exact) {   // the q8qk numerics
         if (D == 64)
-          run_work_int<64>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
+          run_work_int<64>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], acc_at(o));
         else
-          run_work_int<0>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], &pacc[o * D]);
+          run_work_int<0>(w, p, qcodes, r0, T, G, D, unit, offsets, scales, &pm[o], &pl[o], acc_at(o));
       } else if (D == 64) {
-        run_work<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
+        run_work<64>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], acc_at(o));
       } else {
-        run_work<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], &pacc[o * D]);
+        run_work<0>(w, p, qp, q.stride(0), q.stride(1), r0, T, G, D, fp8_lut, &pm[o], &pl[o], acc_at(o));
       }
     }
 #if defined(VC_INT_SCORES_UNITS)
@@ -1072,7 +1082,7 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
           if (pl[at] == 0.f) continue;               // saw no key: as if the item did not exist
           const float c = exp_neg(pm[at] - m);
           l = std::fma(pl[at], c, l);
-          const float* a = &pacc[at * D];
+          const float* a = pacc + at * D;
 #pragma omp simd
           for (int64_t j = 0; j < D; ++j) o[j] = std::fma(a[j], c, o[j]);
         }
