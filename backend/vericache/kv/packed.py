@@ -186,9 +186,10 @@ def attend_packed(q: torch.Tensor, seq_lens: Sequence[int], parts: Sequence[Sequ
     scaled scores over all its parts' keys (-1e30 for a row that sees none; with it "triton" runs PyTorch's
     kernels). ``row_lse`` (optional, an input) [Hq, N] fp32, the rows' ``lse`` from a call over the same
     parts, makes the call scores-only: the parts' ``seen`` take each key's largest log-probability
-    (``KeyPart``), nothing else is computed, and out is zeros. ``kernels`` (``model.loader.parse_kernels``): "triton" runs the Triton twin
-    (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part kernels; otherwise the native
-    op for fp32 queries on the CPU, PyTorch's kernels elsewhere. ``score_unit`` (the native op only):
+    (``KeyPart``), nothing else is computed, and out is zeros. ``kernels`` (``model.loader.parse_kernels``):
+    "triton" runs the Triton twin (``kernels/triton_attention.py``, in fp32); "torch" PyTorch's per-part
+    kernels; otherwise the native op for fp32 queries on the CPU, PyTorch's kernels elsewhere.
+    ``score_unit`` (the native op only):
     0 fp32 scores, else the q8qk numerics' integer scores on that unit (``linear_op.score_unit``), keys
     and queries coded in ``key_coding`` [2, Hkv, D] (fp32 offsets and channel scales, ``kernels/int_scores.h``;
     None: offsets 0, scales 1)."""
