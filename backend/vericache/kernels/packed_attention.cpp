@@ -1018,7 +1018,7 @@ at::Tensor attend_packed(const at::Tensor& q, int64_t hkv, const std::vector<int
   // the work items' partials: m, l [rows] and acc [rows, D], each item writing its own whole. A prefill
   // chunk's acc is large (the 0.5B code model's 512-row chunk at 16K keys: 32 items of 3,584 rows, 58 MB),
   // so it lives in the calling thread's workspace, kept between calls: fresh pages each call (faulted in
-  // and zeroed by the kernel) made the 16K prefill 1.24x slower (38.0 against 30.7 s, VNNI Zen 5). It grows
+  // and zeroed by the kernel) cost the 32K prefill 1.29x (scripts/prefill_bench.py, VNNI Zen 5). It grows
   // to the largest call the thread makes and is freed when the thread ends. A scores-only call keeps no
   // acc (the merge reads an item's acc only where it saw keys: l > 0).
   std::vector<float> pm(rows), pl(rows);
